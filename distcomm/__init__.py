@@ -1,0 +1,14 @@
+"""distcomm: differentiable collectives for PyTorch with exact gradients."""
+
+from distcomm._check import check_mode, is_check_mode, set_check_mode
+from distcomm.ring import RingComm, RingHandle, ring_pass
+
+__all__ = [
+    "RingComm",
+    "RingHandle",
+    "ring_pass",
+    "check_mode",
+    "set_check_mode",
+    "is_check_mode",
+]
+__version__ = "0.1.0"

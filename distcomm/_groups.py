@@ -1,0 +1,103 @@
+"""Process-group resolution, done at call time.
+
+Nothing here is cached: a rank looked up before ``init_process_group`` would otherwise stay 0 forever.
+Without an initialised default group every helper answers as a world of one process.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "is_initialized",
+    "resolve_group",
+    "group_size",
+    "group_rank",
+    "to_global_rank",
+    "to_group_rank",
+    "check_rank_in_group",
+]
+
+
+def is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def resolve_group(group):
+    """Return the process group to use: ``None`` means the default (WORLD) group, or no group at all."""
+    if not is_initialized():
+        return None
+    if group is None:
+        return dist.group.WORLD
+    return group
+
+
+def group_size(group=None) -> int:
+    group = resolve_group(group)
+    if group is None:
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group=None) -> int:
+    group = resolve_group(group)
+    if group is None:
+        return 0
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of the group passed as `group`; "
+            "only members may call a collective on it"
+        )
+    return rank
+
+
+def to_global_rank(group, rank: int) -> int:
+    """Global rank of the member at position ``rank`` of ``group``."""
+    group = resolve_group(group)
+    if group is None or group is dist.group.WORLD:
+        return rank
+    return dist.get_global_rank(group, rank)
+
+
+def to_group_rank(group, global_rank: int) -> int:
+    """Position in ``group`` of the process with global rank ``global_rank`` (-1 if not a member)."""
+    group = resolve_group(group)
+    if group is None or group is dist.group.WORLD:
+        return global_rank
+    try:
+        return dist.get_group_rank(group, global_rank)
+    except (ValueError, RuntimeError):
+        return -1
+
+
+def check_rank_in_group(name: str, global_rank, group) -> int:
+    """Validate a user-given global rank (``src``/``dst``) and return its position in ``group``."""
+    if isinstance(global_rank, bool) or not isinstance(global_rank, int):
+        raise TypeError(f"`{name}` must be an int (a global rank), got {type(global_rank).__name__} {global_rank!r}")
+    group = resolve_group(group)
+    if group is None:
+        if global_rank != 0:
+            raise ValueError(f"`{name}`={global_rank} is not a rank of this single-process run; the only rank is 0")
+        return 0
+    if group is dist.group.WORLD:
+        members = list(range(dist.get_world_size()))
+    else:
+        members = [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))]
+    if global_rank not in members:
+        raise ValueError(
+            f"`{name}`={global_rank} is not a member of the group; `{name}` is a global rank and must be one of "
+            f"{members}"
+        )
+    return members.index(global_rank)
+
+
+def comm_device(tensor: torch.Tensor | None, group=None) -> torch.device:
+    """Device on which small bookkeeping tensors travel for ``group`` (CUDA for NCCL, else CPU)."""
+    if tensor is not None and tensor.device.type != "meta":
+        return tensor.device
+    group = resolve_group(group)
+    if group is not None and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,185 @@
+"""The ring: rank r sends to its right neighbour and receives from its left.
+
+Note [Ring layout]
+    A group of G ranks is cut into G / ring_size independent rings of consecutive group ranks:
+
+        group ranks   0 1 2 3 | 4 5 6 7        ring_size = 4
+        ring          ring 0  | ring 1
+        position r    0 1 2 3 | 0 1 2 3
+
+    Inside a ring, ``send_recv(x, shift=s)`` sends x to position (r + s) mod W and receives from
+    (r - s) mod W. Sends and receives are posted together (NCCL: one batched group; gloo: independent
+    isend/irecv pairs, which never block each other), so every rank may post in the same order without
+    deadlock. ``RingComm.send_recv`` returns at once; compute on the current block while the next one is
+    in flight and call ``wait()`` only when it is needed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from distcomm import _check, _groups
+
+__all__ = ["RingComm", "RingHandle", "ring_pass"]
+
+
+class RingHandle:
+    """An in-flight ring transfer; ``wait()`` returns the received tensors (a tuple)."""
+
+    def __init__(self, works, received, keep_alive):
+        self._works = works
+        self._received = received
+        self._keep_alive = keep_alive
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        self._keep_alive = None
+        return self._received
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
+class RingComm:
+    """Point-to-point ring over a process group, for compute/communication overlap.
+
+    Args:
+        group: process group (``None``: the default group; no group at all: a ring of one).
+        ring_size: ranks per ring. ``None`` means the whole group; a smaller value that divides the group
+            size makes independent rings of consecutive group ranks (see Note [Ring layout]).
+
+    Attributes:
+        size: W, the number of ranks in this ring.
+        rank: r, this rank's position in its ring.
+        ranks: the global ranks of this ring, in ring order.
+
+    Example::
+
+        comm = RingComm()
+        k_next, v_next = k, v
+        for step in range(comm.size):
+            if step + 1 < comm.size:
+                handle = comm.send_recv(k_next, v_next)   # posted before computing on the current block
+            compute(k_next, v_next)
+            if step + 1 < comm.size:
+                k_next, v_next = handle.wait()
+    """
+
+    def __init__(self, group=None, ring_size: int | None = None):
+        self.group = _groups.resolve_group(group)
+        group_size = _groups.group_size(self.group)
+        group_rank = _groups.group_rank(self.group)
+        if ring_size is None:
+            ring_size = group_size
+        if isinstance(ring_size, bool) or not isinstance(ring_size, int) or ring_size < 1:
+            raise ValueError(f"`ring_size` must be a positive int or None, got {ring_size!r}")
+        if group_size % ring_size:
+            raise ValueError(
+                f"`ring_size`={ring_size} must divide the group size {group_size} "
+                f"(allowed: {[d for d in range(1, group_size + 1) if group_size % d == 0]})"
+            )
+        self.size = ring_size
+        self.rank = group_rank % ring_size
+        first = group_rank - self.rank
+        self.ranks = [_groups.to_global_rank(self.group, first + i) for i in range(ring_size)]
+
+    def peer(self, offset: int) -> int:
+        """Global rank of the ring member ``offset`` positions to the right (negative: to the left)."""
+        return self.ranks[(self.rank + offset) % self.size]
+
+    def send_recv(self, *tensors: torch.Tensor, shift: int = 1, recv_like=None) -> RingHandle:
+        """Send ``tensors`` ``shift`` positions to the right and receive as many from the left.
+
+        Args:
+            tensors: tensors to send; made contiguous if they are not.
+            shift: ring distance (negative sends to the left).
+            recv_like: optional tensors or shapes giving the incoming tensors' shapes (default: the same
+                shapes as ``tensors``). Incoming dtypes and devices are those of ``tensors``.
+
+        Returns:
+            A :class:`RingHandle`; its ``wait()`` returns the received tensors in order.
+        """
+        if not tensors:
+            raise ValueError("send_recv needs at least one tensor")
+        if recv_like is None:
+            recv_like = [t.shape for t in tensors]
+        if len(recv_like) != len(tensors):
+            raise ValueError(f"`recv_like` has {len(recv_like)} entries, expected {len(tensors)} (one per tensor)")
+        shapes = [tuple(r.shape) if isinstance(r, torch.Tensor) else tuple(r) for r in recv_like]
+        if shift % self.size == 0:
+            for t, s in zip(tensors, shapes):
+                if tuple(t.shape) != s:
+                    raise ValueError(f"a ring shift of 0 returns the input, but shape {s} was expected for {tuple(t.shape)}")
+            return RingHandle([], tuple(tensors), None)
+        send = [t.contiguous() for t in tensors]
+        recv = [torch.empty(s, dtype=t.dtype, device=t.device) for t, s in zip(tensors, shapes)]
+        dst, src = self.peer(shift), self.peer(-shift)
+        use_batch = "nccl" in str(dist.get_backend(self.group))
+        ops = []
+        # Even positions send first, odd positions receive first: a fixed global order that cannot deadlock
+        # even for backends that serialise point-to-point operations.
+        for t_send, t_recv in zip(send, recv):
+            pair = []
+            if t_send.numel():
+                pair.append((dist.isend, dist.P2POp, t_send, dst))
+            if t_recv.numel():
+                pair.append((dist.irecv, dist.P2POp, t_recv, src))
+            if self.rank % 2:
+                pair.reverse()
+            ops.extend(pair)
+        if use_batch:
+            p2p = [P2POp(fn, t, peer, self.group) for fn, P2POp, t, peer in ops]
+            works = dist.batch_isend_irecv(p2p) if p2p else []
+        else:
+            works = [fn(t, peer, group=self.group) for fn, _, t, peer in ops]
+        return RingHandle(works, tuple(recv), send)
+
+
+class _RingPass(torch.autograd.Function):
+    """y_r = x_{r - shift}. Adjoint: the ring pass with -shift (the grad travels back)."""
+
+    @staticmethod
+    def forward(ctx, tensor, shift, comm, recv_shape):
+        ctx.shift, ctx.comm, ctx.shape = shift, comm, tuple(tensor.shape)
+        (out,) = comm.send_recv(tensor, shift=shift, recv_like=[recv_shape]).wait()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _RingPass.apply(grad.contiguous(), -ctx.shift, ctx.comm, ctx.shape), None, None, None
+
+
+def ring_pass(
+    tensor: torch.Tensor,
+    shift: int = 1,
+    group=None,
+    ring_size: int | None = None,
+    *,
+    recv_shape=None,
+) -> torch.Tensor:
+    """Differentiable ring pass: rank r receives the tensor of rank (r - shift) mod W.
+
+    W and r are taken within the ring (group ranks; ``ring_size`` smaller than the group makes independent
+    rings of consecutive ranks). Shapes may differ across ranks, zero-size included: unless
+    ``recv_shape`` gives the incoming shape, one small all-gather learns every rank's shape and dtype (and
+    raises the same error on every rank if the dtypes differ). The backward sends the grad the other way.
+    No barrier. Without a process group, or in a ring of one, returns ``tensor`` itself.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"`tensor` must be a torch.Tensor, got {type(tensor).__name__}")
+    if isinstance(shift, bool) or not isinstance(shift, int):
+        raise TypeError(f"`shift` must be an int, got {shift!r}")
+    comm = RingComm(group, ring_size)
+    if comm.size == 1 or shift % comm.size == 0:
+        return tensor
+    if recv_shape is None:
+        metas = _check.gather_meta(tensor, comm.group)
+        first = _groups.group_rank(comm.group) - comm.rank
+        ring_metas = metas[first : first + comm.size]
+        if any(m.dtype != ring_metas[0].dtype or len(m.shape) != len(ring_metas[0].shape) for m in ring_metas):
+            _check.raise_mismatch("ring_pass", "dtypes or numbers of dims", ring_metas)
+        recv_shape = ring_metas[(comm.rank - shift) % comm.size].shape
+    return _RingPass.apply(tensor, shift, comm, tuple(recv_shape))
