@@ -1,0 +1,142 @@
+"""Run a function on a fresh world of N local processes and collect what each rank returns.
+
+Used by ``python -m distcomm.demo`` and by the test suite. Design (fast and robust on a small machine):
+- ranks start from a ``forkserver`` context that preloads torch, so a rank starts in tens of ms;
+- the parent owns a ``TCPStore`` bound to port 0 and passes its port: no port races between launches;
+- children run with one thread and ``GLOO_SOCKET_IFNAME=lo``; with ``backend="nccl"`` rank r uses cuda:r;
+- tensors come back as plain data (nested lists) and are rebuilt in the parent;
+- a child's traceback is re-raised in the parent; a hang ends in a ``TimeoutError`` naming the ranks
+  that did not finish, and every child is killed.
+
+Rank functions must be module-level (picklable): ``fn(rank, world_size, *args) -> result``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["run_world"]
+
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "distcomm._launch"])
+    return _CTX
+
+
+def _to_plain(obj):
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu()
+        if t.dtype in (torch.bfloat16, torch.float16):
+            return ("__tensor__", str(t.dtype), list(t.shape), t.float().tolist())
+        return ("__tensor__", str(t.dtype), list(t.shape), t.tolist())
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_plain(v) for v in obj)
+    return obj
+
+
+def _from_plain(obj):
+    if isinstance(obj, tuple) and len(obj) == 4 and obj[0] == "__tensor__":
+        dtype = getattr(torch, obj[1].replace("torch.", ""))
+        return torch.tensor(obj[3], dtype=dtype).reshape(obj[2])
+    if isinstance(obj, dict):
+        return {k: _from_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_from_plain(v) for v in obj)
+    return obj
+
+
+def _worker(rank, world_size, port, backend, fn, args, results, timeout_s):
+    os.environ.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MKL_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            dist.destroy_process_group()
+        results.put((rank, "ok", _to_plain(out)))
+    except BaseException:  # report everything, including KeyboardInterrupt, to the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_world(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 60.0):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the per-rank results."""
+    ctx = _context()
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, store.port, backend, fn, args, results, timeout), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(out) - set(errors))
+                msg = f"ranks {missing} did not finish within {timeout:.0f}s"
+                if errors:
+                    msg += "\n" + "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+                raise TimeoutError(msg)
+            try:
+                rank, status, payload = results.get(timeout=min(remaining, 0.5))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out and r not in errors]
+                if dead and all(p.exitcode not in (0, None) for p in (procs[r] for r in dead)):
+                    time.sleep(0.2)  # a crashed child may still be flushing its report
+                    if results.empty():
+                        for r in dead:
+                            errors[r] = f"process exited with code {procs[r].exitcode} without reporting"
+                continue
+            if status == "ok":
+                out[rank] = _from_plain(payload)
+            else:
+                errors[rank] = payload
+                # Peers of a failed rank usually block in a collective: give them a moment, then stop.
+                deadline = min(deadline, time.monotonic() + 5.0)
+        if errors:
+            raise RuntimeError(
+                "rank(s) failed:\n" + "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+            )
+        return [out[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            p.join(timeout=2.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def errors_by_rank(fn, world_size: int, *args, **kwargs) -> list[str]:
+    """Run a rank function that is expected to raise on every rank; return each rank's error message.
+
+    ``fn`` should catch the exception it expects and return ``str(exc)`` (so the world still shuts down
+    cleanly); this helper only asserts that every rank did report one.
+    """
+    return run_world(fn, world_size, *args, **kwargs)
