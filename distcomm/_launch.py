@@ -132,11 +132,3 @@ def run_world(fn, world_size: int, *args, backend: str = "gloo", timeout: float 
                 p.kill()
                 p.join()
 
-
-def errors_by_rank(fn, world_size: int, *args, **kwargs) -> list[str]:
-    """Run a rank function that is expected to raise on every rank; return each rank's error message.
-
-    ``fn`` should catch the exception it expects and return ``str(exc)`` (so the world still shuts down
-    cleanly); this helper only asserts that every rank did report one.
-    """
-    return run_world(fn, world_size, *args, **kwargs)
