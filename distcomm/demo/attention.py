@@ -30,8 +30,8 @@ def run_rank(rank: int, world: int, device: str, layout: str, dtype: str) -> dic
 
 
 def check(results: list[dict], world: int, layout: str) -> list[tuple[str, float, float]]:
-    from distcomm_attention import shard_sequence
     from distcomm_attention._reference import attention_reference
+    from distcomm_attention.layouts import shard
 
     q, k, v, dout = _inputs()
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -39,7 +39,7 @@ def check(results: list[dict], world: int, layout: str) -> list[tuple[str, float
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
     expected = {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}
     errs = {
-        name: max((results[r][name] - shard_sequence(ref, layout, ring_size=world, rank=r)).abs().max().item()
+        name: max((results[r][name] - shard(ref, layout, world, r)).abs().max().item()
                   for r in range(world))
         for name, ref in expected.items()
     }
