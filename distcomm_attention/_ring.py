@@ -1,0 +1,183 @@
+"""The ring loop of ring flash attention (forward and backward), generic over the block kernels, and the
+ring all-gather / reduce-scatter used to gather a sharded sequence.
+
+Note [Ring attention loop]
+    W ranks in a ring; at step t rank r holds the keys/values of rank src = (r - t) mod W.
+
+    forward, step t:   post send_recv(k, v)          (to r + 1, from r - 1: the block of step t + 1)
+                       fwd.step(...) for each Block of block_plan(src)   (fp32 state, never rounded)
+                       wait
+                       after W steps: out, lse = fwd.finalize(state)
+
+    backward, step t:  post send_recv(k, v, dk_acc, dv_acc)   (k, v: as in the forward; the
+                       accumulators of the block computed at step t - 1 travel one hop behind it)
+                       dk_t, dv_t = contributions of this rank's queries to block src (fresh buffers)
+                       wait; dk_acc = received dk_acc + dk_t   (received: the contributions of ranks
+                       src .. r - 1)
+                       after W steps: one last hop takes each accumulator to its owner, with the
+                       contributions of all W ranks.
+
+        rank r:   t=0: block r        t=1: block r-1 (+acc from r-1)   ...  t=W-1: block r+1
+                  then send acc(r+1) -> r+1, receive acc(r) <- r-1: the total dK, dV of r's own block
+
+    dQ accumulates locally in fp32 (fp64 for fp64 input); dK/dV travel in the same dtype. Communication is
+    posted before the compute it overlaps with and waited after it; every rank posts the same sequence, so
+    there is no barrier and no deadlock (see distcomm.ring). Only q, k, v, out and lse are saved for the
+    backward. A ring of one runs the same code with no communication.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from distcomm.ring import RingComm
+from distcomm_attention.layouts import block_plan
+
+__all__ = ["ring_attention", "ring_all_gather", "ring_reduce_scatter"]
+
+
+def _add_into(acc: torch.Tensor | None, rows: slice, value: torch.Tensor, like: torch.Tensor, dtype) -> torch.Tensor:
+    """acc[:, rows] += value (acc allocated as zeros shaped like ``like`` on first use)."""
+    if acc is None:
+        if rows == slice(None):
+            return value.to(dtype)
+        acc = torch.zeros(like.shape, dtype=dtype, device=like.device)
+    acc[:, rows] += value
+    return acc
+
+
+class _RingFlashAttn(torch.autograd.Function):
+    """out = softmax(q k^T * scale + mask) v over the ring's global sequence; see Note [Ring attention loop].
+
+    Adjoint: the same ring, carrying dK/dV accumulators back to their owners (summing convention: rank r's
+    dK/dV include the contributions of every rank's queries).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, comm: RingComm, layout: str, causal: bool, scale: float, fwd, bwd):
+        k = k_own = k.contiguous()
+        v = v_own = v.contiguous()
+        size, rank, n = comm.size, comm.rank, q.shape[1]
+        state = fwd.init_state(q)
+        for t in range(size):
+            src = (rank - t) % size
+            handle = comm.send_recv(k, v) if t + 1 < size else None
+            plan = block_plan(layout, causal, size, rank, src, n)
+            for i, block in enumerate(plan):
+                # The very last call may normalise in place when it covers every row (always so at W = 1).
+                final = t + 1 == size and i + 1 == len(plan) and block.q == slice(None)
+                fwd.step(
+                    state, q, k[:, block.kv], v[:, block.kv],
+                    causal=block.causal, scale=scale, q_slice=block.q, final=final,
+                )
+            if handle is not None:
+                k, v = handle.wait()
+        out, lse = fwd.finalize(state, q.dtype)
+        ctx.save_for_backward(q, k_own, v_own, out, lse)
+        ctx.comm, ctx.layout, ctx.causal, ctx.scale, ctx.bwd = comm, layout, causal, scale, bwd
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        comm, layout, causal, scale, bwd = ctx.comm, ctx.layout, ctx.causal, ctx.scale, ctx.bwd
+        dout = dout.contiguous()
+        size, rank, n = comm.size, comm.rank, q.shape[1]
+        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        k, v = k.contiguous(), v.contiguous()
+        dk_acc = dv_acc = None  # accumulators of the block computed at the previous step
+        for t in range(size):
+            src = (rank - t) % size
+            send = (k, v) if t + 1 < size else ()
+            if t > 0:
+                send += (dk_acc, dv_acc)
+            handle = comm.send_recv(*send) if send else None
+            dk_t = dv_t = None
+            for block in block_plan(layout, causal, size, rank, src, n):
+                rows = block.q
+                dq_b, dk_b, dv_b = bwd.step(
+                    dout[:, rows], q[:, rows], k[:, block.kv], v[:, block.kv], out[:, rows], lse[:, :, rows],
+                    causal=block.causal, scale=scale,
+                )
+                dq[:, rows] += dq_b
+                dk_t = _add_into(dk_t, block.kv, dk_b, k, acc_dtype)
+                dv_t = _add_into(dv_t, block.kv, dv_b, v, acc_dtype)
+            received = handle.wait() if handle is not None else ()
+            if t + 1 < size:
+                k, v, received = received[0], received[1], received[2:]
+            if t == 0:
+                dk_acc = dk_t if dk_t is not None else torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
+                dv_acc = dv_t if dv_t is not None else torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+            else:
+                dk_acc, dv_acc = received
+                if dk_t is not None:
+                    dk_acc, dv_acc = dk_acc + dk_t, dv_acc + dv_t
+        dk_acc, dv_acc = comm.send_recv(dk_acc, dv_acc).wait()
+        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None, None, None
+
+
+def ring_attention(q, k, v, comm: RingComm, *, layout: str, causal: bool, scale: float, fwd, bwd) -> torch.Tensor:
+    """Run the ring loop (inputs already validated). q: (B, n, H, D); k, v: (B, n, Hkv, D) -> (B, n, H, D)."""
+    return _RingFlashAttn.apply(q, k, v, comm, layout, causal, scale, fwd, bwd)
+
+
+def _ring_all_gather_impl(x: torch.Tensor, comm: RingComm, dim: int) -> torch.Tensor:
+    pieces = [x] * comm.size
+    cur = x.contiguous()
+    for t in range(1, comm.size):
+        (cur,) = comm.send_recv(cur).wait()
+        pieces[(comm.rank - t) % comm.size] = cur
+    return torch.cat(pieces, dim) if comm.size > 1 else x
+
+
+def _ring_reduce_scatter_impl(x: torch.Tensor, comm: RingComm, dim: int) -> torch.Tensor:
+    """Chunk j of x (along ``dim``) is summed over the ring and lands on ring position j."""
+    if comm.size == 1:
+        return x
+    wide = x.dtype in (torch.float16, torch.bfloat16)  # partial sums travel in fp32
+    chunks = [c.float() if wide else c for c in x.chunk(comm.size, dim)]
+    # The sum for owner j starts at j + 1 and gains one term per hop, reaching j after W - 1 hops.
+    acc = chunks[(comm.rank - 1) % comm.size].contiguous()
+    for t in range(1, comm.size):
+        (acc,) = comm.send_recv(acc).wait()
+        acc = acc + chunks[(comm.rank - 1 - t) % comm.size]
+    return acc.to(x.dtype)
+
+
+class _RingAllGather(torch.autograd.Function):
+    """y = cat over the ring's positions of x (along dim). Adjoint: ring reduce-scatter (sum)."""
+
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return _ring_all_gather_impl(x, comm, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _RingReduceScatter.apply(grad.contiguous(), ctx.comm, ctx.dim), None, None
+
+
+class _RingReduceScatter(torch.autograd.Function):
+    """y_j = sum over the ring of chunk j of x (along dim). Adjoint: ring all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return _ring_reduce_scatter_impl(x, comm, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _RingAllGather.apply(grad.contiguous(), ctx.comm, ctx.dim), None, None
+
+
+def ring_all_gather(x: torch.Tensor, comm: RingComm, dim: int) -> torch.Tensor:
+    """Differentiable all-gather restricted to the ring: the ring positions' tensors concatenated along dim."""
+    return _RingAllGather.apply(x, comm, dim)
+
+
+def ring_reduce_scatter(x: torch.Tensor, comm: RingComm, dim: int) -> torch.Tensor:
+    """Differentiable reduce-scatter (sum) restricted to the ring: chunk j of the sum lands on position j."""
+    return _RingReduceScatter.apply(x, comm, dim)

@@ -1,0 +1,173 @@
+"""Public entry points: ``ring_flash_attn``, ``shard_sequence``, ``gather_sequence``."""
+
+from __future__ import annotations
+
+import torch
+
+from distcomm.ring import RingComm
+from distcomm_attention import _kernels, _validation, layouts
+from distcomm_attention._ring import ring_all_gather, ring_attention
+
+__all__ = ["ring_flash_attn", "shard_sequence", "gather_sequence"]
+
+
+def ring_flash_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    layout: str = "contiguous",
+    ring_size: int | None = None,
+    group=None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Exact softmax attention over a sequence sharded across a ring of ranks (ring flash attention).
+
+    Each rank passes its shard of the global sequence; key/value blocks travel around the ring while every
+    rank attends its queries to the block it holds, so memory stays O(local sequence). The running max,
+    sum and output accumulator stay in fp32 across all ring steps (no per-hop rounding), fully masked
+    causal blocks are skipped, and each block's send/receive is posted before the previous block is
+    computed.
+
+    Args:
+        q: (batch, local_seq, heads, head_dim), this rank's queries.
+        k: (batch, local_seq, kv_heads, head_dim), heads % kv_heads == 0 (kv_heads < heads: GQA/MQA; query
+            head h uses kv head h // (heads // kv_heads)). Communication stays at kv_heads size.
+        v: like k.
+        causal: mask over GLOBAL token positions: key j is visible to query i iff j <= i::
+
+                global pos  0 1 2 3
+                query 0     x . . .
+                query 1     x x . .
+                query 2     x x x .
+                query 3     x x x x
+
+        softmax_scale: multiplies q k^T; ``None`` means head_dim ** -0.5.
+        layout: which global tokens this rank holds (W = ring size, r = position in the ring):
+            "contiguous": tokens [r*n, (r+1)*n) (n = local_seq);
+            "zigzag": the sequence cut into 2W equal chunks, rank r holds chunk r then chunk 2W-1-r
+                (local_seq must be even; balanced causal work);
+            "striped": token t on rank t mod W, in increasing t (balanced causal work).
+            ``shard_sequence`` produces these shards.
+        ring_size: ranks per ring. ``None``: the whole group. Smaller (dividing the group size): independent
+            rings of consecutive group ranks, each carrying its own sequence (sequence parallel inside a
+            ring, batch parallel across rings).
+        group: process group of the ring(s) (``None``: the default group; without an initialised process
+            group, ordinary single-process attention).
+        backend: "auto" (by device and dtype: CPU and CUDA fp32/fp64 -> "torch", CUDA fp16/bf16 ->
+            "triton"), "torch" (exact PyTorch math in fp32 / fp64, any device), "triton" (Triton forward +
+            PyTorch's FlashAttention-2 backward, CUDA fp16/bf16; on CPU only under TRITON_INTERPRET=1) or
+            "flash_attn" (Triton forward + the flash-attn package's backward, CUDA fp16/bf16).
+
+    Returns:
+        (batch, local_seq, heads, head_dim), like q: the attention output for this rank's queries.
+
+    Gradients follow distcomm's convention (total loss = sum of the per-rank losses): the dK/dV a rank
+    receives include the contributions of every rank's queries.
+
+    Raises:
+        TypeError / ValueError: bad input, raised before any communication (cross-rank disagreements: the
+            same error on every rank of the ring).
+        ImportError: an explicitly requested backend whose package is missing.
+    """
+    _validation.check_qkv(q, k, v)
+    _validation.check_flag("causal", causal)
+    layouts.check_layout(layout)
+    _kernels.check_backend(backend)
+    head_dim = q.shape[3]
+    scale = _validation.check_scale(softmax_scale, head_dim)
+    comm = RingComm(group, ring_size)
+    layouts.check_local_length(layout, q.shape[1], comm.size)
+    _name, fwd, bwd = _kernels.select_kernels(backend, q)
+    _validation.verify_across_ring(
+        "ring_flash_attn",
+        comm,
+        {"q": q, "k": k, "v": v},
+        extra={"layout": layouts.LAYOUTS.index(layout), "causal": int(causal)},
+    )
+    return ring_attention(q, k, v, comm, layout=layout, causal=causal, scale=scale, fwd=fwd, bwd=bwd)
+
+
+def _ring_position(layout, dim, ring_size, group, rank) -> tuple[RingComm | None, int, int]:
+    layouts.check_layout(layout)
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"`dim` must be an int, got {dim!r}")
+    if rank is None:
+        comm = RingComm(group, ring_size)
+        return comm, comm.size, comm.rank
+    if group is not None:
+        raise ValueError("pass either `rank` (a ring position, no process group consulted) or `group`, not both")
+    if ring_size is None:
+        raise ValueError("`rank` needs `ring_size` (the number of ring positions)")
+    layouts.check_position(ring_size, rank)
+    return None, ring_size, rank
+
+
+def shard_sequence(
+    x: torch.Tensor,
+    layout: str,
+    *,
+    dim: int = 1,
+    ring_size: int | None = None,
+    group=None,
+    rank: int | None = None,
+) -> torch.Tensor:
+    """This rank's shard of the full sequence ``x`` (no communication).
+
+    Args:
+        x: the full sequence, e.g. (batch, seq_len, ...) with the sequence along ``dim``.
+        layout: "contiguous", "zigzag" or "striped" (as in ``ring_flash_attn``).
+        dim: the sequence dimension.
+        ring_size: ranks per ring (``None``: the whole group).
+        group: process group of the ring.
+        rank: take the shard of this ring position instead of this process's one (needs ``ring_size``;
+            no process group is consulted), e.g. to shard a reference computed in one process.
+
+    Returns:
+        ``x`` reduced to seq_len // ring_size positions along ``dim``. Differentiable.
+
+    Raises:
+        ValueError: unknown layout, bad ``dim``/``rank``/``ring_size``, or a length the layout cannot split
+            (zigzag: divisible by 2 * ring_size; others: by ring_size).
+    """
+    _comm, ring_size, rank = _ring_position(layout, dim, ring_size, group, rank)
+    return layouts.shard(x, layout, ring_size, rank, dim)
+
+
+def gather_sequence(
+    x_local: torch.Tensor,
+    layout: str,
+    *,
+    dim: int = 1,
+    ring_size: int | None = None,
+    group=None,
+) -> torch.Tensor:
+    """The full sequence, on every rank of the ring, from each rank's shard (inverse of ``shard_sequence``).
+
+    Only the ring's members communicate (a ring all-gather of W - 1 hops), so with ``ring_size`` smaller
+    than the group each ring gathers its own sequence.
+
+    Args:
+        x_local: this rank's shard, the sequence along ``dim``; same shape and dtype on every rank of the
+            ring (checked once per new shape, or on every call in distcomm's check mode).
+        layout: the layout of the shards.
+        dim: the sequence dimension.
+        ring_size: ranks per ring (``None``: the whole group).
+        group: process group of the ring.
+
+    Returns:
+        The full sequence: local_len * W positions along ``dim``.
+
+    Gradient (summing convention, total loss = sum of per-rank losses): rank r receives, for each position
+    it holds, the sum over the ring's ranks of that position's grad (all_gather <-> reduce_scatter(sum)).
+    """
+    comm, ring_size, _rank = _ring_position(layout, dim, ring_size, group, None)
+    local_len, dim = layouts.seq_len_along(x_local, dim)
+    layouts.check_local_length(layout, local_len, ring_size, name=f"local length along dim {dim}")
+    _validation.verify_across_ring(
+        "gather_sequence", comm, {"x_local": x_local}, extra={"dim": dim, "layout": layouts.LAYOUTS.index(layout)}
+    )
+    cat = ring_all_gather(x_local, comm, dim)
+    return layouts.unshard_concat(cat, layout, ring_size, dim)

@@ -1,0 +1,189 @@
+"""Sequence layouts: which global tokens each ring position holds, and which blocks the ring computes.
+
+Note [Sequence layouts]
+    W = ring size, r = position in the ring, L = global length, n = L / W tokens per rank.
+    Example: L = 16, W = 4 (digits are global token positions, one row per rank):
+
+        contiguous  rank r holds [r*n, (r+1)*n)        zigzag  2W chunks of n/2; rank r holds chunks
+                                                               r and 2W-1-r, in that order
+          r=0:  0  1  2  3                               r=0:  0  1 | 14 15
+          r=1:  4  5  6  7                               r=1:  2  3 | 12 13
+          r=2:  8  9 10 11                               r=2:  4  5 | 10 11
+          r=3: 12 13 14 15                               r=3:  6  7 |  8  9
+
+        striped  token t on rank t mod W, in increasing t
+          r=0:  0  4  8 12
+          r=1:  1  5  9 13
+          r=2:  2  6 10 14
+          r=3:  3  7 11 15
+
+    Under a causal mask, contiguous leaves rank W-1 with W blocks of work and rank 0 with one; zigzag and
+    striped give every rank the same amount.
+
+Note [Causal blocks]
+    At each ring step rank r holds the keys of rank `src`. ``block_plan`` lists the kernel calls that cover
+    exactly the visible (query, key) pairs of that pair of shards, each as (q rows, kv rows, causal), where
+    causal means the top-left mask j <= i inside the sliced block. Fully masked blocks are not listed.
+
+        contiguous  src < r: full            src == r: causal           src > r: nothing
+        zigzag      src < r: all q x first kv half
+                    src == r: causal on the whole shard
+                    src > r: second q half x all kv
+        striped     src <= r: causal (key j visible to query i iff j <= i)
+                    src > r: strictly causal (j < i) = causal on (q[1:], k[:-1], v[:-1])
+
+    Without a causal mask every block is one full call.
+
+Everything here is a pure function (no communication); ``distcomm_attention.shard_sequence`` and
+``gather_sequence`` (api.py) apply them to this rank's ring position.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "LAYOUTS",
+    "Block",
+    "positions",
+    "shard",
+    "unshard",
+    "check_global_length",
+    "check_local_length",
+    "block_plan",
+    "check_layout",
+    "check_position",
+    "seq_len_along",
+    "unshard_concat",
+]
+
+LAYOUTS = ("contiguous", "zigzag", "striped")
+
+
+def check_layout(layout) -> None:
+    """Raise ValueError unless ``layout`` names a known layout."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"Invalid layout {layout!r}. Must be one of: {', '.join(map(repr, LAYOUTS))}")
+
+
+class Block(NamedTuple):
+    """One kernel call of a ring step: query rows, key/value rows, and whether the block is causal."""
+
+    q: slice
+    kv: slice
+    causal: bool
+
+
+def check_local_length(layout: str, local_len: int, ring_size: int, *, name: str = "local sequence length") -> None:
+    """Raise ValueError unless every rank holding ``local_len`` tokens is a valid shard of ``layout``."""
+    check_layout(layout)
+    if local_len < 0:
+        raise ValueError(f"{name} must be >= 0, got {local_len}")
+    if layout == "zigzag" and local_len % 2:
+        raise ValueError(
+            f"layout='zigzag' needs an even {name} (each rank holds two chunks of equal length: the global "
+            f"length must be divisible by 2 * ring_size = {2 * ring_size}), got {local_len}"
+        )
+
+
+def check_global_length(layout: str, seq_len: int, ring_size: int) -> int:
+    """Validate a global length for ``layout`` over ``ring_size`` ranks; return the local length."""
+    check_layout(layout)
+    divisor = 2 * ring_size if layout == "zigzag" else ring_size
+    if seq_len % divisor:
+        raise ValueError(
+            f"layout={layout!r} over a ring of {ring_size} needs a global sequence length divisible by "
+            f"{divisor}, got {seq_len}"
+        )
+    return seq_len // ring_size
+
+
+def check_position(ring_size: int, rank: int) -> None:
+    """Raise ValueError unless ``rank`` is a position in a ring of ``ring_size``."""
+    if isinstance(ring_size, bool) or not isinstance(ring_size, int) or ring_size < 1:
+        raise ValueError(f"`ring_size` must be a positive int, got {ring_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ring_size:
+        raise ValueError(f"`rank` must be an int in [0, {ring_size}) (a position in the ring), got {rank!r}")
+
+
+def positions(layout: str, seq_len: int, ring_size: int, rank: int) -> torch.Tensor:
+    """Global token positions held by ring position ``rank``, in local order (see Note [Sequence layouts]).
+
+    Returns:
+        int64 tensor of shape (seq_len // ring_size,).
+    """
+    check_position(ring_size, rank)
+    n = check_global_length(layout, seq_len, ring_size)
+    if layout == "contiguous":
+        return torch.arange(rank * n, (rank + 1) * n)
+    if layout == "zigzag":
+        c = n // 2
+        last = 2 * ring_size - 1 - rank
+        return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(last * c, (last + 1) * c)])
+    return torch.arange(rank, seq_len, ring_size)
+
+
+def seq_len_along(x: torch.Tensor, dim: int) -> tuple[int, int]:
+    """(length of ``x`` along ``dim``, ``dim`` made non-negative), with clear errors for a bad ``dim``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() == 0 or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"`dim`={dim} is out of range for a tensor of shape {tuple(x.shape)}")
+    dim = dim % x.dim()
+    return x.shape[dim], dim
+
+
+def shard(x: torch.Tensor, layout: str, ring_size: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """Ring position ``rank``'s shard of the full sequence ``x`` (sequence along ``dim``).
+
+    Differentiable (the grad lands on the shard's positions, zero elsewhere). Contiguous shards are views.
+    """
+    seq_len, dim = seq_len_along(x, dim)
+    idx = positions(layout, seq_len, ring_size, rank)
+    if layout == "contiguous":
+        n = idx.numel()
+        return x.narrow(dim, rank * n, n)
+    return x.index_select(dim, idx.to(x.device))
+
+
+def unshard(shards: list[torch.Tensor] | tuple[torch.Tensor, ...], layout: str, dim: int = 1) -> torch.Tensor:
+    """Inverse of :func:`shard`: the full sequence from every ring position's shard (in ring order)."""
+    if not isinstance(shards, (list, tuple)) or not shards:
+        raise ValueError("`shards` must be a non-empty list of tensors, one per ring position")
+    ring_size = len(shards)
+    _, dim = seq_len_along(shards[0], dim)
+    if any(s.shape != shards[0].shape for s in shards):
+        raise ValueError(f"every shard must have the same shape, got {[tuple(s.shape) for s in shards]}")
+    return unshard_concat(torch.cat(list(shards), dim), layout, ring_size, dim)
+
+
+def unshard_concat(cat: torch.Tensor, layout: str, ring_size: int, dim: int) -> torch.Tensor:
+    """The full sequence from the concatenation, in ring order, of every rank's shard."""
+    if layout == "contiguous":
+        return cat
+    seq_len = cat.shape[dim]
+    order = torch.cat([positions(layout, seq_len, ring_size, r) for r in range(ring_size)])
+    return cat.index_select(dim, torch.argsort(order).to(cat.device))
+
+
+def block_plan(layout: str, causal: bool, ring_size: int, rank: int, src: int, local_len: int) -> tuple[Block, ...]:
+    """Kernel calls covering the visible pairs of rank's queries and src's keys (see Note [Causal blocks])."""
+    everything = slice(None)
+    if not local_len:
+        return ()
+    if not causal:
+        return (Block(everything, everything, False),)
+    if src == rank:  # the diagonal block of every layout: local order follows global order
+        return (Block(everything, everything, True),)
+    if layout == "contiguous":
+        return (Block(everything, everything, False),) if src < rank else ()
+    if layout == "zigzag":
+        half = local_len // 2
+        if src < rank:
+            return (Block(everything, slice(0, half), False),)
+        return (Block(slice(half, None), everything, False),)
+    if src < rank:
+        return (Block(everything, everything, True),)
+    return (Block(slice(1, None), slice(0, local_len - 1), True),) if local_len > 1 else ()

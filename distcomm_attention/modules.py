@@ -1,0 +1,96 @@
+"""``RingAttention``: a multi-head (GQA) attention layer over a sequence sharded across a ring of ranks."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from distcomm_attention import _kernels, layouts
+from distcomm_attention.api import ring_flash_attn
+
+__all__ = ["RingAttention"]
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {value!r}")
+    return value
+
+
+class RingAttention(nn.Module):
+    """Fused q/k/v projection, ring flash attention, output projection.
+
+    Args:
+        dim: model width (input and output feature size).
+        heads: query heads.
+        dim_head: features per head.
+        kv_heads: key/value heads (``None``: ``heads``); ``heads`` must be a multiple (GQA/MQA).
+        causal: causal mask over global token positions.
+        layout: how the sequence is sharded ("contiguous", "zigzag", "striped"; see ``ring_flash_attn``).
+        ring_size: ranks per ring (``None``: the whole group).
+        group: process group of the ring.
+        backend: kernel backend, as in ``ring_flash_attn``.
+        bias: whether the projections have biases.
+
+    Shapes:
+        input (batch, local_seq, dim), this rank's shard of the sequence -> output of the same shape.
+
+    The parameters are replicated on every rank: with the summing convention (total loss = sum of the
+    per-rank losses), the gradient of the total loss is the sum of the ranks' parameter gradients, e.g. an
+    all_reduce(SUM) of each ``.grad`` (or DDP, which averages, for a mean of the per-rank losses).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        dim_head: int = 64,
+        kv_heads: int | None = None,
+        causal: bool = False,
+        layout: str = "contiguous",
+        ring_size: int | None = None,
+        group=None,
+        backend: str = "auto",
+        bias: bool = False,
+    ):
+        super().__init__()
+        _positive_int("dim", dim)
+        _positive_int("heads", heads)
+        _positive_int("dim_head", dim_head)
+        kv_heads = heads if kv_heads is None else _positive_int("kv_heads", kv_heads)
+        if heads % kv_heads:
+            raise ValueError(f"`heads`={heads} must be a multiple of `kv_heads`={kv_heads}")
+        layouts.check_layout(layout)
+        _kernels.check_backend(backend)
+        self.heads, self.kv_heads, self.dim_head = heads, kv_heads, dim_head
+        self.causal, self.layout, self.ring_size, self.group, self.backend = causal, layout, ring_size, group, backend
+        self.to_qkv = nn.Linear(dim, (heads + 2 * kv_heads) * dim_head, bias=bias)
+        self.to_out = nn.Linear(heads * dim_head, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (batch, local_seq, dim) -> (batch, local_seq, dim)."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"RingAttention expects a tensor (batch, local_seq, dim), got {type(x).__name__}")
+        if x.dim() != 3:
+            raise ValueError(f"RingAttention expects (batch, local_seq, dim), got shape {tuple(x.shape)}")
+        b, n, _ = x.shape
+        q, k, v = self.to_qkv(x).split(
+            [self.heads * self.dim_head, self.kv_heads * self.dim_head, self.kv_heads * self.dim_head], dim=-1
+        )
+        out = ring_flash_attn(
+            q.view(b, n, self.heads, self.dim_head),
+            k.view(b, n, self.kv_heads, self.dim_head),
+            v.view(b, n, self.kv_heads, self.dim_head),
+            causal=self.causal,
+            layout=self.layout,
+            ring_size=self.ring_size,
+            group=self.group,
+            backend=self.backend,
+        )
+        return self.to_out(out.reshape(b, n, self.heads * self.dim_head))
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.heads}, kv_heads={self.kv_heads}, dim_head={self.dim_head}, causal={self.causal}, "
+            f"layout={self.layout!r}, ring_size={self.ring_size}, backend={self.backend!r}"
+        )

@@ -1,0 +1,323 @@
+"""Layer 2: ring flash attention on gloo worlds of 1..4 CPU ranks against a single-process float64 reference.
+
+Every rank builds the same global inputs from a shared seed and takes its shard; the parent recomputes plain
+softmax attention on the whole global sequence in float64 (``_reference.attention_reference``, which shares
+no code with the ring or the block kernels), gets reference gradients by autograd for a random dout, and
+shards them by the layout. Each world loops over many cases to keep the suite fast.
+"""
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import distcomm
+import distcomm_attention as da
+from distcomm_attention import _validation, layouts
+from distcomm_attention._reference import attention_reference
+from tests.dist_harness import run_world
+
+FP64 = dict(rtol=1e-10, atol=1e-12)
+FP32 = dict(rtol=1e-4, atol=2e-5)
+
+
+def _global_inputs(case):
+    """Global (q, k, v, dout) in float64, identical in every process for the same case."""
+    g = torch.Generator().manual_seed(case["seed"])
+    b, h, hkv, d = case["b"], case["h"], case["hkv"], case["d"]
+    seq = case["n"] * case["w"]
+    q = torch.randn(b, seq, h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, seq, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, seq, hkv, d, generator=g, dtype=torch.float64)
+    dout = torch.randn(b, seq, h, d, generator=g, dtype=torch.float64)
+    return q, k, v, dout
+
+
+def _run_case(case, ring_size=None, group=None, backend="auto"):
+    """This rank's (out, dq, dk, dv) for ``case``, computed with ring_flash_attn on its shards."""
+    dtype = getattr(torch, case.get("dtype", "float64"))
+    shards = [
+        da.shard_sequence(t, case["layout"], ring_size=ring_size, group=group).to(dtype)
+        for t in _global_inputs(case)
+    ]
+    q, k, v = (t.requires_grad_() for t in shards[:3])
+    out = da.ring_flash_attn(
+        q, k, v, causal=case["causal"], layout=case["layout"], ring_size=ring_size, group=group,
+        softmax_scale=case.get("scale"), backend=backend,
+    )
+    out.backward(shards[3])
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _expected(case):
+    """Reference (out, dq, dk, dv) on the global sequence, in float64 from the inputs as the ranks hold them
+    (rounded to the case's dtype), so the comparison measures the computation's error alone."""
+    dtype = getattr(torch, case.get("dtype", "float64"))
+    q, k, v, dout = (t.to(dtype).double() for t in _global_inputs(case))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = attention_reference(q, k, v, causal=case["causal"], softmax_scale=case.get("scale"))
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    return {"out": out.detach(), "dq": dq, "dk": dk, "dv": dv}
+
+
+def _max_errors(case, got_by_pos):
+    """Max abs error per quantity over the ring positions (got_by_pos[r] = results of ring position r)."""
+    want = _expected(case)
+    errs = {}
+    for name, ref in want.items():
+        errs[name] = max(
+            (got[name].double() - layouts.shard(ref, case["layout"], case["w"], r, 1)).abs().max().item()
+            for r, got in enumerate(got_by_pos)
+        )
+    return errs
+
+
+def _check_case(case, got_by_pos, tol):
+    want = _expected(case)
+    for r, got in enumerate(got_by_pos):
+        for name, ref in want.items():
+            torch.testing.assert_close(
+                got[name].double(), layouts.shard(ref, case["layout"], case["w"], r, 1), **tol,
+                msg=lambda m, name=name, r=r: f"{name} on ring position {r}, case {case}: {m}",
+            )
+
+
+def _cases(w):
+    """A covering set for a ring of w: every layout x causal, MHA/GQA/MQA, head dims 32/64/128, odd local
+    lengths where the layout allows, plus float32 cases."""
+    heads = [(4, 4, 1), (4, 2, 2), (2, 1, 1)]  # (heads, kv_heads, batch)
+    cases = []
+    i = 0
+    for layout in da.LAYOUTS:
+        for causal in (False, True):
+            h, hkv, b = heads[i % 3]
+            n = (4 if causal else 6) if layout == "zigzag" else (5 if causal else 3)
+            d = (32, 64, 128)[(i + w) % 3]
+            cases.append(dict(layout=layout, causal=causal, b=b, n=n, h=h, hkv=hkv, d=d, w=w, seed=100 * w + i))
+            i += 1
+        cases.append(dict(layout=layout, causal=True, b=1, n=8, h=4, hkv=2, d=32, w=w, seed=7 * w + i,
+                          dtype="float32", scale=0.2))
+        i += 1
+    return cases
+
+
+def _ring_rank(rank, world):
+    return [_run_case(case) for case in _cases(world)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ring_matches_reference(world):
+    """Outputs and dq/dk/dv on every rank equal the float64 global reference (fp64: tight; fp32: fp32-level)."""
+    results = run_world(_ring_rank, world)
+    for i, case in enumerate(_cases(world)):
+        tol = FP32 if case.get("dtype") == "float32" else FP64
+        _check_case(case, [results[r][i] for r in range(world)], tol)
+
+
+def test_no_process_group_path():
+    """Without an initialised process group every layout is ordinary attention, with the same numerics."""
+    assert not dist.is_initialized()
+    for case in _cases(1):
+        _check_case(case, [_run_case(case)], FP32 if case.get("dtype") == "float32" else FP64)
+
+
+def _triton_cases():
+    return [dict(layout=layout, causal=causal, b=1, n=6, h=4, hkv=2, d=16, w=2, seed=60 + i, dtype="float32")
+            for i, (layout, causal) in enumerate((lo, c) for lo in da.LAYOUTS for c in (False, True))]
+
+
+def _triton_rank(rank, world):
+    return [_run_case(case, backend="triton") for case in _triton_cases()]
+
+
+def test_ring_with_triton_backend_on_cpu():
+    """The ring loop drives the Triton forward (interpreter) with sliced and fused-final steps correctly."""
+    pytest.importorskip("triton")
+    results = run_world(_triton_rank, 2)
+    for i, case in enumerate(_triton_cases()):
+        _check_case(case, [results[r][i] for r in range(2)], FP32)
+
+
+def _growth_case(layout, dtype, w):
+    return dict(layout=layout, causal=True, b=1, n=64 // w, h=4, hkv=2, d=64, w=w, seed=5, dtype=dtype)
+
+
+def _growth_rank(rank, world):
+    return {(layout, dtype): _run_case(_growth_case(layout, dtype, world))
+            for layout in da.LAYOUTS for dtype in ("float32", "bfloat16")}
+
+
+def test_error_does_not_grow_with_ring_size():
+    """fp32 and bf16 errors at W=4 stay at the W=1 level: the softmax state is never rounded between hops."""
+    world = 4
+    results = run_world(_growth_rank, world)
+    for layout in da.LAYOUTS:
+        for dtype, bound in (("float32", 4e-6), ("bfloat16", 3e-2)):
+            one = _max_errors(_growth_case(layout, dtype, 1), [_run_case(_growth_case(layout, dtype, 1))])
+            four = _max_errors(_growth_case(layout, dtype, world), [results[r][(layout, dtype)] for r in range(world)])
+            for name in one:
+                assert four[name] < bound, (layout, dtype, name, four[name])
+                assert four[name] <= 2 * one[name] + bound / 20, (layout, dtype, name, one[name], four[name])
+
+
+def _rings_and_subgroup_rank(rank, world):
+    out = {}
+    # Two rings of two in a world of four, each carrying its own sequence.
+    ring = rank // 2
+    for layout in da.LAYOUTS:
+        case = dict(layout=layout, causal=True, b=1, n=4, h=4, hkv=1, d=32, w=2, seed=300 + ring)
+        out[("rings", layout)] = _run_case(case, ring_size=2)
+    # A subgroup of non-consecutive global ranks [1, 3]; ranks 0 and 2 stay out of it.
+    group = dist.new_group([1, 3])
+    if rank in (1, 3):
+        for layout in da.LAYOUTS:
+            case = dict(layout=layout, causal=True, b=2, n=4, h=2, hkv=2, d=32, w=2, seed=400)
+            out[("group", layout)] = _run_case(case, group=group)
+    return out
+
+
+def test_rings_smaller_than_world_and_subgroup():
+    """ring_size=2 in a world of 4 gives two independent rings; a subgroup of ranks [1, 3] is a ring of its own."""
+    results = run_world(_rings_and_subgroup_rank, 4)
+    for layout in da.LAYOUTS:
+        for ring in (0, 1):
+            case = dict(layout=layout, causal=True, b=1, n=4, h=4, hkv=1, d=32, w=2, seed=300 + ring)
+            _check_case(case, [results[2 * ring][("rings", layout)], results[2 * ring + 1][("rings", layout)]], FP64)
+        case = dict(layout=layout, causal=True, b=2, n=4, h=2, hkv=2, d=32, w=2, seed=400)
+        _check_case(case, [results[1][("group", layout)], results[3][("group", layout)]], FP64)
+        assert ("group", layout) not in results[0]
+
+
+def _full_sequence(seed):
+    return torch.randn(2, 12, 3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _gather_rank(rank, world, ring_size):
+    w = ring_size or world
+    out = {}
+    for layout in da.LAYOUTS:
+        full = _full_sequence(rank // w)
+        x = da.shard_sequence(full, layout, ring_size=ring_size).clone().requires_grad_()
+        gathered = da.gather_sequence(x, layout, ring_size=ring_size)
+        weight = _full_sequence(50 + rank)
+        (gathered * weight).sum().backward()
+        out[layout] = {"full": full, "gathered": gathered.detach(), "grad": x.grad}
+        # Along another dim, and through the transposed layout.
+        xt = da.shard_sequence(full.transpose(0, 1), layout, dim=0, ring_size=ring_size)
+        out[layout]["dim0"] = da.gather_sequence(xt, layout, dim=0, ring_size=ring_size)
+    return out
+
+
+@pytest.mark.parametrize("world, ring_size", [(3, None), (4, 2)])
+def test_gather_sequence_round_trip_and_gradient(world, ring_size):
+    """gather(shard(x)) == x on every rank of each ring; its grad on rank r is the ring's summed grad of r's shard."""
+    results = run_world(_gather_rank, world, ring_size)
+    w = ring_size or world
+    for layout in da.LAYOUTS:
+        for rank in range(world):
+            base, pos = rank - rank % w, rank % w
+            res = results[rank][layout]
+            torch.testing.assert_close(res["gathered"], res["full"], rtol=0, atol=0)
+            torch.testing.assert_close(res["dim0"], res["full"].transpose(0, 1), rtol=0, atol=0)
+            summed = sum(_full_sequence(50 + base + j) for j in range(w))
+            torch.testing.assert_close(res["grad"], layouts.shard(summed, layout, w, pos, 1), rtol=1e-14, atol=1e-14)
+
+
+MODULE_KW = dict(dim=16, heads=4, dim_head=8, kv_heads=2, causal=True, bias=True)
+
+
+def _module_inputs():
+    g = torch.Generator().manual_seed(11)
+    return tuple(torch.randn(2, 16, 16, generator=g, dtype=torch.float64) for _ in range(2))
+
+
+def _module_rank(rank, world, layout):
+    torch.manual_seed(0)
+    module = da.RingAttention(layout=layout, **MODULE_KW).double()
+    x_full, weight = _module_inputs()
+    x = da.shard_sequence(x_full, layout).requires_grad_()
+    y = module(x)
+    (y * da.shard_sequence(weight, layout)).sum().backward()
+    return {"y": y.detach(), "dx": x.grad, "params": {n: p.grad for n, p in module.named_parameters()}}
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_module_distributed_equals_single_process(layout):
+    """RingAttention on shards == the same module on the full sequence: outputs, input grads, summed param grads."""
+    world = 2
+    results = run_world(_module_rank, world, layout)
+    torch.manual_seed(0)
+    module = da.RingAttention(layout=layout, **MODULE_KW).double()
+    x_full, weight = _module_inputs()
+    x_full.requires_grad_()
+    y = module(x_full)
+    (y * weight).sum().backward()
+    for r in range(world):
+        torch.testing.assert_close(results[r]["y"], layouts.shard(y.detach(), layout, world, r), **FP64)
+        torch.testing.assert_close(results[r]["dx"], layouts.shard(x_full.grad, layout, world, r), **FP64)
+    for name, p in module.named_parameters():
+        torch.testing.assert_close(sum(results[r]["params"][name] for r in range(world)), p.grad, **FP64)
+
+
+def _catch(fn):
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return str(e)
+    return None
+
+
+def _errors_rank(rank, world):
+    msgs = {}
+
+    def qkv(n, dtype=torch.float64):
+        return tuple(torch.randn(1, n, 2, 16, dtype=dtype) for _ in range(3))
+
+    msgs["length"] = _catch(lambda: da.ring_flash_attn(*qkv(4 + 2 * (rank == 1))))
+    msgs["dtype"] = _catch(lambda: da.ring_flash_attn(*qkv(4, torch.float32 if rank == 2 else torch.float64)))
+    msgs["causal"] = _catch(lambda: da.ring_flash_attn(*qkv(4), causal=rank == 0))
+    msgs["ring_size"] = _catch(lambda: da.ring_flash_attn(*qkv(4), ring_size=3))
+    msgs["gather"] = _catch(lambda: da.gather_sequence(torch.zeros(2, 3 + rank), "contiguous"))
+
+    # Verified once per signature: the second identical call exchanges no metadata.
+    calls = []
+    original = _validation._ring_all_gather_impl
+
+    def counting(*args):
+        calls.append(1)
+        return original(*args)
+
+    _validation._ring_all_gather_impl = counting
+    try:
+        da.ring_flash_attn(*qkv(6))
+        first = len(calls)
+        da.ring_flash_attn(*qkv(6))
+        msgs["exchanges"] = (first, len(calls) - first)
+        # In check mode every call is verified, so a rank changing its shape alone is still caught.
+        with distcomm.check_mode():
+            msgs["check_mode"] = _catch(lambda: da.ring_flash_attn(*qkv(8 if rank == 3 else 6)))
+    finally:
+        _validation._ring_all_gather_impl = original
+    # The world still works after the errors.
+    q, k, v = qkv(4)
+    msgs["after"] = da.ring_flash_attn(q, k, v, causal=True).shape[1]
+    return msgs
+
+
+def test_cross_rank_errors_same_on_every_rank():
+    """Lengths, dtypes or options that differ between ranks raise the same ValueError on every rank, no hang."""
+    world = 4
+    msgs = run_world(_errors_rank, world, timeout=60)
+    for key, expect in [
+        ("length", r"ring_flash_attn: the ranks of the ring disagree .*ring position 1: q=\(1, 6, 2, 16\)"),
+        ("dtype", r"ring position 2: q=\(1, 4, 2, 16\) torch.float32"),
+        ("causal", r"ring position 0: .*causal=1.*ring position 1: .*causal=0"),
+        ("ring_size", r"`ring_size`=3 must divide the group size 4"),
+        ("gather", r"gather_sequence: the ranks of the ring disagree"),
+        ("check_mode", r"ring position 3: q=\(1, 8, 2, 16\)"),
+    ]:
+        assert all(m[key] == msgs[0][key] for m in msgs), key
+        assert msgs[0][key] is not None and re.search(expect, msgs[0][key]), (key, msgs[0][key])
+    assert all(m["exchanges"] == (1, 0) for m in msgs)
+    assert all(m["after"] == 4 for m in msgs)
