@@ -25,6 +25,8 @@ _DTYPES = [
 ]
 _DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 _override: bool | None = None
+# torch 2.13 renamed all_gather_into_tensor (the old name warns); torch 2.11 only has the old one.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def is_check_mode() -> bool:
@@ -99,7 +101,7 @@ def gather_meta(tensor: torch.Tensor | None, group=None, *, extra: list[int] | N
         device = _groups.comm_device(tensor, group)
         local = torch.tensor(row, dtype=torch.int64, device=device)
         out = torch.empty(_groups.group_size(group) * len(row), dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(out, local, group=group)
+        _all_gather_flat(out, local, group=group)
         rows = out.view(-1, len(row)).tolist()
     metas = [_decode(r[: 2 + MAX_DIMS]) for r in rows]
     if extra:

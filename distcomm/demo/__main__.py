@@ -1,4 +1,4 @@
-"""``python -m distcomm.demo [--world-size 2] [--steps 30] [--plot distcomm_demo.png]``
+"""``python -m distcomm.demo [--world-size 2] [--steps 40] [--plot distcomm_demo.png]``
 
 Starts its own local ranks (gloo on CPU; NCCL when enough GPUs are present; no torchrun needed) and:
 1. runs every collective forward and backward and checks values and gradients against a single-process
@@ -58,7 +58,7 @@ def _plot(path, dist_hist, single_hist, world):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distcomm.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="local ranks to start (default 2)")
-    parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    parser.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
     parser.add_argument("--plot", default="distcomm_demo.png", help="where to write the loss-curve PNG")
     args = parser.parse_args(argv)
     world = args.world_size

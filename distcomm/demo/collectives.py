@@ -14,14 +14,14 @@ import distcomm.functional as F
 SUM, MAX, PRODUCT = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT
 
 
-def _x(rank: int, n: int = 6) -> torch.Tensor:
+def _x(rank: int, world: int = 0, n: int = 6) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(n, generator=g, dtype=torch.float64)
     x[1] = 7.0  # a tie for MAX on every rank
     return x
 
 
-def _uneven(rank: int) -> torch.Tensor:
+def _uneven(rank: int, world: int = 0) -> torch.Tensor:
     return torch.arange(float(rank + 1) * 2, dtype=torch.float64).reshape(-1, 2) + 10 * rank
 
 
