@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-B, S, H, HKV, D = 1, 64, 4, 2, 32
+B, S, H, HKV, D = 1, 48, 4, 2, 32
 
 
 def _inputs():

@@ -14,7 +14,7 @@ import distcomm.functional as F
 SUM, MAX, PRODUCT = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT
 
 
-def _x(rank: int, world: int = 0, n: int = 6) -> torch.Tensor:
+def _x(rank: int, world: int = 0, n: int = 12) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(n, generator=g, dtype=torch.float64)
     x[1] = 7.0  # a tie for MAX on every rank
@@ -43,11 +43,11 @@ CASES = {
         lambda xs, w: [(torch.stack(xs).amax(0),)] * w),
     "all_reduce(PRODUCT)": (
         _x, lambda x, r, w: (F.all_reduce(x, PRODUCT),), lambda xs, w: [(torch.stack(xs).prod(0),)] * w),
-    "reduce(dst=1, SUM)": (
-        _x, lambda x, r, w: (F.reduce(x, 1, SUM),),
-        lambda xs, w: [((sum(xs) if r == 1 else None),) for r in range(w)]),
-    "broadcast(src=1)": (
-        _x, lambda x, r, w: (F.broadcast(x, 1),), lambda xs, w: [(xs[1],)] * w),
+    "reduce(dst=last rank, SUM)": (
+        _x, lambda x, r, w: (F.reduce(x, w - 1, SUM),),
+        lambda xs, w: [((sum(xs) if r == w - 1 else None),) for r in range(w)]),
+    "broadcast(src=last rank)": (
+        _x, lambda x, r, w: (F.broadcast(x, w - 1),), lambda xs, w: [(xs[-1],)] * w),
     "all_gather": (
         _x, lambda x, r, w: F.all_gather(x), lambda xs, w: [tuple(xs)] * w),
     "all_gather_variable(dim=0)": (

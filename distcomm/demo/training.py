@@ -20,7 +20,7 @@ import torch.nn.functional as torch_F
 DTYPE = torch.float64
 CLIP_SIZES = (7, 5, 3, 6)  # per-rank batch sizes (the first `world` are used)
 IMG_DIM, TXT_DIM, EMB = 10, 14, 8
-VOCAB, SEQ, BATCH = 12, 64, 8
+VOCAB, SEQ, BATCH = 12, 48, 8  # SEQ: divisible by 2W for W = 1..4 (zigzag)
 LAYOUT = "zigzag"
 
 
