@@ -72,6 +72,10 @@ CASES = {
 }
 
 
+def _max_abs(t: torch.Tensor) -> float:
+    return t.abs().max().item() if t.numel() else 0.0
+
+
 def _weights(rank: int, outs) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + rank)
     return [torch.randn(o.shape, generator=g, dtype=torch.float64) for o in outs]
@@ -105,11 +109,11 @@ def check(results: list[dict], world: int) -> list[tuple[str, float, float]]:
             for e, o, w in zip(expected[r], got, _weights(r, got)):
                 if e is None:
                     continue
-                fwd_err = max(fwd_err, (e.detach() - o).abs().max().item() if e.numel() else 0.0)
+                fwd_err = max(fwd_err, _max_abs(e.detach() - o))
                 loss = loss + (e * w).sum()
         grads = torch.autograd.grad(loss, xs, allow_unused=True)
         bwd_err = max(
-            (results[r][name]["grad"] - (g if g is not None else torch.zeros_like(xs[r]))).abs().max().item()
+            _max_abs(results[r][name]["grad"] - (g if g is not None else torch.zeros_like(xs[r])))
             for r, g in enumerate(grads)
         )
         rows.append((name, fwd_err, bwd_err))
