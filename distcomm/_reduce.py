@@ -1,3 +1,795 @@
-"""Reductions and broadcast with exact gradients for every ReduceOp (filled in below)."""
+"""Reductions and broadcast with exact gradients for every ReduceOp.
 
-__all__: list[str] = []
+Public (re-exported by :mod:`distcomm.functional`): the drop-ins ``all_reduce``, ``reduce``, ``broadcast``
+and ``reduce_scatter`` of ``torch.distributed.nn.functional``, plus ``reduce_scatter_tensor``.
+
+Note [Reduction gradients]
+    N ranks in the group; rank j holds x_j; the training loss is the sum of the per-rank losses,
+    L = sum_r L_r(y_r), and g_r = dL_r/dy_r arrives on rank r. Every backward returns the exact
+    vector-Jacobian product x̄_j = sum_r (dy_r/dx_j)^T g_r, with G = sum_r g_r:
+
+        op           y = all_reduce(x, op)     x̄_j
+        SUM          sum_i x_i                 G
+        AVG          sum_i x_i / N             G / N
+        PREMUL_SUM   sum_i f_i x_i             conj(f_j) G
+        PRODUCT      prod_i x_i                G * prod_{i != j} x_i                  (zero-safe, below)
+        MAX / MIN    max_i / min_i x_i         (G / c) * [x_j == y],  c = #{i : x_i == y}  (ties split)
+
+        rank 0   x_0 ─┐                ┌─ y ── g_0 ─┐
+        rank 1   x_1 ─┼─ all_reduce ───┼─ y ── g_1 ─┼─ all_reduce(SUM) = G ─ x̄_j = G · ∂y/∂x_j
+        rank 2   x_2 ─┘                └─ y ── g_2 ─┘
+
+    - reduce(dst): the same with G replaced by g_dst. Off dst the output is zeros (a constant), so the
+      grads arriving there are rightly ignored: the VJP is exact for every output.
+    - broadcast(src): x̄_src = G, zero on the other ranks (their inputs only give the shape).
+    - reduce_scatter / reduce_scatter_tensor: the table per slice: slice r of x_j is reduced into y_r, so
+      x̄_j[slice r] uses g_r (SUM: x̄_j = all_gather(g)[j's slices]).
+    - PRODUCT never divides by zero: with z = the number of ranks whose x_i is 0 and P = the product of
+      the non-zero x_i, prod_{i != j} x_i = P / x_j if z = 0, P if z = 1 and x_j = 0, else 0.
+    - MAX / MIN follow ``torch.amax``: the result is NaN wherever any rank holds NaN, and there every
+      rank's grad is NaN. The backends drop NaN (NCCL always, gloo depending on which rank holds it), so
+      on floating tensors MAX / MIN reduce a one-byte NaN mask alongside the values.
+    - Double backward: each backward is built from the differentiable Functions of this package (all_reduce
+      SUM <-> itself, reduce SUM <-> broadcast, reduce_scatter SUM <-> all_gather), so SUM, AVG,
+      PREMUL_SUM, MAX, MIN (whose masks are piecewise constant) and broadcast are twice differentiable.
+      PRODUCT is differentiable once: differentiating its gradient raises.
+    - Gradients are reduced in the dtype they arrive in (bf16 stays bf16).
+    - Every rank must agree on whether the input requires grad: the backward is a collective too, and a
+      rank that skips it leaves the others waiting. Check mode verifies this.
+
+Note [Backend emulation]
+    - AVG: native on NCCL for floating and complex tensors; otherwise SUM, then division by N (truncating
+      for integers, as NCCL's integer AVG does).
+    - BAND / BOR / BXOR: not offered by NCCL; asking for them on an NCCL group raises before communicating.
+    - PREMUL_SUM (built with ``torch.distributed._make_nccl_premul_sum(factor)``): computed everywhere as
+      the SUM of factor * x. The scaling replaces the copy every op makes anyway, so it costs nothing, and
+      gloo, which lacks the op, works too. The factor is a constant: no gradient flows to it.
+    - Uneven reduce_scatter lists: entries are zero-padded to the largest one and reduced with a single
+      reduce_scatter_tensor; the pads are dropped. Same path on every backend.
+
+Note [Collectives per call]
+    forward + backward, beyond the op itself and its adjoint (one collective each way):
+    - SUM, AVG, PREMUL_SUM, broadcast: none.
+    - MAX / MIN: forward + a 1-byte NaN mask (same collective); backward + a 1-byte tie count (all_reduce
+      or reduce_scatter); reduce also broadcasts y, reduce_scatter also all-gathers y.
+    - PRODUCT: backward + two all_reduces of the full input (a 1-byte zero count, the non-zero product).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+
+from distcomm import _check, _groups
+
+__all__ = ["all_reduce", "reduce", "broadcast", "reduce_scatter", "reduce_scatter_tensor"]
+
+ReduceOp = dist.ReduceOp
+_SUM, _AVG, _PRODUCT = ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT
+_MIN, _MAX, _PREMUL_SUM = ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PREMUL_SUM
+_BITWISE = (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+_EXTREMA = (_MIN, _MAX)
+_LINEAR = (_SUM, _AVG, _PREMUL_SUM)
+_ALL_OPS = "SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM"
+_DIFFERENTIABLE_OPS = "SUM, AVG, PREMUL_SUM, PRODUCT, MIN, MAX"
+
+# torch 2.13 renamed these (the old names warn); older versions only have the old names.
+_reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# --------------------------------------------------------------------------------------------------------
+# Ops and validation
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class _Op:
+    """A parsed ReduceOp: its kind and, for PREMUL_SUM, this rank's factor."""
+
+    kind: ReduceOp.RedOpType
+    factor: float | complex | torch.Tensor | None = None
+
+    @property
+    def name(self) -> str:
+        return self.kind.name
+
+
+_SUM_OP = _Op(_SUM)
+
+
+def _parse_op(op) -> _Op:
+    if isinstance(op, ReduceOp.RedOpType):
+        kind, factor = op, None
+    elif isinstance(op, ReduceOp) and hasattr(op, "op"):
+        kind, factor = op.op, None
+        if kind == _PREMUL_SUM:
+            # ``.factor`` appeared in torch 2.13; the pickled state (op, factor) is there in older versions too.
+            factor = getattr(op, "factor", None)
+            if factor is None:
+                factor = op.__getstate__()[1]
+    else:
+        raise TypeError(
+            f"`op` must be a torch.distributed.ReduceOp (one of {_ALL_OPS}), got {type(op).__name__} {op!r}"
+        )
+    if kind == _PREMUL_SUM:
+        if factor is None:
+            raise ValueError(
+                "`op`=PREMUL_SUM needs a factor: pass torch.distributed._make_nccl_premul_sum(factor) instead of "
+                "ReduceOp.PREMUL_SUM"
+            )
+        if isinstance(factor, torch.Tensor):
+            if factor.numel() != 1:
+                raise ValueError(f"the PREMUL_SUM factor must be a scalar, got a tensor of shape {tuple(factor.shape)}")
+            if factor.requires_grad:
+                raise ValueError(
+                    "the PREMUL_SUM factor requires grad, but it is treated as a constant; to differentiate with "
+                    "respect to it, multiply the tensor by it and reduce with SUM"
+                )
+            factor = factor.detach().reshape(())
+    return _Op(kind, factor)
+
+
+def _conj(factor):
+    return factor.conj() if isinstance(factor, torch.Tensor) else factor.conjugate()
+
+
+def _require_tensor(name: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _needs_grad(tensor: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and tensor.requires_grad
+
+
+def _resolve(group):
+    """(group, size, this rank's position) at call time; ``group=None`` is the default group."""
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            "`group` is the placeholder torch.distributed.new_group returns to processes outside the group; "
+            "only its members may call a collective on it"
+        )
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"`group` must be a torch.distributed.ProcessGroup or None (the default group), got {group!r}")
+    group = _groups.resolve_group(group)
+    return group, _groups.group_size(group), _groups.group_rank(group)
+
+
+def _check_op(fn: str, op: _Op, dtype: torch.dtype, needs_grad: bool, group) -> None:
+    """Reject op/dtype combinations the backends or the gradient cannot handle, before communicating."""
+    floating = dtype.is_floating_point or dtype.is_complex
+    if op.kind in _BITWISE:
+        if needs_grad:
+            raise ValueError(
+                f"{fn}: `op`={op.name} is not differentiable, but the input requires grad; detach the input or "
+                f"use one of {_DIFFERENTIABLE_OPS}"
+            )
+        if floating:
+            raise TypeError(f"{fn}: `op`={op.name} needs an integer or bool tensor, got dtype {dtype}")
+        if _is_nccl(group):
+            raise TypeError(
+                f"{fn}: `op`={op.name} is not supported by the NCCL backend (it has SUM, AVG, PREMUL_SUM, PRODUCT, "
+                "MIN and MAX); use a gloo group for bitwise reductions"
+            )
+    if dtype.is_complex and op.kind in (_PRODUCT, _MIN, _MAX):
+        raise TypeError(
+            f"{fn}: `op`={op.name} is not defined for complex tensors (got {dtype}); complex tensors allow SUM, "
+            "AVG and PREMUL_SUM"
+        )
+    if op.kind == _PREMUL_SUM and not floating:
+        raise TypeError(f"{fn}: `op`=PREMUL_SUM needs a floating-point or complex tensor, got dtype {dtype}")
+    if op.kind == _AVG and dtype == torch.bool:
+        raise TypeError(f"{fn}: `op`=AVG is not defined for bool tensors")
+
+
+def _encode_shape(shape) -> list[int]:
+    if len(shape) > _check.MAX_DIMS:
+        raise ValueError(f"tensors of more than {_check.MAX_DIMS} dims are not supported, got shape {tuple(shape)}")
+    return [len(shape), *shape] + [0] * (_check.MAX_DIMS - len(shape))
+
+
+def _agree(fn: str, tensor: torch.Tensor, group, *, same_shape: bool = True, shapes=(), **ints: int) -> None:
+    """Check mode: every rank must pass the same dtype, shape (if ``same_shape``), ``shapes`` and ``ints``.
+
+    One small all-gather; every rank sees the same data and so raises the same ``ValueError``.
+    """
+    if not _check.is_check_mode() or _groups.group_size(group) == 1:
+        return
+    names = list(ints)
+    extra = [int(v) for v in ints.values()] + [v for s in shapes for v in _encode_shape(s)]
+    metas, rows = _check.gather_meta(tensor, group, extra=extra)
+    if any(m.dtype != metas[0].dtype for m in metas):
+        _check.raise_mismatch(fn, "dtypes", metas)
+    if same_shape and any(m.shape != metas[0].shape for m in metas):
+        _check.raise_mismatch(fn, "shapes", metas)
+    for i, name in enumerate(names):
+        values = [row[i] for row in rows]
+        if len(set(values)) > 1:
+            show = {"op": lambda v: ReduceOp.RedOpType(v).name, "requires_grad": bool}.get(name, int)
+            detail = ", ".join(f"rank {r}: {show(v)}" for r, v in enumerate(values))
+            hint = ""
+            if name == "requires_grad":
+                hint = " (the ranks that require grad would wait forever in the backward)"
+            raise ValueError(f"{fn}: `{name}` differs across ranks ({detail}); every rank must pass the same{hint}")
+    width = 1 + _check.MAX_DIMS
+    for k in range(len(shapes)):
+        start = len(names) + k * width
+        seen = [tuple(row[start + 1 : start + 1 + row[start]]) for row in rows]
+        if len(set(seen)) > 1:
+            detail = ", ".join(f"rank {r}: {s}" for r, s in enumerate(seen))
+            raise ValueError(f"{fn}: shapes of `input_list[{k}]` differ across ranks ({detail})")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Raw collectives: never modify their arguments, always return new tensors, world of one = local op.
+# --------------------------------------------------------------------------------------------------------
+
+
+def _is_nccl(group) -> bool:
+    return group is not None and "nccl" in str(dist.get_backend(group)).lower()
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    """The view handed to the backend: complex tensors travel as pairs of reals (SUM acts on each part)."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
+def _owned_copy(x: torch.Tensor, op: _Op) -> torch.Tensor:
+    """A contiguous copy of ``x`` (times the factor for PREMUL_SUM, see Note [Backend emulation])."""
+    if op.kind != _PREMUL_SUM:
+        return x.clone(memory_format=torch.contiguous_format)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    factor = op.factor.to(x.device) if isinstance(op.factor, torch.Tensor) else op.factor
+    return torch.mul(x, factor, out=out)
+
+
+def _backend_op(op: _Op, group, dtype: torch.dtype):
+    """The op handed to the backend and the divisor applied afterwards (AVG emulation) or None."""
+    if op.kind == _AVG and not (_is_nccl(group) and (dtype.is_floating_point or dtype.is_complex)):
+        return _SUM, _groups.group_size(group)
+    if op.kind == _PREMUL_SUM:
+        return _SUM, None
+    return op.kind, None
+
+
+def _has_nan_mask(op: _Op, dtype: torch.dtype) -> bool:
+    return op.kind in _EXTREMA and dtype.is_floating_point
+
+
+def _finish(buf: torch.Tensor, divisor: int | None, nan: torch.Tensor | None) -> torch.Tensor:
+    if divisor is not None:
+        if buf.dtype.is_floating_point or buf.dtype.is_complex:
+            buf.div_(divisor)
+        else:
+            buf.div_(divisor, rounding_mode="trunc")
+    if nan is not None:
+        buf.masked_fill_(nan.bool(), float("nan"))
+    return buf
+
+
+def _raw_all_reduce(x: torch.Tensor, op: _Op, group) -> torch.Tensor:
+    buf = _owned_copy(x, op)
+    if _groups.group_size(group) == 1 or buf.numel() == 0:
+        return buf
+    backend_op, divisor = _backend_op(op, group, buf.dtype)
+    nan = None
+    if _has_nan_mask(op, buf.dtype):
+        nan = torch.isnan(buf).to(torch.uint8)
+        dist.all_reduce(nan, op=_MAX, group=group)
+    dist.all_reduce(_wire(buf), op=backend_op, group=group)
+    return _finish(buf, divisor, nan)
+
+
+def _raw_reduce(x: torch.Tensor, dst: int, op: _Op, group) -> torch.Tensor:
+    """The reduction on global rank ``dst``, zeros on the other ranks."""
+    buf = _owned_copy(x, op)
+    if _groups.group_size(group) == 1 or buf.numel() == 0:
+        return buf
+    backend_op, divisor = _backend_op(op, group, buf.dtype)
+    nan = None
+    if _has_nan_mask(op, buf.dtype):
+        nan = torch.isnan(buf).to(torch.uint8)
+        dist.reduce(nan, dst, op=_MAX, group=group)
+    dist.reduce(_wire(buf), dst, op=backend_op, group=group)
+    if dist.get_rank() != dst:
+        return buf.zero_()
+    return _finish(buf, divisor, nan)
+
+
+def _raw_broadcast(x: torch.Tensor, src: int, group) -> torch.Tensor:
+    if _groups.group_size(group) == 1:
+        return x.clone(memory_format=torch.contiguous_format)
+    if dist.get_rank() == src:
+        buf = x.clone(memory_format=torch.contiguous_format)
+    else:
+        buf = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if buf.numel():
+        dist.broadcast(_wire(buf), src, group=group)
+    return buf
+
+
+def _stack_padded(tensors) -> torch.Tensor:
+    """(N, m) rows holding the flattened tensors, zero-padded to the largest numel m (one copy each)."""
+    numels = [t.numel() for t in tensors]
+    width = max(numels)
+    make = torch.empty if all(n == width for n in numels) else torch.zeros
+    out = make((len(tensors), width), dtype=tensors[0].dtype, device=tensors[0].device)
+    for row, t, n in zip(out, tensors, numels):
+        row[:n].view(t.shape).copy_(t)
+    return out
+
+
+def _raw_reduce_scatter_stacked(stacked: torch.Tensor, op: _Op, group, out: torch.Tensor | None = None):
+    """Row r of the (N, m) ``stacked`` tensor, reduced over the ranks, lands on rank r: returns (m,).
+
+    ``out`` (contiguous, m elements) receives the result when given.
+    """
+    if op.kind == _PREMUL_SUM:
+        stacked = _owned_copy(stacked, op)
+    width = stacked.shape[1]
+    if out is None:
+        out = stacked.new_empty(width)
+    if _groups.group_size(group) == 1:
+        return out.copy_(stacked[0])
+    if width == 0:
+        return out
+    backend_op, divisor = _backend_op(op, group, stacked.dtype)
+    nan = None
+    if _has_nan_mask(op, stacked.dtype):
+        nan = torch.empty(width, dtype=torch.uint8, device=stacked.device)
+        _reduce_scatter_into(nan, torch.isnan(stacked).to(torch.uint8).view(-1), op=_MAX, group=group)
+    _reduce_scatter_into(_wire(out).view(-1), _wire(stacked.contiguous()).view(-1), op=backend_op, group=group)
+    return _finish(out, divisor, nan)
+
+
+def _raw_all_gather_flat(flat: torch.Tensor, numels: list[int], group) -> list[torch.Tensor]:
+    """Every rank's 1-D tensor (rank r's has ``numels[r]`` elements), gathered by padding to the largest."""
+    width = max(numels)
+    padded = flat
+    if flat.numel() < width:
+        padded = flat.new_zeros(width)
+        padded[: flat.numel()].copy_(flat)
+    out = flat.new_empty(len(numels), width)
+    if len(numels) == 1:
+        out[0].copy_(padded)
+    elif width:
+        _all_gather_into(_wire(out).view(-1), _wire(padded.contiguous()).view(-1), group=group)
+    return [out[r, :n] for r, n in enumerate(numels)]
+
+
+def _layout(shape, dim: int) -> tuple[int, int, int]:
+    """(elements before, size along, elements after) ``dim``."""
+    return math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
+
+
+def _raw_reduce_scatter_dim(x: torch.Tensor, dim: int, op: _Op, group) -> torch.Tensor:
+    """Chunk r along ``dim`` of the reduction lands on rank r (no copy for dim 0 of a contiguous x)."""
+    n = _groups.group_size(group)
+    pre, size, post = _layout(x.shape, dim)
+    chunk = size // n
+    stacked = x.reshape(pre, n, chunk * post).transpose(0, 1).reshape(n, pre * chunk * post)
+    out_shape = (*x.shape[:dim], chunk, *x.shape[dim + 1 :])
+    return _raw_reduce_scatter_stacked(stacked, op, group).view(out_shape)
+
+
+def _raw_all_gather_dim(y: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Concatenation along ``dim`` of every rank's (equally shaped) ``y``."""
+    n = _groups.group_size(group)
+    pre, chunk, post = _layout(y.shape, dim)
+    out = y.new_empty(n, pre * chunk * post)
+    if n == 1:
+        out[0].copy_(y.reshape(-1))
+    elif y.numel():
+        _all_gather_into(_wire(out).view(-1), _wire(y.contiguous()).view(-1), group=group)
+    full_shape = (*y.shape[:dim], n * chunk, *y.shape[dim + 1 :])
+    return out.view(n, pre, chunk * post).transpose(0, 1).reshape(full_shape)
+
+
+def _count_dtype(group) -> torch.dtype:
+    """The narrowest dtype that counts up to the group size (counts travel in it)."""
+    return torch.uint8 if _groups.group_size(group) < 256 else torch.int32
+
+
+@torch.no_grad()
+def _others_product(x: torch.Tensor, group) -> torch.Tensor:
+    """prod_{i != j} x_i on rank j, zero-safe (Note [Reduction gradients]); two all_reduces."""
+    zero = x == 0
+    zeros = _raw_all_reduce(zero.to(_count_dtype(group)), _SUM_OP, group)
+    safe = torch.where(zero, torch.ones_like(x), x)
+    nonzero_product = _raw_all_reduce(safe, _Op(_PRODUCT), group)
+    return torch.where(
+        zeros == 0,
+        nonzero_product / safe,
+        torch.where((zeros == 1) & zero, nonzero_product, torch.zeros_like(nonzero_product)),
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Autograd Functions (Note [Reduction gradients])
+# --------------------------------------------------------------------------------------------------------
+
+
+class _FirstOrderOnly(Function):
+    """Identity whose backward raises: marks a gradient that may be differentiated only once (PRODUCT)."""
+
+    @staticmethod
+    def forward(ctx, tensor, what):
+        ctx.what = what
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(
+            f"{ctx.what}: the gradient of a PRODUCT reduction is differentiable only once; double backward "
+            f"is supported for {', '.join(n for n in _DIFFERENTIABLE_OPS.split(', ') if n != 'PRODUCT')}"
+        )
+
+
+def _first_order_only(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    if torch.is_grad_enabled() and tensor.requires_grad:
+        return _FirstOrderOnly.apply(tensor, what)
+    return tensor
+
+
+def _local_vjp(op: _Op, total: torch.Tensor, group, what: str, x=None, y=None) -> torch.Tensor:
+    """x̄_j from ``total`` (G, or g_dst for reduce): the per-op factor of Note [Reduction gradients]."""
+    if op.kind == _SUM:
+        return total
+    if op.kind == _AVG:
+        return total / _groups.group_size(group)
+    if op.kind == _PREMUL_SUM:
+        return total * _conj(op.factor)
+    if op.kind == _PRODUCT:
+        return _first_order_only(total * _others_product(x, group), what)
+    with torch.no_grad():
+        mask = x == y
+        count = _raw_all_reduce(mask.to(_count_dtype(group)), _SUM_OP, group)
+    return total / count * mask
+
+
+class _AllReduce(Function):
+    """y = op_i x_i on every rank. Adjoint: all_reduce(SUM) of the grads, times the local factor."""
+
+    @staticmethod
+    def forward(ctx, tensor, op, group):
+        y = _raw_all_reduce(tensor, op, group)
+        ctx.op, ctx.group = op, group
+        if op.kind in _EXTREMA:
+            ctx.save_for_backward(tensor, y)
+        elif op.kind == _PRODUCT:
+            ctx.save_for_backward(tensor)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = _AllReduce.apply(grad.contiguous(), _SUM_OP, ctx.group)
+        if ctx.op.kind in _LINEAR:
+            return _local_vjp(ctx.op, total, ctx.group, "all_reduce"), None, None
+        x, *y = ctx.saved_tensors
+        return _local_vjp(ctx.op, total, ctx.group, "all_reduce", x, *y), None, None
+
+
+class _Reduce(Function):
+    """y = op_i x_i on dst, zeros elsewhere. Adjoint: broadcast of dst's grad (reduce SUM <-> broadcast)."""
+
+    @staticmethod
+    def forward(ctx, tensor, op, dst, group):
+        y = _raw_reduce(tensor, dst, op, group)
+        ctx.op, ctx.dst, ctx.group = op, dst, group
+        if op.kind in _EXTREMA:
+            ctx.save_for_backward(tensor, y)
+        elif op.kind == _PRODUCT:
+            ctx.save_for_backward(tensor)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = _Broadcast.apply(grad.contiguous(), ctx.dst, ctx.group)
+        if ctx.op.kind in _LINEAR:
+            return _local_vjp(ctx.op, total, ctx.group, "reduce"), None, None, None
+        x, *y = ctx.saved_tensors
+        if y:
+            y = [_raw_broadcast(y[0], ctx.dst, ctx.group)]
+        return _local_vjp(ctx.op, total, ctx.group, "reduce", x, *y), None, None, None
+
+
+class _Broadcast(Function):
+    """y_r = x_src. Adjoint: reduce(SUM) of the grads to src, zeros elsewhere."""
+
+    @staticmethod
+    def forward(ctx, tensor, src, group):
+        ctx.src, ctx.group = src, group
+        return _raw_broadcast(tensor, src, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _Reduce.apply(grad.contiguous(), _SUM_OP, ctx.src, ctx.group), None, None
+
+
+class _AllGatherList(Function):
+    """parts[r] = rank r's tensor, of shape ``shapes[r]`` (sizes may differ). Adjoint: reduce_scatter(SUM)."""
+
+    @staticmethod
+    def forward(ctx, group, shapes, tensor):
+        ctx.group = group
+        parts = _raw_all_gather_flat(tensor.reshape(-1), [math.prod(s) for s in shapes], group)
+        return tuple(p.view(s) for p, s in zip(parts, shapes))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, None, _ReduceScatter.apply(None, _SUM_OP, ctx.group, *(g.contiguous() for g in grads))
+
+
+class _ReduceScatter(Function):
+    """y_r = op_j x_j[r]: entry r of every rank's list, reduced, lands on rank r. Adjoint (SUM): all_gather.
+
+    Writes into ``output`` and returns it when one is given (autograd is told via mark_dirty).
+    """
+
+    @staticmethod
+    def forward(ctx, output, op, group, *inputs):
+        rank = _groups.group_rank(group)
+        mine = inputs[rank]
+        stacked = _stack_padded(inputs)
+        if output is not None and output.is_contiguous() and stacked.shape[1] == mine.numel():
+            _raw_reduce_scatter_stacked(stacked, op, group, out=output.view(-1))
+            y = output
+        else:
+            flat = _raw_reduce_scatter_stacked(stacked, op, group)[: mine.numel()]
+            y = flat.view(mine.shape) if output is None else output.copy_(flat.view(output.shape))
+        if output is not None:
+            ctx.mark_dirty(output)
+        ctx.op, ctx.group, ctx.rank = op, group, rank
+        ctx.shapes = [tuple(t.shape) for t in inputs]
+        if op.kind in _EXTREMA:
+            ctx.save_for_backward(*inputs, y)
+        elif op.kind == _PRODUCT:
+            ctx.save_for_backward(*inputs)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        op, group, shapes = ctx.op, ctx.group, ctx.shapes
+        grad = grad.contiguous()
+        if op.kind in _LINEAR:
+            parts = _AllGatherList.apply(group, shapes, grad)
+            grads = [_local_vjp(op, p, group, "reduce_scatter") for p in parts]
+        elif op.kind == _PRODUCT:
+            inputs = ctx.saved_tensors
+            others = _others_product(torch.cat([t.reshape(-1) for t in inputs]), group)
+            others = others.split([t.numel() for t in inputs])
+            parts = _AllGatherList.apply(group, shapes, grad)
+            grads = [_first_order_only(p * q.view(p.shape), "reduce_scatter") for p, q in zip(parts, others)]
+        else:
+            *inputs, y = ctx.saved_tensors
+            with torch.no_grad():
+                ys = _raw_all_gather_flat(y.reshape(-1), [t.numel() for t in inputs], group)
+                masks = [t == yr.view(t.shape) for t, yr in zip(inputs, ys)]
+                counts = _stack_padded([m.to(_count_dtype(group)) for m in masks])
+                count = _raw_reduce_scatter_stacked(counts, _SUM_OP, group)
+                count = count[: grad.numel()].view(grad.shape)
+            parts = _AllGatherList.apply(group, shapes, grad / count)
+            grads = [p * m for p, m in zip(parts, masks)]
+        return (None, None, None, *grads)
+
+
+def _all_gather_tensor(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    # Imported here: distcomm._movement's backward imports this module in turn.
+    from distcomm._movement import all_gather_tensor
+
+    return all_gather_tensor(tensor, dim=dim, group=group)
+
+
+class _ReduceScatterTensor(Function):
+    """y_r = chunk r along ``dim`` of op_j x_j. Adjoint (SUM): all_gather_tensor (concatenation along dim)."""
+
+    @staticmethod
+    def forward(ctx, tensor, op, dim, group):
+        y = _raw_reduce_scatter_dim(tensor, dim, op, group)
+        ctx.op, ctx.dim, ctx.group = op, dim, group
+        if op.kind in _EXTREMA:
+            ctx.save_for_backward(tensor, y)
+        elif op.kind == _PRODUCT:
+            ctx.save_for_backward(tensor)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        op, dim, group = ctx.op, ctx.dim, ctx.group
+        grad = grad.contiguous()
+        if op.kind in _LINEAR:
+            full = _all_gather_tensor(grad, dim, group)
+            return _local_vjp(op, full, group, "reduce_scatter_tensor"), None, None, None
+        if op.kind == _PRODUCT:
+            (x,) = ctx.saved_tensors
+            full = _all_gather_tensor(grad, dim, group) * _others_product(x, group)
+            return _first_order_only(full, "reduce_scatter_tensor"), None, None, None
+        x, y = ctx.saved_tensors
+        with torch.no_grad():
+            mask = x == _raw_all_gather_dim(y, dim, group)
+            count = _raw_reduce_scatter_dim(mask.to(_count_dtype(group)), dim, _SUM_OP, group)
+        return _all_gather_tensor(grad / count, dim, group) * mask, None, None, None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------------
+
+
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Reduce ``tensor`` over the ranks of ``group``; every rank gets the result.
+
+    Differentiable for SUM, AVG, PREMUL_SUM, PRODUCT, MIN and MAX with the exact gradient of Note
+    [Reduction gradients] (torch's version re-applies the forward op in the backward, which is wrong for
+    MIN, MAX and PRODUCT).
+
+    Args:
+        tensor: any shape (0-d and zero-size included), the same shape and dtype on every rank; not modified.
+        op: a ``torch.distributed.ReduceOp``. BAND/BOR/BXOR take integer/bool tensors and no gradient.
+        group: process group; ``None`` is the default group. Without a process group: a world of one.
+
+    Returns:
+        A new contiguous tensor of ``tensor``'s shape, identical on every rank.
+    """
+    _require_tensor("tensor", tensor)
+    op = _parse_op(op)
+    group, _, _ = _resolve(group)
+    needs_grad = _needs_grad(tensor)
+    _check_op("all_reduce", op, tensor.dtype, needs_grad, group)
+    _agree("all_reduce", tensor, group, op=op.kind.value, requires_grad=needs_grad)
+    return _AllReduce.apply(tensor, op, group)
+
+
+def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Reduce ``tensor`` over the ranks of ``group`` onto the global rank ``dst``.
+
+    Only ``dst``'s output carries gradient: x̄_j is the all_reduce gradient of ``op`` with dst's incoming
+    grad in place of the sum of all grads (Note [Reduction gradients]).
+
+    Args:
+        tensor: any shape, the same shape and dtype on every rank; not modified.
+        dst: the destination as a global rank (as in ``torch.distributed``); must belong to ``group``.
+        op: a ``torch.distributed.ReduceOp`` (see :func:`all_reduce`).
+        group: process group; ``None`` is the default group.
+
+    Returns:
+        A new tensor of ``tensor``'s shape on every rank: the reduction on ``dst``, zeros on the other ranks
+        (it requires grad whenever the input does, so every rank takes part in the backward).
+    """
+    _require_tensor("tensor", tensor)
+    op = _parse_op(op)
+    group, _, _ = _resolve(group)
+    _groups.check_rank_in_group("dst", dst, group)
+    needs_grad = _needs_grad(tensor)
+    _check_op("reduce", op, tensor.dtype, needs_grad, group)
+    _agree("reduce", tensor, group, op=op.kind.value, dst=dst, requires_grad=needs_grad)
+    return _Reduce.apply(tensor, op, dst, group)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Send ``tensor`` of the global rank ``src`` to every rank of ``group``.
+
+    Gradient: ``src`` receives the sum of every rank's incoming grad; the other ranks receive zeros (their
+    input only supplies the shape and dtype).
+
+    Args:
+        tensor: on ``src`` the data; elsewhere a tensor of the same shape and dtype (its values are unused).
+        src: the source as a global rank; must belong to ``group``.
+        group: process group; ``None`` is the default group.
+
+    Returns:
+        A new tensor holding ``src``'s data on every rank.
+    """
+    _require_tensor("tensor", tensor)
+    group, _, _ = _resolve(group)
+    _groups.check_rank_in_group("src", src, group)
+    needs_grad = _needs_grad(tensor)
+    _agree("broadcast", tensor, group, src=src, requires_grad=needs_grad)
+    return _Broadcast.apply(tensor, src, group)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input_list: list[torch.Tensor],
+    op=ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Reduce entry r of every rank's ``input_list`` over the ranks and write it into rank r's ``output``.
+
+    Entries may differ in shape (uneven), zero-size included; entry r has the same shape on every rank.
+    Gradient: slice r of x_j gets rank r's incoming grad through the per-op factor of Note [Reduction
+    gradients] (SUM: an all_gather of the grads).
+
+    Args:
+        output: the buffer to write, shaped like ``input_list[rank]``; must not require grad.
+        input_list: one tensor per rank of ``group`` (group-rank order), all of ``output``'s dtype and device.
+        op: a ``torch.distributed.ReduceOp`` (see :func:`all_reduce`).
+        group: process group; ``None`` is the default group.
+
+    Returns:
+        ``output`` itself, holding the result and, when an input requires grad, a ``grad_fn``.
+    """
+    _require_tensor("output", output)
+    if not isinstance(input_list, (list, tuple)):
+        raise TypeError(f"`input_list` must be a list of tensors, got {type(input_list).__name__}")
+    for i, t in enumerate(input_list):
+        _require_tensor(f"input_list[{i}]", t)
+    op = _parse_op(op)
+    group, size, rank = _resolve(group)
+    if len(input_list) != size:
+        raise ValueError(
+            f"reduce_scatter: `input_list` has {len(input_list)} tensors, expected {size} (one per rank of the group)"
+        )
+    if torch.is_grad_enabled() and output.requires_grad:
+        raise ValueError(
+            "reduce_scatter: `output` requires grad, but it is a buffer written in place; pass a plain tensor "
+            "(e.g. torch.empty(...)): the returned tensor carries the gradient"
+        )
+    for i, t in enumerate(input_list):
+        if t.dtype != output.dtype or t.device != output.device:
+            raise ValueError(
+                f"reduce_scatter: `input_list[{i}]` is {t.dtype} on {t.device}, but `output` is {output.dtype} on "
+                f"{output.device}; all must match"
+            )
+    if input_list[rank].shape != output.shape:
+        raise ValueError(
+            f"reduce_scatter: `output` has shape {tuple(output.shape)}, but `input_list[{rank}]` (the entry this "
+            f"rank receives) has shape {tuple(input_list[rank].shape)}; they must match"
+        )
+    needs_grad = any(_needs_grad(t) for t in input_list)
+    _check_op("reduce_scatter", op, output.dtype, needs_grad, group)
+    _agree(
+        "reduce_scatter",
+        output,
+        group,
+        same_shape=False,
+        shapes=[t.shape for t in input_list],
+        op=op.kind.value,
+        requires_grad=needs_grad,
+    )
+    return _ReduceScatter.apply(output, op, group, *input_list)
+
+
+def reduce_scatter_tensor(
+    tensor: torch.Tensor, dim: int = 0, op=ReduceOp.SUM, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Reduce ``tensor`` over the ranks of ``group`` and keep chunk r along ``dim`` on rank r.
+
+    The transpose of :func:`distcomm.functional.all_gather_tensor` (for SUM).
+
+    Args:
+        tensor: shape (..., N * c, ...) with N = group size at position ``dim``, the same on every rank.
+        dim: the dimension to split (negative counts from the end).
+        op: a ``torch.distributed.ReduceOp`` (see :func:`all_reduce`).
+        group: process group; ``None`` is the default group.
+
+    Returns:
+        A new contiguous tensor of shape (..., c, ...): chunk ``rank`` of the reduction.
+    """
+    _require_tensor("tensor", tensor)
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"`dim` must be an int, got {type(dim).__name__} {dim!r}")
+    if tensor.dim() == 0:
+        raise ValueError("reduce_scatter_tensor: `tensor` is 0-d; it needs a dimension to split")
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise ValueError(
+            f"reduce_scatter_tensor: `dim`={dim} is out of range for a tensor of {tensor.dim()} dims "
+            f"(allowed: {-tensor.dim()} to {tensor.dim() - 1})"
+        )
+    dim %= tensor.dim()
+    op = _parse_op(op)
+    group, size, _ = _resolve(group)
+    if tensor.shape[dim] % size:
+        raise ValueError(
+            f"reduce_scatter_tensor: `tensor` has size {tensor.shape[dim]} along `dim`={dim}, which the group size "
+            f"{size} does not divide"
+        )
+    needs_grad = _needs_grad(tensor)
+    _check_op("reduce_scatter_tensor", op, tensor.dtype, needs_grad, group)
+    _agree("reduce_scatter_tensor", tensor, group, op=op.kind.value, dim=dim, requires_grad=needs_grad)
+    return _ReduceScatterTensor.apply(tensor, op, dim, group)
