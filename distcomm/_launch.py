@@ -26,6 +26,8 @@ import torch.distributed as dist
 __all__ = ["run_world"]
 
 _CTX = None
+_INIT_TIMEOUT_S = 30.0
+_START_ATTEMPTS = 3
 
 
 def _context():
@@ -66,10 +68,14 @@ def _worker(rank, world_size, port, backend, fn, args, results, timeout_s):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-        )
+        init_timeout = timedelta(seconds=min(timeout_s, _INIT_TIMEOUT_S))
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=init_timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=init_timeout)
+    except BaseException:
+        results.put((rank, "init_error", traceback.format_exc()))
+        return
+    results.put((rank, "ready", None))
+    try:
         try:
             out = fn(rank, world_size, *args)
         finally:
@@ -81,8 +87,25 @@ def _worker(rank, world_size, port, backend, fn, args, results, timeout_s):
         results.put((rank, "error", traceback.format_exc()))
 
 
+class _StartFailed(RuntimeError):
+    """The world could not be formed (a transient socket failure while the ranks connect)."""
+
+
 def run_world(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 60.0):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the per-rank results."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the per-rank results.
+
+    Forming the world is retried (up to 3 attempts) when the ranks fail to connect, which a loaded machine
+    occasionally causes; a failure inside ``fn`` is never retried.
+    """
+    for attempt in range(_START_ATTEMPTS):
+        try:
+            return _run_once(fn, world_size, args, backend, timeout)
+        except _StartFailed:
+            if attempt + 1 == _START_ATTEMPTS:
+                raise
+
+
+def _run_once(fn, world_size: int, args, backend: str, timeout: float):
     ctx = _context()
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
@@ -94,9 +117,13 @@ def run_world(fn, world_size: int, *args, backend: str = "gloo", timeout: float 
         p.start()
     out: dict[int, object] = {}
     errors: dict[int, str] = {}
+    ready: set[int] = set()
+    start_deadline = time.monotonic() + _INIT_TIMEOUT_S + 10.0
     deadline = time.monotonic() + timeout
     try:
         while len(out) + len(errors) < world_size:
+            if len(ready) < world_size and time.monotonic() > start_deadline:
+                raise _StartFailed(f"only ranks {sorted(ready)} of {world_size} joined the process group")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(out) - set(errors))
@@ -114,7 +141,11 @@ def run_world(fn, world_size: int, *args, backend: str = "gloo", timeout: float 
                         for r in dead:
                             errors[r] = f"process exited with code {procs[r].exitcode} without reporting"
                 continue
-            if status == "ok":
+            if status == "ready":
+                ready.add(rank)
+            elif status == "init_error":
+                raise _StartFailed(f"rank {rank} could not join the process group:\n{payload}")
+            elif status == "ok":
                 out[rank] = _from_plain(payload)
             else:
                 errors[rank] = payload
