@@ -1,0 +1,605 @@
+"""Triton flash-attention forward for one ring step: ``TritonForward`` (the ForwardKernel contract).
+
+Each ring step accumulates the attention of this rank's queries over one key/value block into a state that
+lives in memory between steps, so no low-precision output is ever produced mid-ring.
+
+Note [Ring forward state]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+Per query row the state holds three fp32 quantities, all in the base-2 domain of the scaled scores
+``s = (q . k) * scale * log2(e)``::
+
+    m    running max of s over every key seen so far                         (B, H, Sq)
+    l    running sum of 2^(s - m)                                            (B, H, Sq)
+    acc  UNNORMALISED output: sum_j 2^(s_j - m) v_j                          (B, Sq, H, D)
+
+A step (one Triton launch) loads (m, l, acc) for its rows, folds in the new key blocks with the usual
+online-softmax rescaling (``alpha = 2^(m_old - m_new)``), and stores them back, in fp32::
+
+    ring step:    0          1          2                     W-1
+    k/v block:  [K0 V0]    [K1 V1]    [K2 V2]    ...        [K.. V..]
+                   |          |          |                     |
+    state:  init -+-> (m,l,acc) -> (m,l,acc) -> ... -> (m,l,acc) --finalize--> out = acc / l   (dtype)
+                                                                               lse = (m + log2 l) * ln 2
+
+A step may be marked ``final``: the kernel then normalises in registers and writes ``out`` (input dtype)
+and ``lse`` directly, skipping the fp32 store/load round trip (with a single step this is ordinary flash
+attention). Rows that never saw a key keep l == 0 and finalise to out = 0, lse = -inf (no NaN).
+
+Masking (``causal=True`` is top-left aligned: query row i sees key columns 0..i)::
+
+             key blocks ->
+    q block  [ full ][ full ][ diag ]  .  .     full blocks: no mask, loop bound at the diagonal;
+    m        [ full ][ full ][ full ][ diag ] . diagonal/tail blocks: causal + key-length mask;
+                                              blocks right of the diagonal are never visited.
+
+Sequence lengths need not be multiples of the block sizes (tails are masked), the query and key lengths
+may differ, any strides are accepted (the last dimension need not be contiguous), and GQA/MQA map query
+head h to key/value head ``h // (H // Hkv)`` without expanding K/V.
+
+Supported: CUDA fp16/bf16/fp32 (fp32 uses IEEE fp32 dot products, no TF32); head dims that are
+multiples of 8 from 16 to 256 (non-powers of two are padded to the next power of two in registers).
+On CPU the kernel runs only under the Triton interpreter (``TRITON_INTERPRET=1`` set before this module
+is imported); there bf16 dot operands are upcast to fp32, because the interpreter's bf16 ``tl.dot`` is
+wrong.
+
+Every launch is a ``torch.library`` custom op (``distcomm_attention::triton_fwd_step`` mutating the
+state, ``distcomm_attention::triton_fwd_last`` returning ``(out, lse)``) with a fake implementation, so
+a ring loop built on them can be traced by ``torch.compile``.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["TritonConfig", "TritonForward", "TritonForwardState", "default_config"]
+
+_LOG2E = 1.4426950408889634  # log2(e): scores are scaled into the base-2 domain for exp2
+_LN2 = 0.6931471805599453  # ln(2): back from base-2 to natural-log lse
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MIN_HEAD_DIM, _MAX_HEAD_DIM = 16, 256
+
+
+# --------------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attend_block(
+    acc, l_i, m_i, q, start_n,
+    # pointers (already offset to this batch and kv head)
+    k_base, v_base,
+    # strides
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    # sizes and runtime values
+    offs_m, offs_d, seqlen_k, qk_scale,
+    # meta
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Online-softmax update of (acc, l_i, m_i) with the key block starting at ``start_n``.
+
+    A MASKED block applies the key-length mask (and the causal mask when CAUSAL); an unmasked block is
+    known to be fully visible and in range, so it skips every mask.
+    """
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    d_ok = offs_d < HEAD_DIM
+    rows_n = offs_n[:, None].to(tl.int64)
+    k_ptrs = k_base + rows_n * stride_kn + offs_d[None, :] * stride_kd
+    v_ptrs = v_base + rows_n * stride_vn + offs_d[None, :] * stride_vd
+    if MASKED:
+        n_ok = offs_n < seqlen_k
+        if EVEN_D:
+            k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+    if IEEE:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    qk = qk * qk_scale
+    if MASKED:
+        visible = n_ok[None, :]
+        if CAUSAL:
+            visible = visible & (offs_m[:, None] >= offs_n[None, :])
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # A row with no visible key so far keeps m = -inf; subtract 0 instead to avoid inf - inf.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_sub = m_new
+    alpha = tl.math.exp2(m_i - m_sub)
+    p = tl.math.exp2(qk - m_sub[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if MASKED:
+        if EVEN_D:
+            v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    if UPCAST:
+        v = v.to(tl.float32)
+    if IEEE:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attend_range(
+    acc, l_i, m_i, q, lo, hi,
+    k_base, v_base,
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    offs_m, offs_d, seqlen_k, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Key blocks [lo, hi) in steps of BLOCK_N."""
+    if INTERPRET:
+        # The interpreter cannot use runtime scalars as range() bounds (they are 1-element arrays).
+        start_n = lo
+        while start_n < hi:
+            acc, l_i, m_i = _attend_block(
+                acc, l_i, m_i, q, start_n, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                offs_m, offs_d, seqlen_k, qk_scale, HEAD_DIM, BLOCK_N, MASKED, CAUSAL, EVEN_D, UPCAST, IEEE,
+            )
+            start_n += BLOCK_N
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            acc, l_i, m_i = _attend_block(
+                acc, l_i, m_i, q, start_n, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                offs_m, offs_d, seqlen_k, qk_scale, HEAD_DIM, BLOCK_N, MASKED, CAUSAL, EVEN_D, UPCAST, IEEE,
+            )
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _ring_fwd_kernel(
+    # pointers
+    Q, K, V, Acc, M, L, Out, Lse,
+    # strides: q, k, v, out are (B, S, H, D); acc is (B, Sq, H, D); m, l, lse are (B, H, Sq)
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_ab, stride_am, stride_ah, stride_ad,
+    stride_mb, stride_mh, stride_mm,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    # sizes and runtime values
+    num_heads, kv_group, seqlen_q, seqlen_k, qk_scale,
+    # meta
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, LOAD_STATE: tl.constexpr, FINAL: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    tl.static_assert(BLOCK_M % BLOCK_N == 0, "BLOCK_M must be a multiple of BLOCK_N")
+    tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        # Causal q blocks near the end of the sequence do the most work: schedule them first.
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // num_heads).to(tl.int64)
+    off_h = (pid_bh % num_heads).to(tl.int64)
+    off_hk = off_h // kv_group
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows_m = offs_m.to(tl.int64)
+    m_ok = offs_m < seqlen_q
+    d_ok = offs_d < HEAD_DIM
+    md_ok = m_ok[:, None] & d_ok[None, :]
+
+    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + rows_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=md_ok, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    ml_off = off_b * stride_mb + off_h * stride_mh + rows_m * stride_mm
+    acc_ptrs = Acc + off_b * stride_ab + off_h * stride_ah + rows_m[:, None] * stride_am + offs_d[None, :] * stride_ad
+    if LOAD_STATE:
+        m_i = tl.load(M + ml_off, mask=m_ok, other=float("-inf"))
+        l_i = tl.load(L + ml_off, mask=m_ok, other=0.0)
+        acc = tl.load(acc_ptrs, mask=md_ok, other=0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Key blocks [0, split) are fully visible and in range; [split, hi) need masks; >= hi are skipped.
+    full_k = (seqlen_k // BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        hi = tl.minimum((pid_m + 1) * BLOCK_M, seqlen_k)
+        split = tl.minimum(pid_m * BLOCK_M, full_k)
+    else:
+        hi = seqlen_k
+        split = full_k
+
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, 0, split, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_d, seqlen_k, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, EVEN_D, UPCAST, IEEE, INTERPRET,
+    )
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, split, hi, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+        offs_m, offs_d, seqlen_k, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, EVEN_D, UPCAST, IEEE, INTERPRET,
+    )
+
+    if FINAL:
+        seen = l_i > 0.0
+        l_safe = tl.where(seen, l_i, 1.0)
+        out = acc * (1.0 / l_safe)[:, None]
+        lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # * ln(2)
+        out_ptrs = Out + off_b * stride_ob + off_h * stride_oh
+        out_ptrs += rows_m[:, None] * stride_om + offs_d[None, :] * stride_od
+        tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=md_ok)
+        tl.store(Lse + off_b * stride_lb + off_h * stride_lh + rows_m * stride_lm, lse, mask=m_ok)
+    else:
+        tl.store(M + ml_off, m_i, mask=m_ok)
+        tl.store(L + ml_off, l_i, mask=m_ok)
+        tl.store(acc_ptrs, acc, mask=md_ok)
+
+
+def _interpreting() -> bool:
+    """True when the kernels were decorated under TRITON_INTERPRET=1 (CPU execution)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_ring_fwd_kernel, InterpretedFunction)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """Launch configuration of the forward kernel.
+
+    Attributes:
+        block_m: query rows per program (power of two >= 16, a multiple of ``block_n``).
+        block_n: key rows per inner iteration (power of two >= 16).
+        num_warps: warps per program.
+        num_stages: software-pipelining depth of the key loop (ignored by the interpreter).
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"`{name}`={value!r} must be a power of two >= 16")
+        if self.block_m % self.block_n:
+            raise ValueError(f"`block_m`={self.block_m} must be a multiple of `block_n`={self.block_n}")
+        if not isinstance(self.num_warps, int) or self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"`num_warps`={self.num_warps!r} must be one of 1, 2, 4, 8, 16")
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"`num_stages`={self.num_stages!r} must be a positive int")
+
+
+# Hopper (H100/H200) defaults per padded head dim: (block_m, block_n, num_warps, num_stages).
+# Measured on one H200, bf16, B=1, H=32, S=8192 (fused final step), TFLOP/s full / causal:
+# d=64 402 / 355 (SDPA flash 304 / 272); d=128 486 / 461 (349 / 317); d=256 507 / 503 (322 / 307).
+_GPU_DEFAULTS = {
+    16: (128, 64, 4, 3),
+    32: (128, 64, 4, 3),
+    64: (128, 64, 4, 3),
+    128: (128, 128, 8, 3),
+    256: (128, 64, 8, 2),
+}
+# The interpreter pays per program and per block iteration, not per element: use large blocks.
+_INTERPRETER_DEFAULT = (64, 64, 4, 1)
+
+
+def default_config(head_dim: int, *, interpret: bool | None = None) -> TritonConfig:
+    """The default launch configuration for ``head_dim`` (Hopper-tuned, or interpreter-friendly)."""
+    if interpret is None:
+        interpret = _interpreting()
+    if interpret:
+        return TritonConfig(*_INTERPRETER_DEFAULT)
+    return TritonConfig(*_GPU_DEFAULTS[max(16, triton.next_power_of_2(head_dim))])
+
+
+# --------------------------------------------------------------------------------------------------------
+# Launcher and custom ops
+# --------------------------------------------------------------------------------------------------------
+
+
+def _launch(
+    q: Tensor, k: Tensor, v: Tensor, acc: Tensor, m: Tensor, l: Tensor, out: Tensor, lse: Tensor,
+    *, causal: bool, scale: float, load_state: bool, final: bool, cfg: TritonConfig,
+) -> None:
+    """One kernel launch over the queries ``q`` (a view of the rows to update) and all of ``k``/``v``."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    if batch == 0 or seqlen_q == 0 or heads == 0:
+        return
+    interpret = _interpreting()
+    upcast = q.dtype == torch.bfloat16 and interpret
+    grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * heads)
+    _ring_fwd_kernel[grid](
+        q, k, v, acc, m, l, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *acc.stride(),
+        *m.stride(), *out.stride(), *lse.stride(),
+        heads, heads // kv_heads, seqlen_q, seqlen_k, scale * _LOG2E,
+        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        CAUSAL=causal, LOAD_STATE=load_state, FINAL=final,
+        UPCAST=upcast, IEEE=q.dtype == torch.float32 or upcast, INTERPRET=interpret,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+@torch.library.custom_op("distcomm_attention::triton_fwd_step", mutates_args=("acc", "m", "l"))
+def _fwd_step_op(
+    q: Tensor, k: Tensor, v: Tensor, acc: Tensor, m: Tensor, l: Tensor,
+    q_start: int, q_stop: int, causal: bool, scale: float, load_state: bool,
+    block_m: int, block_n: int, num_warps: int, num_stages: int,
+) -> None:
+    """Accumulate rows [q_start, q_stop) of the fp32 state (acc, m, l) in place."""
+    rows = slice(q_start, q_stop)
+    _launch(
+        q[:, rows], k, v, acc[:, rows], m[:, :, rows], l[:, :, rows], acc, m,
+        causal=causal, scale=scale, load_state=load_state, final=False,
+        cfg=TritonConfig(block_m, block_n, num_warps, num_stages),
+    )
+
+
+@_fwd_step_op.register_fake
+def _fwd_step_fake(q, k, v, acc, m, l, q_start, q_stop, causal, scale, load_state, block_m, block_n,
+                   num_warps, num_stages) -> None:
+    return None
+
+
+@torch.library.custom_op("distcomm_attention::triton_fwd_last", mutates_args=())
+def _fwd_last_op(
+    q: Tensor, k: Tensor, v: Tensor, acc: Tensor, m: Tensor, l: Tensor,
+    causal: bool, scale: float, load_state: bool,
+    block_m: int, block_n: int, num_warps: int, num_stages: int,
+) -> tuple[Tensor, Tensor]:
+    """The last step for every row: returns out (B, Sq, H, D) in q's dtype and lse (B, H, Sq) fp32."""
+    batch, seqlen_q, heads, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    if not load_state:
+        acc, m, l = out, lse, lse  # never read: the kernel starts from a fresh state
+    _launch(
+        q, k, v, acc, m, l, out, lse,
+        causal=causal, scale=scale, load_state=load_state, final=True,
+        cfg=TritonConfig(block_m, block_n, num_warps, num_stages),
+    )
+    return out, lse
+
+
+@_fwd_last_op.register_fake
+def _fwd_last_fake(q, k, v, acc, m, l, causal, scale, load_state, block_m, block_n, num_warps, num_stages):
+    batch, seqlen_q, heads, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------------
+# ForwardKernel implementation
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TritonForwardState:
+    """The per-forward accumulator of ``TritonForward`` (see Note [Ring forward state]).
+
+    Buffers are allocated lazily: a forward whose first step is also its final step (one rank, or a
+    fused last hop) never allocates the fp32 accumulator.
+    """
+
+    q_shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+    device: torch.device
+    acc: Tensor | None = None  # (B, Sq, H, D) fp32, unnormalised output
+    m: Tensor | None = None  # (B, H, Sq) fp32, running max of scores * scale * log2(e)
+    l: Tensor | None = None  # (B, H, Sq) fp32, running sum of exp2(s - m)
+    fresh: bool = True  # no step has written the state yet
+    out: Tensor | None = None  # set by a final step
+    lse: Tensor | None = None
+
+
+class TritonForward:
+    """ForwardKernel backed by the Triton kernel above (see the module docstring for what it supports).
+
+    Args:
+        block_m, block_n, num_warps, num_stages: launch configuration; each ``None`` takes the default
+            for the head dim (Hopper-tuned on GPU, large blocks under the interpreter).
+    """
+
+    def __init__(self, *, block_m: int | None = None, block_n: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None):
+        self._overrides = {"block_m": block_m, "block_n": block_n, "num_warps": num_warps,
+                           "num_stages": num_stages}
+        if all(value is not None for value in self._overrides.values()):
+            TritonConfig(block_m, block_n, num_warps, num_stages)  # validate now
+
+    # ---- capability queries (used by the API to validate before any communication) ----
+
+    @staticmethod
+    def supports_head_dim(head_dim: int) -> bool:
+        """Head dims that are multiples of 8 from 16 to 256."""
+        return isinstance(head_dim, int) and _MIN_HEAD_DIM <= head_dim <= _MAX_HEAD_DIM and head_dim % 8 == 0
+
+    @staticmethod
+    def supports_dtype(dtype: torch.dtype) -> bool:
+        """fp16, bf16 and fp32 (fp32 with IEEE dot products)."""
+        return dtype in _SUPPORTED_DTYPES
+
+    @staticmethod
+    def check_tensor(name: str, x: Tensor) -> None:
+        """Raise a ValueError/TypeError naming ``name`` if the kernel cannot run on ``x`` (B, S, H, D)."""
+        if x.dim() != 4:
+            raise ValueError(f"`{name}` must be 4-D (batch, seq, heads, head_dim); got shape {tuple(x.shape)}")
+        if x.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(
+                f"`{name}` has dtype {x.dtype}, which the Triton kernel does not support; "
+                "allowed: torch.float16, torch.bfloat16, torch.float32"
+            )
+        if not TritonForward.supports_head_dim(x.shape[-1]):
+            raise ValueError(
+                f"`{name}` has head_dim {x.shape[-1]}, which the Triton kernel does not support; "
+                f"allowed: multiples of 8 from {_MIN_HEAD_DIM} to {_MAX_HEAD_DIM}"
+            )
+        if x.device.type == "cpu" and not _interpreting():
+            raise ValueError(
+                f"`{name}` is on the CPU: the Triton kernel runs on CPU only under the Triton interpreter "
+                "(set TRITON_INTERPRET=1 before distcomm_attention is imported); use a CUDA tensor"
+            )
+        if x.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"`{name}` is on device {x.device}; the Triton kernel needs a CUDA tensor")
+
+    def config(self, head_dim: int) -> TritonConfig:
+        """The launch configuration used for ``head_dim``."""
+        base = default_config(head_dim)
+        picked = {name: getattr(base, name) if value is None else value for name, value in self._overrides.items()}
+        return TritonConfig(**picked)
+
+    # ---- ForwardKernel contract ----
+
+    def init_state(self, q: Tensor) -> TritonForwardState:
+        """A fresh accumulator for the queries ``q`` (B, Sq, H, D)."""
+        self.check_tensor("q", q)
+        return TritonForwardState(tuple(q.shape), q.dtype, q.device)
+
+    def step(self, state: TritonForwardState, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
+             scale: float, q_slice: slice = slice(None), final: bool = False) -> None:
+        """Accumulate the attention of ``q[:, q_slice]`` over (``k``, ``v``) into ``state``, in place.
+
+        Args:
+            state: from ``init_state(q)``.
+            q: (B, Sq, H, D), this rank's full local queries (any strides).
+            k, v: (B, Sk, Hkv, D) with H % Hkv == 0 (any strides).
+            causal: top-left causal mask (query row i of the slice sees key columns 0..i); otherwise the
+                block is fully visible.
+            scale: softmax scale applied to q . k.
+            q_slice: the query rows (a contiguous slice of 0..Sq) this block contributes to.
+            final: this is the last step for every row: normalise in the kernel and write out/lse
+                directly (requires ``q_slice`` to cover all rows); ``finalize`` then only returns them.
+        """
+        if state.out is not None:
+            raise RuntimeError("this TritonForward state was already completed by a final step")
+        if tuple(q.shape) != state.q_shape or q.dtype != state.dtype or q.device != state.device:
+            raise ValueError(
+                f"`q` (shape {tuple(q.shape)}, {q.dtype}, {q.device}) does not match the state "
+                f"(shape {state.q_shape}, {state.dtype}, {state.device})"
+            )
+        self._check_kv(q, k, v)
+        batch, seqlen_q, heads, head_dim = q.shape
+        start, stop = _slice_bounds(q_slice, seqlen_q)
+        if final and (start, stop) != (0, seqlen_q):
+            raise ValueError(f"`final`=True needs `q_slice` to cover all {seqlen_q} rows; got {q_slice}")
+        cfg = self.config(head_dim)
+        meta = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+        if final:
+            if k.shape[1] == 0:  # nothing to add: finalise what is there
+                state.out, state.lse = self._finalize_state(state, state.dtype)
+                return
+            if state.fresh:
+                empty = q.new_empty(0, dtype=torch.float32)
+                acc = m = l = empty
+            else:
+                acc, m, l = state.acc, state.m, state.l
+            state.out, state.lse = _fwd_last_op(q, k, v, acc, m, l, bool(causal), float(scale),
+                                                not state.fresh, *meta)
+            state.fresh = False
+            return
+        if stop <= start or k.shape[1] == 0:
+            return
+        load_state = not state.fresh
+        if state.acc is None:
+            self._allocate(state, fill=(start, stop) != (0, seqlen_q))
+        _fwd_step_op(q, k, v, state.acc, state.m, state.l, start, stop, bool(causal), float(scale),
+                     load_state, *meta)
+        state.fresh = False
+
+    def finalize(self, state: TritonForwardState, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """-> out (B, Sq, H, D) in ``dtype``, lse (B, H, Sq) float32 (natural log).
+
+        Rows that saw no key get out 0 and lse -inf.
+        """
+        if state.out is not None:
+            return state.out.to(dtype), state.lse
+        return self._finalize_state(state, dtype)
+
+    # ---- helpers ----
+
+    @staticmethod
+    def _check_kv(q: Tensor, k: Tensor, v: Tensor) -> None:
+        for name, x in (("k", k), ("v", v)):
+            TritonForward.check_tensor(name, x)
+            if x.dtype != q.dtype or x.device != q.device:
+                raise ValueError(f"`{name}` ({x.dtype}, {x.device}) must match `q` ({q.dtype}, {q.device})")
+        if k.shape != v.shape:
+            raise ValueError(f"`k` {tuple(k.shape)} and `v` {tuple(v.shape)} must have the same shape")
+        if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+            raise ValueError(
+                f"`k` {tuple(k.shape)} must match `q` {tuple(q.shape)} in batch and head_dim"
+            )
+        if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+            raise ValueError(f"query heads {q.shape[2]} must be a multiple of kv heads {k.shape[2]}")
+
+    @staticmethod
+    def _allocate(state: TritonForwardState, *, fill: bool) -> None:
+        batch, seqlen_q, heads, head_dim = state.q_shape
+        f32 = dict(dtype=torch.float32, device=state.device)
+        if fill:  # rows outside the first step's slice must start from the empty state
+            state.acc = torch.zeros(state.q_shape, **f32)
+            state.m = torch.full((batch, heads, seqlen_q), -math.inf, **f32)
+            state.l = torch.zeros((batch, heads, seqlen_q), **f32)
+        else:  # the first step covers every row and does not read the state
+            state.acc = torch.empty(state.q_shape, **f32)
+            state.m = torch.empty((batch, heads, seqlen_q), **f32)
+            state.l = torch.empty((batch, heads, seqlen_q), **f32)
+
+    @staticmethod
+    def _finalize_state(state: TritonForwardState, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        batch, seqlen_q, heads, _ = state.q_shape
+        if state.fresh:
+            out = torch.zeros(state.q_shape, dtype=dtype, device=state.device)
+            lse = torch.full((batch, heads, seqlen_q), -math.inf, dtype=torch.float32, device=state.device)
+            return out, lse
+        seen = state.l > 0
+        l_safe = torch.where(seen, state.l, torch.ones_like(state.l))
+        lse = torch.where(seen, (state.m + torch.log2(l_safe)) * _LN2, torch.full_like(state.l, -math.inf))
+        out = (state.acc * (1.0 / l_safe).transpose(1, 2).unsqueeze(-1)).to(dtype)
+        return out, lse
+
+
+def _slice_bounds(q_slice: slice, length: int) -> tuple[int, int]:
+    if not isinstance(q_slice, slice):
+        raise TypeError(f"`q_slice` must be a slice; got {type(q_slice).__name__}")
+    start, stop, stride = q_slice.indices(length)
+    if stride != 1:
+        raise ValueError(f"`q_slice`={q_slice} must have step 1")
+    return start, max(start, stop)
