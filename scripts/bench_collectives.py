@@ -280,6 +280,34 @@ def _variable_build(mode: str):
     return build
 
 
+def _torch_nn_case(case: Case) -> Case:
+    """The same case through torch.distributed.nn.functional: how much autograd alone costs there."""
+    import torch.distributed.nn.functional as torch_nn
+
+    return Case(f"torch.nn {case.name}", "info", case.bus, lambda c, F: case.build(c, torch_nn),
+                case.raw + " (dist column: torch.distributed.nn.functional)")
+
+
+def _no_grad_all_reduce_build(c: Ctx, F):
+    """distcomm's all_reduce on x and on the grad, outside autograd: the ops minus the autograd engine."""
+    x, g = c.rand(), c.rand()
+
+    def step_dist():
+        with torch.no_grad():
+            y = F.all_reduce(x)
+            F.all_reduce(g)
+        return y
+
+    def step_raw():
+        y = x.clone()
+        _raw_all_reduce(y, "SUM", c)
+        gx = g.clone()
+        _raw_all_reduce(gx, "SUM", c)
+        return y
+
+    return {"dist": step_dist, "raw": step_raw, "compare": True}
+
+
 _GATHER_PAIR = lambda m, w: 2 * m * (w - 1)  # noqa: E731  all_gather (W*m out) + reduce_scatter (W*m in)
 _SCATTER_PAIR = lambda m, w: 2 * m * (w - 1) / w  # noqa: E731
 CASES = [
@@ -306,7 +334,10 @@ CASES = [
     _all_reduce_case("MAX"),
     _all_reduce_case("MIN"),
     _all_reduce_case("PRODUCT"),
+    Case("all_reduce(SUM) no autograd", "info", lambda m, w: 4 * m * (w - 1) / w, _no_grad_all_reduce_build,
+         "clone + all_reduce(SUM), twice (dist column: distcomm under torch.no_grad)"),
 ]
+CASES += [_torch_nn_case(c) for c in CASES if c.name in ("all_reduce(SUM)", "broadcast(src=0)")]
 
 
 # ----------------------------------------------------------------------------------------------- one rank
