@@ -26,7 +26,7 @@ _DTYPES = [
 _DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 _override: bool | None = None
 # torch 2.13 renamed all_gather_into_tensor (the old name warns); torch 2.11 only has the old one.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def is_check_mode() -> bool:
@@ -68,7 +68,7 @@ class TensorMeta(tuple):
         return self[1]
 
 
-def _encode(tensor: torch.Tensor | None) -> list[int]:
+def encode_meta(tensor: torch.Tensor | None) -> list[int]:
     if tensor is None:
         return [-1, -1] + [0] * MAX_DIMS
     if tensor.dim() > MAX_DIMS:
@@ -77,7 +77,7 @@ def _encode(tensor: torch.Tensor | None) -> list[int]:
     return [tensor.dim(), code] + list(tensor.shape) + [0] * (MAX_DIMS - tensor.dim())
 
 
-def _decode(row: list[int]) -> TensorMeta | None:
+def decode_meta(row: list[int]) -> TensorMeta | None:
     ndim, code = row[0], row[1]
     if ndim < 0:
         return None
@@ -93,7 +93,7 @@ def gather_meta(tensor: torch.Tensor | None, group=None, *, extra: list[int] | N
     receives identical data, so decisions taken from it agree on every rank.
     """
     extra = list(extra or [])
-    row = _encode(tensor) + extra
+    row = encode_meta(tensor) + extra
     group = _groups.resolve_group(group)
     if group is None:
         rows = [row]
@@ -101,9 +101,9 @@ def gather_meta(tensor: torch.Tensor | None, group=None, *, extra: list[int] | N
         device = _groups.comm_device(tensor, group)
         local = torch.tensor(row, dtype=torch.int64, device=device)
         out = torch.empty(_groups.group_size(group) * len(row), dtype=torch.int64, device=device)
-        _all_gather_flat(out, local, group=group)
+        all_gather_flat(out, local, group=group)
         rows = out.view(-1, len(row)).tolist()
-    metas = [_decode(r[: 2 + MAX_DIMS]) for r in rows]
+    metas = [decode_meta(r[: 2 + MAX_DIMS]) for r in rows]
     if extra:
         return metas, [r[2 + MAX_DIMS :] for r in rows]
     return metas
@@ -135,3 +135,6 @@ def check_same(op: str, tensor: torch.Tensor, group=None, *, free_dim: int | Non
             if a != b and d != (free_dim % len(ref.shape) if free_dim is not None and ref.shape else None):
                 raise_mismatch(op, "shapes", metas)
     return metas
+
+
+_encode, _decode = encode_meta, decode_meta

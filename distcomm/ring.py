@@ -90,6 +90,26 @@ class RingComm:
         """Global rank of the ring member ``offset`` positions to the right (negative: to the left)."""
         return self.ranks[(self.rank + offset) % self.size]
 
+    def all_gather_ints(self, row: list[int], device: torch.device) -> list[list[int]]:
+        """Every ring member's small int vector ``row`` (same length everywhere), in ring order.
+
+        Only the members of this ring take part (W - 1 hops of ``send_recv``), unless the ring is the whole
+        group, where one all-gather is cheaper. Used to learn shapes without involving other rings.
+        """
+        local = torch.tensor(row, dtype=torch.int64, device=device)
+        if self.size == 1:
+            return [row]
+        if self.size == _groups.group_size(self.group):
+            out = torch.empty(self.size * len(row), dtype=torch.int64, device=device)
+            _check.all_gather_flat(out, local, group=self.group)
+            return out.view(self.size, -1).tolist()
+        rows = {self.rank: local}
+        held = local
+        for hop in range(1, self.size):
+            (held,) = self.send_recv(held).wait()
+            rows[(self.rank - hop) % self.size] = held
+        return [rows[i].tolist() for i in range(self.size)]
+
     def send_recv(self, *tensors: torch.Tensor, shift: int = 1, recv_like=None) -> RingHandle:
         """Send ``tensors`` ``shift`` positions to the right and receive as many from the left.
 
@@ -117,7 +137,7 @@ class RingComm:
         send = [t.contiguous() for t in tensors]
         recv = [torch.empty(s, dtype=t.dtype, device=t.device) for t, s in zip(tensors, shapes)]
         dst, src = self.peer(shift), self.peer(-shift)
-        use_batch = "nccl" in str(dist.get_backend(self.group))
+        use_batch = send[0].is_cuda and "nccl" in str(dist.get_backend(self.group))
         ops = []
         # Even positions send first, odd positions receive first: a fixed global order that cannot deadlock
         # even for backends that serialise point-to-point operations.
@@ -164,8 +184,9 @@ def ring_pass(
 
     W and r are taken within the ring (group ranks; ``ring_size`` smaller than the group makes independent
     rings of consecutive ranks). Shapes may differ across ranks, zero-size included: unless
-    ``recv_shape`` gives the incoming shape, one small all-gather learns every rank's shape and dtype (and
-    raises the same error on every rank if the dtypes differ). The backward sends the grad the other way.
+    ``recv_shape`` gives the incoming shape, one small exchange among the ring's members learns every
+    member's shape and dtype (and raises the same error on every member if the dtypes differ); other rings
+    are not involved. Pass ``recv_shape`` to skip it (it costs a host sync). The backward sends the grad the other way.
     No barrier. Without a process group, or in a ring of one, returns ``tensor`` itself.
     """
     if not isinstance(tensor, torch.Tensor):
@@ -176,9 +197,8 @@ def ring_pass(
     if comm.size == 1 or shift % comm.size == 0:
         return tensor
     if recv_shape is None:
-        metas = _check.gather_meta(tensor, comm.group)
-        first = _groups.group_rank(comm.group) - comm.rank
-        ring_metas = metas[first : first + comm.size]
+        rows = comm.all_gather_ints(_check.encode_meta(tensor), _groups.comm_device(tensor, comm.group))
+        ring_metas = [_check.decode_meta(row) for row in rows]
         if any(m.dtype != ring_metas[0].dtype or len(m.shape) != len(ring_metas[0].shape) for m in ring_metas):
             _check.raise_mismatch("ring_pass", "dtypes or numbers of dims", ring_metas)
         recv_shape = ring_metas[(comm.rank - shift) % comm.size].shape

@@ -74,3 +74,19 @@ def test_single_process_identity():
     assert distcomm.ring_pass(x) is x
     comm = distcomm.RingComm()
     assert comm.size == 1 and comm.rank == 0
+
+
+def _independent_rings_rank(rank, world):
+    calls = 2 if rank < 2 else 1  # the two rings make different numbers of calls
+    x = torch.full((rank + 1,), float(rank))
+    for _ in range(calls):
+        x = distcomm.ring_pass(x, ring_size=2)
+    return x
+
+
+def test_independent_rings_do_not_wait_for_each_other():
+    """The shape exchange of ring_pass involves only the ring's members: rings of 2 in a world of 4 may make
+    different numbers of calls without hanging."""
+    res = run_world(_independent_rings_rank, 4, timeout=30)
+    assert res[0].tolist() == [0.0] and res[1].tolist() == [1.0, 1.0]  # two hops: back home
+    assert res[2].tolist() == [3.0] * 4 and res[3].tolist() == [2.0] * 3  # one hop: swapped
