@@ -30,10 +30,12 @@ Note [Gradient convention]
     backward) are a different convention and are not used here.
 """
 
+from torch.distributed import ReduceOp, group  # noqa: F401  (torch's module exposes both)
+
 from distcomm._movement import *  # noqa: F401,F403
 from distcomm._movement import __all__ as _movement_all
 from distcomm._reduce import *  # noqa: F401,F403
 from distcomm._reduce import __all__ as _reduce_all
 from distcomm.ring import ring_pass
 
-__all__ = [*_reduce_all, *_movement_all, "ring_pass"]
+__all__ = [*_reduce_all, *_movement_all, "ring_pass", "ReduceOp", "group"]

@@ -18,12 +18,12 @@ Note [Verified signatures]
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
 from distcomm import _check
 from distcomm.ring import RingComm
-from distcomm_attention._ring import _ring_all_gather_impl
 
 __all__ = ["check_qkv", "check_flag", "check_scale", "verify_across_ring"]
 
@@ -82,6 +82,11 @@ def check_scale(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale)
 
 
+def float_bits(value: float) -> int:
+    """The bit pattern of a float64 as an int, so a float can travel in an int metadata vector."""
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
 def _describe(op: str, names: list[str], rows: list[list[int]], extra_names: list[str]) -> str:
     per_rank = []
     for pos, row in enumerate(rows):
@@ -120,9 +125,7 @@ def verify_across_ring(
         row += [t.dim(), _DTYPE_CODES.get(t.dtype, len(_check._DTYPES))] + list(t.shape)
         row += [0] * (_check.MAX_DIMS - t.dim())
     row += list(extra.values())
-    device = next(iter(tensors.values())).device
-    local = torch.tensor(row, dtype=torch.int64, device=device)
-    rows = _ring_all_gather_impl(local, comm, 0).view(comm.size, -1).tolist()
+    rows = comm.all_gather_ints(row, next(iter(tensors.values())).device)
     if any(r != rows[0] for r in rows):
         raise ValueError(_describe(op, list(tensors), rows, list(extra)))
     _verified.add(signature)

@@ -85,7 +85,13 @@ def ring_flash_attn(
         "ring_flash_attn",
         comm,
         {"q": q, "k": k, "v": v},
-        extra={"layout": layouts.LAYOUTS.index(layout), "causal": int(causal)},
+        extra={
+            "layout": layouts.LAYOUTS.index(layout),
+            "causal": int(causal),
+            "softmax_scale": _validation.float_bits(scale),
+            # a rank whose inputs need no grad would skip the backward its peers wait in
+            "requires_grad": int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))),
+        },
     )
     return ring_attention(q, k, v, comm, layout=layout, causal=causal, scale=scale, fwd=fwd, bwd=bwd)
 
@@ -167,7 +173,11 @@ def gather_sequence(
     local_len, dim = layouts.seq_len_along(x_local, dim)
     layouts.check_local_length(layout, local_len, ring_size, name=f"local length along dim {dim}")
     _validation.verify_across_ring(
-        "gather_sequence", comm, {"x_local": x_local}, extra={"dim": dim, "layout": layouts.LAYOUTS.index(layout)}
+        "gather_sequence", comm, {"x_local": x_local}, extra={
+            "dim": dim,
+            "layout": layouts.LAYOUTS.index(layout),
+            "requires_grad": int(torch.is_grad_enabled() and x_local.requires_grad),
+        }
     )
     cat = ring_all_gather(x_local, comm, dim)
     return layouts.unshard_concat(cat, layout, ring_size, dim)

@@ -122,7 +122,7 @@ def positions(layout: str, seq_len: int, ring_size: int, rank: int) -> torch.Ten
         c = n // 2
         last = 2 * ring_size - 1 - rank
         return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(last * c, (last + 1) * c)])
-    return torch.arange(rank, seq_len, ring_size)
+    return torch.arange(n) * ring_size + rank
 
 
 def seq_len_along(x: torch.Tensor, dim: int) -> tuple[int, int]:

@@ -279,16 +279,19 @@ def _errors_rank(rank, world):
     msgs["causal"] = _catch(lambda: da.ring_flash_attn(*qkv(4), causal=rank == 0))
     msgs["ring_size"] = _catch(lambda: da.ring_flash_attn(*qkv(4), ring_size=3))
     msgs["gather"] = _catch(lambda: da.gather_sequence(torch.zeros(2, 3 + rank), "contiguous"))
+    # A rank whose inputs need no grad would skip the backward its peers wait in.
+    msgs["requires_grad"] = _catch(lambda: da.ring_flash_attn(*(t.requires_grad_(rank == 0) for t in qkv(4))))
+    msgs["scale"] = _catch(lambda: da.ring_flash_attn(*qkv(4), softmax_scale=0.5 if rank == 1 else None))
 
     # Verified once per signature: the second identical call exchanges no metadata.
     calls = []
-    original = _validation._ring_all_gather_impl
+    original = distcomm.RingComm.all_gather_ints
 
     def counting(*args):
         calls.append(1)
         return original(*args)
 
-    _validation._ring_all_gather_impl = counting
+    distcomm.RingComm.all_gather_ints = counting
     try:
         da.ring_flash_attn(*qkv(6))
         first = len(calls)
@@ -298,7 +301,7 @@ def _errors_rank(rank, world):
         with distcomm.check_mode():
             msgs["check_mode"] = _catch(lambda: da.ring_flash_attn(*qkv(8 if rank == 3 else 6)))
     finally:
-        _validation._ring_all_gather_impl = original
+        distcomm.RingComm.all_gather_ints = original
     # The world still works after the errors.
     q, k, v = qkv(4)
     msgs["after"] = da.ring_flash_attn(q, k, v, causal=True).shape[1]
@@ -315,6 +318,8 @@ def test_cross_rank_errors_same_on_every_rank():
         ("causal", r"ring position 0: .*causal=1.*ring position 1: .*causal=0"),
         ("ring_size", r"`ring_size`=3 must divide the group size 4"),
         ("gather", r"gather_sequence: the ranks of the ring disagree"),
+        ("requires_grad", r"ring position 0: .*requires_grad=1.*ring position 1: .*requires_grad=0"),
+        ("scale", r"ring_flash_attn: the ranks of the ring disagree .*softmax_scale="),
         ("check_mode", r"ring position 3: q=\(1, 8, 2, 16\)"),
     ]:
         assert all(m[key] == msgs[0][key] for m in msgs), key
