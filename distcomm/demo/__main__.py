@@ -57,13 +57,13 @@ def _plot(path, dist_hist, single_hist, world):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distcomm.demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--world-size", type=int, default=2, help="local ranks to start (default 2)")
+    parser.add_argument("--world-size", type=int, default=2, help="local ranks to start, 1 to 4 (default 2)")
     parser.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
     parser.add_argument("--plot", default="distcomm_demo.png", help="where to write the loss-curve PNG")
     args = parser.parse_args(argv)
     world = args.world_size
-    if world < 1:
-        parser.error(f"--world-size must be >= 1, got {world}")
+    if not 1 <= world <= len(training.CLIP_SIZES):
+        parser.error(f"--world-size must be between 1 and {len(training.CLIP_SIZES)}, got {world}")
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
     backend, device = ("nccl", "cuda") if use_cuda else ("gloo", "cpu")
     print(f"distcomm demo: {world} local ranks, backend {backend}, device {device}")
