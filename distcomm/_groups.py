@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 __all__ = [
     "is_initialized",
+    "resolve",
     "resolve_group",
     "group_size",
     "group_rank",
@@ -20,36 +21,67 @@ __all__ = [
 ]
 
 
+def _world():
+    """The default group now, or None without an initialised one."""
+    return dist.group.WORLD if dist.is_available() else None
+
+
 def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    return _world() is not None
 
 
 def resolve_group(group):
     """Return the process group to use: ``None`` means the default (WORLD) group, or no group at all."""
-    if not is_initialized():
+    world = _world()
+    if world is None:
         return None
     if group is None:
-        return dist.group.WORLD
+        return world
     return group
 
 
+def _not_a_member() -> ValueError:
+    return ValueError(
+        f"this process (global rank {dist.get_rank()}) is not a member of the group passed as `group`; "
+        "only members may call a collective on it"
+    )
+
+
+def resolve(group) -> tuple[dist.ProcessGroup | None, int, int]:
+    """(group, its size, this process's rank in it), all looked up now: one lookup per collective call.
+
+    ``group=None`` is the default group; without an initialised default group the answer is
+    ``(None, 1, 0)``, a world of one process. Raises ValueError if this process is not a member.
+    """
+    world = dist.group.WORLD if dist.is_available() else None
+    if world is None:
+        return None, 1, 0
+    if group is None or group is world:
+        return world, world.size(), world.rank()
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise _not_a_member()
+    return group, dist.get_world_size(group), rank
+
+
 def group_size(group=None) -> int:
-    group = resolve_group(group)
-    if group is None:
+    world = _world()
+    if world is None:
         return 1
+    if group is None or group is world:
+        return world.size()
     return dist.get_world_size(group)
 
 
 def group_rank(group=None) -> int:
-    group = resolve_group(group)
-    if group is None:
+    world = _world()
+    if world is None:
         return 0
+    if group is None or group is world:
+        return world.rank()
     rank = dist.get_rank(group)
     if rank < 0:
-        raise ValueError(
-            f"this process (global rank {dist.get_rank()}) is not a member of the group passed as `group`; "
-            "only members may call a collective on it"
-        )
+        raise _not_a_member()
     return rank
 
 
@@ -76,21 +108,24 @@ def check_rank_in_group(name: str, global_rank, group) -> int:
     """Validate a user-given global rank (``src``/``dst``) and return its position in ``group``."""
     if isinstance(global_rank, bool) or not isinstance(global_rank, int):
         raise TypeError(f"`{name}` must be an int (a global rank), got {type(global_rank).__name__} {global_rank!r}")
-    group = resolve_group(group)
-    if group is None:
+    world = _world()
+    if world is None:
         if global_rank != 0:
             raise ValueError(f"`{name}`={global_rank} is not a rank of this single-process run; the only rank is 0")
         return 0
-    if group is dist.group.WORLD:
-        members = list(range(dist.get_world_size()))
+    if group is None or group is world:
+        size = world.size()
+        if 0 <= global_rank < size:
+            return global_rank
+        members = list(range(size))
     else:
         members = [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))]
-    if global_rank not in members:
-        raise ValueError(
-            f"`{name}`={global_rank} is not a member of the group; `{name}` is a global rank and must be one of "
-            f"{members}"
-        )
-    return members.index(global_rank)
+        if global_rank in members:
+            return members.index(global_rank)
+    raise ValueError(
+        f"`{name}`={global_rank} is not a member of the group; `{name}` is a global rank and must be one of "
+        f"{members}"
+    )
 
 
 def comm_device(tensor: torch.Tensor | None, group=None) -> torch.device:

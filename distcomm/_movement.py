@@ -12,8 +12,10 @@ Every op here is linear, so its backward is the transposed collective (Note [Gra
     all_gather_variable(dim)    sum_r g_r[slice j along dim]              reduce-scatter (uneven: all_to_all)
     all_to_all(_single)         the grads routed back, splits swapped     all_to_all(_single)
 
-``all_gather_tensor``'s adjoint is the public :func:`distcomm.functional.reduce_scatter_tensor`; the
-others use this module's variable-size reduce-scatter, whose own adjoint is ``all_gather_variable``.
+``all_gather_tensor``'s adjoint is the Function behind :func:`distcomm.functional.reduce_scatter_tensor`;
+the others use this module's variable-size reduce-scatter, whose own adjoint is ``all_gather_variable``.
+A backward builds its adjoint as a graph node only when a graph is being built (double backward);
+otherwise it runs the raw collective, skipping the cost of an autograd node nobody uses.
 
 Note [Writing into output arguments]
     ``_all_gather_base``, ``all_to_all_single`` and ``all_to_all`` write into tensors the caller passes,
@@ -50,7 +52,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from distcomm import _check, _groups
+from distcomm import _check, _groups, _reduce
+from distcomm._reduce import _SUM_OP, _adjoint
 
 __all__ = [
     "gather",
@@ -63,9 +66,8 @@ __all__ = [
     "all_gather_variable",
 ]
 
-# torch >= 2.13 renamed the flat collectives (the old names warn); older versions have only the old names.
+# torch >= 2.13 renamed the flat collective (the old name warns); older versions have only the old name.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -77,8 +79,7 @@ def _setup(group):
     """Resolve ``group`` and return (group, size, rank); ``group`` is None without a process group."""
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"`group` must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-    group = _groups.resolve_group(group)
-    return group, _groups.group_size(group), _groups.group_rank(group)
+    return _groups.resolve(group)
 
 
 def _require_tensor(name: str, value) -> None:
@@ -97,13 +98,18 @@ def _require_tensor_list(name: str, value, n: int) -> list[torch.Tensor]:
     return list(value)
 
 
-def _require_writable(name: str, output: torch.Tensor, like: torch.Tensor) -> None:
+def _require_writable(name: str, output: torch.Tensor, like: torch.Tensor, index: int | None = None) -> None:
+    """``output`` may be overwritten for an input ``like``; ``index`` names an entry of the list ``name``."""
     if output.requires_grad:
+        if index is not None:
+            name = f"{name}[{index}]"
         raise ValueError(
             f"`{name}` requires grad, but it is overwritten by the collective; pass a tensor that does not "
             "require grad (e.g. torch.empty(...) or .detach()) and use the returned tensor for autograd"
         )
     if output.dtype != like.dtype or output.device != like.device:
+        if index is not None:
+            name = f"{name}[{index}]"
         raise ValueError(
             f"`{name}` has dtype {output.dtype} on {output.device}, but the input has dtype {like.dtype} on "
             f"{like.device}; they must match"
@@ -156,7 +162,7 @@ def _needs_graph(*tensors: torch.Tensor) -> bool:
 
 
 def _is_nccl(group, tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "cuda" and "nccl" in str(dist.get_backend(group)).lower()
+    return tensor.is_cuda and "nccl" in str(dist.get_backend(group)).lower()
 
 
 def _raw_all_gather_flat(out: torch.Tensor, x: torch.Tensor, group, n: int) -> None:
@@ -177,14 +183,6 @@ def _raw_all_gather_into(output: torch.Tensor, x: torch.Tensor, group, n: int) -
         output.copy_(staged)
 
 
-def _raw_reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, group, n: int) -> None:
-    """``out`` receives the SUM over ranks of chunk ``rank`` of the contiguous ``x``."""
-    if n == 1:
-        out.view(-1).copy_(x.reshape(-1))
-    else:
-        _reduce_scatter_flat(out.view(-1), x.view(-1), op=dist.ReduceOp.SUM, group=group)
-
-
 def _raw_all_to_all(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group, n: int) -> None:
     """outputs[i] receives rank i's inputs[this rank]; sizes may differ, outputs may be non-contiguous."""
     if n == 1:
@@ -199,11 +197,10 @@ def _raw_all_to_all(outputs: list[torch.Tensor], inputs: list[torch.Tensor], gro
         return
     # gloo's list form needs equal sizes: go through one flat all_to_all_single.
     send = torch.cat([t.reshape(-1) for t in inputs])
-    recv = send.new_empty(sum(o.numel() for o in outputs))
-    dist.all_to_all_single(
-        recv, send, [o.numel() for o in outputs], [t.numel() for t in inputs], group=group
-    )
-    for o, piece in zip(outputs, recv.split([o.numel() for o in outputs])):
+    out_numels = [o.numel() for o in outputs]
+    recv = send.new_empty(sum(out_numels))
+    dist.all_to_all_single(recv, send, out_numels, [t.numel() for t in inputs], group=group)
+    for o, piece in zip(outputs, recv.split(out_numels)):
         o.copy_(piece.view(o.shape))
 
 
@@ -234,32 +231,47 @@ def _is_direct(outputs: list[torch.Tensor]) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _raw_gather(x: torch.Tensor, dst: int, group, n: int, rank: int) -> list[torch.Tensor]:
+def _raw_gather(dst: int, group, n: int, rank: int, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     x = x.contiguous()
     if rank != dst:
         if n > 1:
             dist.gather(x, None, dst=_groups.to_global_rank(group, dst), group=group)
-        return [torch.zeros_like(x) for _ in range(n)]
+        return tuple(torch.zeros_like(x) for _ in range(n))
     outs = [torch.empty_like(x) for _ in range(n)]
     if n == 1:
         outs[0].copy_(x)
     else:
         dist.gather(x, outs, dst=_groups.to_global_rank(group, dst), group=group)
-    return outs
+    return tuple(outs)
+
+
+def _raw_scatter(src: int, group, n: int, rank: int, like, *tensors: torch.Tensor) -> torch.Tensor:
+    shape, dtype, device = like
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if n == 1:
+        out.copy_(tensors[0])
+    elif rank == src:
+        dist.scatter(out, [t.contiguous() for t in tensors], src=_groups.to_global_rank(group, src), group=group)
+    else:
+        dist.scatter(out, None, src=_groups.to_global_rank(group, src), group=group)
+    return out
 
 
 class _Gather(Function):
     """y_r = (x_0, ..., x_{W-1}) on r = dst, zeros elsewhere. Adjoint: scatter of g_dst from dst."""
 
     @staticmethod
-    def forward(ctx, dst, group, tensor):
-        n, rank = _groups.group_size(group), _groups.group_rank(group)
-        ctx.dst, ctx.group, ctx.like = dst, group, (tensor.shape, tensor.dtype, tensor.device)
-        return tuple(_raw_gather(tensor, dst, group, n, rank))
+    def forward(ctx, dst, group, n, rank, tensor):
+        ctx.dst, ctx.group, ctx.n, ctx.rank = dst, group, n, rank
+        ctx.like = (tensor.shape, tensor.dtype, tensor.device)
+        return _raw_gather(dst, group, n, rank, tensor)
 
     @staticmethod
     def backward(ctx, *grads):
-        return None, None, _Scatter.apply(ctx.dst, ctx.group, ctx.like, True, *grads)
+        args = (ctx.dst, ctx.group, ctx.n, ctx.rank, ctx.like)
+        if torch.is_grad_enabled():
+            return None, None, None, None, _Scatter.apply(*args, True, *grads)
+        return None, None, None, None, _raw_scatter(*args, *grads)
 
 
 class _Scatter(Function):
@@ -270,30 +282,24 @@ class _Scatter(Function):
     """
 
     @staticmethod
-    def forward(ctx, src, group, like, differentiable, *tensors):
-        n, rank = _groups.group_size(group), _groups.group_rank(group)
-        ctx.src, ctx.group, ctx.n_inputs, ctx.is_src = src, group, len(tensors), rank == src
+    def forward(ctx, src, group, n, rank, like, differentiable, *tensors):
+        ctx.src, ctx.group, ctx.n, ctx.rank = src, group, n, rank
+        ctx.n_inputs, ctx.is_src = len(tensors), rank == src
         ctx.placeholder_likes = [(t.shape, t.dtype, t.device) for t in tensors[:n]]
-        shape, dtype, device = like
-        out = torch.empty(shape, dtype=dtype, device=device)
-        if n == 1:
-            out.copy_(tensors[0])
-        elif rank == src:
-            dist.scatter(out, [t.contiguous() for t in tensors], src=_groups.to_global_rank(group, src), group=group)
-        else:
-            dist.scatter(out, None, src=_groups.to_global_rank(group, src), group=group)
+        out = _raw_scatter(src, group, n, rank, like, *tensors)
         if not differentiable:
             ctx.mark_non_differentiable(out)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        grads = _Gather.apply(ctx.src, ctx.group, grad.contiguous())
+        grads = _adjoint(_Gather, _raw_gather, ctx.src, ctx.group, ctx.n, ctx.rank, grad.contiguous())
+        head = (None,) * 6
         if ctx.is_src:
-            return (None, None, None, None, *grads)
+            return (*head, *grads)
         # Off the source the gathered grads are zeros that stay in the graph: a double backward then runs
         # the scatter its source waits in. Placeholders of another shape (or none) get no grad.
-        return (None, None, None, None) + tuple(
+        return head + tuple(
             g if like == (g.shape, g.dtype, g.device) else None for g, like in zip(grads, ctx.placeholder_likes)
         ) + (None,) * (ctx.n_inputs - len(grads))
 
@@ -313,10 +319,11 @@ def gather(tensor: torch.Tensor, dst: int = 0, group: dist.ProcessGroup | None =
         through its result (the backward is a collective), even where it holds only zeros.
     """
     _require_tensor("tensor", tensor)
-    group, n, _ = _setup(group)
+    group, n, rank = _setup(group)
     dst_rank = _groups.check_rank_in_group("dst", dst, group)
-    _check.check_same("gather", tensor, group)
-    return _Gather.apply(dst_rank, group, tensor)
+    if n > 1 and _check.is_check_mode():
+        _check.check_same("gather", tensor, group)
+    return _Gather.apply(dst_rank, group, n, rank, tensor)
 
 
 def scatter(
@@ -371,7 +378,7 @@ def scatter(
     inputs = tensors
     if differentiable and not _needs_graph(*inputs):
         inputs = [*inputs, torch.zeros((), requires_grad=True)]  # makes this rank's output require grad
-    return _Scatter.apply(src_rank, group, like, bool(differentiable), *inputs)
+    return _Scatter.apply(src_rank, group, n, rank, like, bool(differentiable), *inputs)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -379,19 +386,22 @@ def scatter(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _reduce_scatter_tensor(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
-    from distcomm._reduce import reduce_scatter_tensor  # the adjoint lives with the reductions
-
-    return reduce_scatter_tensor(tensor, dim=dim, op=dist.ReduceOp.SUM, group=group)
+def _sum_entries(grads: tuple[torch.Tensor, ...], group, n: int) -> torch.Tensor:
+    """sum_r of rank r's ``grads[this rank]`` (a reduce-scatter, SUM): the raw adjoint of :class:`_AllGather`."""
+    first = grads[0]
+    if first.dim() == 0:  # the backends need a dim to split
+        out = first.new_empty(1)
+        return _reduce._raw_reduce_scatter_into(out, torch.stack(grads), _SUM_OP, group, n).view(())
+    out = first.new_empty(first.shape)
+    return _reduce._raw_reduce_scatter_into(out, torch.cat(grads), _SUM_OP, group, n)
 
 
 class _AllGather(Function):
     """y_r = (x_0, ..., x_{W-1}) on every rank. Adjoint: reduce-scatter (SUM) of the stacked grads."""
 
     @staticmethod
-    def forward(ctx, group, tensor):
-        n = _groups.group_size(group)
-        ctx.group = group
+    def forward(ctx, group, n, rank, tensor):
+        ctx.group, ctx.n, ctx.rank = group, n, rank
         x = tensor.contiguous()
         outs = [torch.empty_like(x) for _ in range(n)]
         if n == 1:
@@ -402,45 +412,40 @@ class _AllGather(Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        n = len(grads)
-        return None, _ReduceScatterVariable.apply(torch.stack(grads), 0, (1,) * n, ctx.group).squeeze(0)
+        group, n = ctx.group, ctx.n
+        if not torch.is_grad_enabled():
+            return None, None, None, _sum_entries(grads, group, n)
+        stacked = torch.stack(grads)
+        return None, None, None, _ReduceScatterVariable.apply(stacked, 0, (1,) * n, group, ctx.rank).squeeze(0)
 
 
 class _AllGatherTensor(Function):
     """y = cat(x_0, ..., x_{W-1}; dim) on every rank. Adjoint: reduce_scatter_tensor(SUM) along dim."""
 
     @staticmethod
-    def forward(ctx, tensor, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _gather_concat(tensor, dim, [tensor.shape[dim]] * _groups.group_size(group), group)
+    def forward(ctx, tensor, dim, group, n):
+        ctx.dim, ctx.group, ctx.n = dim, group, n
+        return _reduce._raw_all_gather_dim(tensor, dim, group, n)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_tensor(grad, ctx.dim, ctx.group), None, None
+        args = (grad, ctx.dim, _SUM_OP, ctx.group, ctx.n)
+        return _adjoint(_reduce._ReduceScatterTensor, _reduce._raw_reduce_scatter_dim, *args), None, None, None
 
 
-def _gather_concat(x: torch.Tensor, dim: int, sizes: list[int], group) -> torch.Tensor:
+def _gather_concat(x: torch.Tensor, dim: int, sizes: tuple[int, ...], group) -> torch.Tensor:
     """cat over ranks along ``dim`` of x_r, whose size along ``dim`` is sizes[r] (Note [Variable sizes])."""
     n = len(sizes)
+    if sizes.count(sizes[0]) == n:
+        return _reduce._raw_all_gather_dim(x, dim, group, n)
+    # Uneven: every rank sends its whole tensor to every rank (the same tensor, no copies on NCCL).
     shape = list(x.shape)
     out_shape = shape.copy()
     out_shape[dim] = sum(sizes)
-    blocks_are_contiguous = math.prod(shape[:dim]) <= 1  # rank r's block is one contiguous piece of the output
     x = x.contiguous()
-    if all(s == sizes[0] for s in sizes):
-        if blocks_are_contiguous:
-            out = x.new_empty(out_shape)
-            _raw_all_gather_flat(out, x, group, n)
-            return out
-        buf = x.new_empty((n, *shape))
-        _raw_all_gather_flat(buf, x, group, n)
-        out = x.new_empty(out_shape)
-        out.unflatten(dim, (n, sizes[0])).copy_(buf.movedim(0, dim))
-        return out
-    # Uneven: every rank sends its whole tensor to every rank (the same tensor, no copies on NCCL).
     shapes = [[*shape[:dim], s, *shape[dim + 1 :]] for s in sizes]
     numels = [math.prod(s) for s in shapes]
-    if blocks_are_contiguous:
+    if math.prod(shape[:dim]) <= 1:  # rank r's block is one contiguous piece of the output
         out = x.new_empty(out_shape)
         _raw_all_to_all(list(out.view(-1).split(numels)), [x.view(-1)] * n, group, n)
         return out
@@ -449,24 +454,14 @@ def _gather_concat(x: torch.Tensor, dim: int, sizes: list[int], group) -> torch.
     return torch.cat([b.view(s) for b, s in zip(blocks, shapes)], dim=dim)
 
 
-def _reduce_scatter_concat(grad: torch.Tensor, dim: int, sizes: list[int], group) -> torch.Tensor:
+def _reduce_scatter_concat(grad: torch.Tensor, dim: int, sizes: tuple[int, ...], group, rank: int) -> torch.Tensor:
     """Rank j's slice (sizes[j] along ``dim``) of the SUM over ranks of ``grad``: the transpose of the above."""
-    n, rank = len(sizes), _groups.group_rank(group)
-    shape = list(grad.shape)
-    blocks_are_contiguous = math.prod(shape[:dim]) <= 1
-    if blocks_are_contiguous:
-        grad = grad.contiguous()  # then every rank's slice is a contiguous view
-    if all(s == sizes[0] for s in sizes):
-        chunk = [*shape[:dim], sizes[0], *shape[dim + 1 :]]
-        if blocks_are_contiguous:
-            src = grad
-        else:
-            src = grad.new_empty((n, *chunk))
-            src.copy_(grad.unflatten(dim, (n, sizes[0])).movedim(dim, 0))
-        out = grad.new_empty(chunk)
-        _raw_reduce_scatter_flat(out, src, group, n)
-        return out
+    n = len(sizes)
+    if sizes.count(sizes[0]) == n:
+        return _reduce._raw_reduce_scatter_dim(grad, dim, _SUM_OP, group, n)
     # Uneven: rank j receives the other ranks' grads of its slice and adds them to its own.
+    if math.prod(grad.shape[:dim]) <= 1:
+        grad = grad.contiguous()  # then every rank's slice is a contiguous view
     offsets = [sum(sizes[:r]) for r in range(n)]
     pieces = [grad.narrow(dim, o, s) for o, s in zip(offsets, sizes)]
     own = pieces[rank]
@@ -484,26 +479,30 @@ class _AllGatherVariable(Function):
     """y = cat(x_0, ..., x_{W-1}; dim), uneven sizes. Adjoint: _ReduceScatterVariable."""
 
     @staticmethod
-    def forward(ctx, tensor, dim, sizes, group):
-        ctx.dim, ctx.sizes, ctx.group = dim, sizes, group
+    def forward(ctx, tensor, dim, sizes, group, rank):
+        ctx.dim, ctx.sizes, ctx.group, ctx.rank = dim, sizes, group, rank
         return _gather_concat(tensor, dim, sizes, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _ReduceScatterVariable.apply(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None
+        args = (grad, ctx.dim, ctx.sizes, ctx.group, ctx.rank)
+        return _adjoint(_ReduceScatterVariable, _reduce_scatter_concat, *args), None, None, None, None
 
 
 class _ReduceScatterVariable(Function):
     """x̄_j = sum_r g_r[slice j along dim]. Adjoint: _AllGatherVariable."""
 
     @staticmethod
-    def forward(ctx, grad, dim, sizes, group):
-        ctx.dim, ctx.sizes, ctx.group = dim, sizes, group
-        return _reduce_scatter_concat(grad, dim, sizes, group)
+    def forward(ctx, grad, dim, sizes, group, rank):
+        ctx.dim, ctx.sizes, ctx.group, ctx.rank = dim, sizes, group, rank
+        return _reduce_scatter_concat(grad, dim, sizes, group, rank)
 
     @staticmethod
     def backward(ctx, grad):
-        return _AllGatherVariable.apply(grad.contiguous(), ctx.dim, ctx.sizes, ctx.group), None, None, None
+        grad = grad.contiguous()
+        if torch.is_grad_enabled():
+            return _AllGatherVariable.apply(grad, ctx.dim, ctx.sizes, ctx.group, ctx.rank), None, None, None, None
+        return _gather_concat(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None, None
 
 
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, ...]:
@@ -519,9 +518,10 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
         rank j receives sum_r g_r[j] (incoming grads of any layout).
     """
     _require_tensor("tensor", tensor)
-    group, _, _ = _setup(group)
-    _check.check_same("all_gather", tensor, group)
-    return _AllGather.apply(group, tensor)
+    group, n, rank = _setup(group)
+    if n > 1 and _check.is_check_mode():
+        _check.check_same("all_gather", tensor, group)
+    return _AllGather.apply(group, n, rank, tensor)
 
 
 def all_gather_tensor(tensor: torch.Tensor, dim: int = 0, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -540,9 +540,10 @@ def all_gather_tensor(tensor: torch.Tensor, dim: int = 0, group: dist.ProcessGro
     """
     _require_tensor("tensor", tensor)
     dim = _normalize_dim(dim, tensor)
-    group, _, _ = _setup(group)
-    _check.check_same("all_gather_tensor", tensor, group)
-    return _AllGatherTensor.apply(tensor, dim, group)
+    group, n, _ = _setup(group)
+    if n > 1 and _check.is_check_mode():
+        _check.check_same("all_gather_tensor", tensor, group)
+    return _AllGatherTensor.apply(tensor, dim, group, n)
 
 
 def _learn_sizes(tensor: torch.Tensor, dim: int, sizes: list[int] | None, group, n: int) -> list[int]:
@@ -597,12 +598,13 @@ def all_gather_variable(
     dim = _normalize_dim(dim, tensor)
     group, n, rank = _setup(group)
     if sizes is not None:
-        if isinstance(sizes, torch.Tensor) or not isinstance(sizes, Sequence):
+        if type(sizes) is not list and (isinstance(sizes, torch.Tensor) or not isinstance(sizes, Sequence)):
             raise TypeError(f"`sizes` must be a list of ints or None, got {type(sizes).__name__}")
-        if any(isinstance(s, bool) or not isinstance(s, int) for s in sizes):
-            raise TypeError(f"`sizes` must be a list of ints or None, got {list(sizes)!r}")
         sizes = list(sizes)
-        if len(sizes) != n or any(s < 0 for s in sizes):
+        for s in sizes:
+            if isinstance(s, bool) or not isinstance(s, int):
+                raise TypeError(f"`sizes` must be a list of ints or None, got {sizes!r}")
+        if len(sizes) != n or min(sizes) < 0:
             raise ValueError(f"`sizes`={sizes} must hold {n} non-negative ints (one per group rank)")
         if sizes[rank] != tensor.shape[dim]:
             raise ValueError(
@@ -612,24 +614,24 @@ def all_gather_variable(
         sizes = [tensor.shape[dim]]
     elif sizes is None or _check.is_check_mode():
         sizes = _learn_sizes(tensor, dim, sizes, group, n)
-    return _AllGatherVariable.apply(tensor, dim, tuple(sizes), group), list(sizes)
+    return _AllGatherVariable.apply(tensor, dim, tuple(sizes), group, rank), sizes
 
 
 class _AllGatherBaseWrite(Function):
     """Writes cat(x_0, ..., x_{W-1}) into the caller's output. Adjoint: reduce-scatter (SUM)."""
 
     @staticmethod
-    def forward(ctx, output, tensor, group, direct):
-        n = _groups.group_size(group)
-        ctx.group, ctx.n, ctx.shape = group, n, tensor.shape
+    def forward(ctx, output, tensor, group, n, rank, direct):
+        ctx.group, ctx.n, ctx.rank, ctx.shape = group, n, rank, tensor.shape
         _raw_all_gather_into(output, tensor, group, n)
         return _written(ctx, [output], direct)[0]
 
     @staticmethod
     def backward(ctx, grad):
-        rows = grad.reshape(ctx.n, math.prod(ctx.shape))
-        chunk = _ReduceScatterVariable.apply(rows, 0, (1,) * ctx.n, ctx.group)
-        return None, chunk.reshape(ctx.shape), None, None
+        n = ctx.n
+        rows = grad.reshape(n, math.prod(ctx.shape))
+        chunk = _adjoint(_ReduceScatterVariable, _reduce_scatter_concat, rows, 0, (1,) * n, ctx.group, ctx.rank)
+        return None, chunk.reshape(ctx.shape), None, None, None, None
 
 
 def _all_gather_base(
@@ -649,7 +651,7 @@ def _all_gather_base(
     """
     _require_tensor("output_tensor", output_tensor)
     _require_tensor("input_tensor", input_tensor)
-    group, n, _ = _setup(group)
+    group, n, rank = _setup(group)
     _require_writable("output_tensor", output_tensor, input_tensor)
     allowed = [(n, *input_tensor.shape)]
     if input_tensor.dim():
@@ -659,11 +661,13 @@ def _all_gather_base(
             f"`output_tensor` has shape {tuple(output_tensor.shape)}; for an input of shape "
             f"{tuple(input_tensor.shape)} on {n} ranks it must be one of {allowed}"
         )
-    _check.check_same("_all_gather_base", input_tensor, group)
-    if not _needs_graph(input_tensor):
+    if n > 1 and _check.is_check_mode():
+        _check.check_same("_all_gather_base", input_tensor, group)
+    if not (torch.is_grad_enabled() and input_tensor.requires_grad):
         _raw_all_gather_into(output_tensor, input_tensor, group, n)
         return output_tensor
-    return _AllGatherBaseWrite.apply(output_tensor, input_tensor, group, _is_direct([output_tensor]))
+    direct = output_tensor._base is None
+    return _AllGatherBaseWrite.apply(output_tensor, input_tensor, group, n, rank, direct)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -671,51 +675,62 @@ def _all_gather_base(
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _all_to_all_single_fresh(group, n: int, out_shape, out_splits, in_splits, tensor) -> torch.Tensor:
+    out = tensor.new_empty(out_shape)
+    _raw_all_to_all_single(out, tensor, out_splits, in_splits, group, n)
+    return out
+
+
 class _AllToAllSingle(Function):
     """Fresh-output form: y = all_to_all_single(x). Adjoint: itself with the splits swapped."""
 
     @staticmethod
-    def forward(ctx, group, out_shape, out_splits, in_splits, tensor):
-        n = _groups.group_size(group)
-        ctx.group, ctx.in_shape, ctx.out_splits, ctx.in_splits = group, tensor.shape, out_splits, in_splits
-        out = tensor.new_empty(out_shape)
-        _raw_all_to_all_single(out, tensor, out_splits, in_splits, group, n)
-        return out
+    def forward(ctx, group, n, out_shape, out_splits, in_splits, tensor):
+        ctx.group, ctx.n, ctx.in_shape, ctx.out_splits, ctx.in_splits = group, n, tensor.shape, out_splits, in_splits
+        return _all_to_all_single_fresh(group, n, out_shape, out_splits, in_splits, tensor)
 
     @staticmethod
     def backward(ctx, grad):
-        back = _AllToAllSingle.apply(ctx.group, ctx.in_shape, ctx.in_splits, ctx.out_splits, grad.contiguous())
-        return None, None, None, None, back
+        args = (ctx.group, ctx.n, ctx.in_shape, ctx.in_splits, ctx.out_splits, grad.contiguous())
+        return None, None, None, None, None, _adjoint(_AllToAllSingle, _all_to_all_single_fresh, *args)
 
 
 class _AllToAllSingleWrite(Function):
     """Writes all_to_all_single(x) into the caller's output. Adjoint: _AllToAllSingle, splits swapped."""
 
     @staticmethod
-    def forward(ctx, output, tensor, group, out_splits, in_splits, direct):
-        ctx.group, ctx.in_shape, ctx.out_splits, ctx.in_splits = group, tensor.shape, out_splits, in_splits
-        _raw_all_to_all_single(output, tensor, out_splits, in_splits, group, _groups.group_size(group))
-        return _written(ctx, [output], direct)[0]
+    def forward(ctx, output, tensor, group, n, out_splits, in_splits, direct):
+        ctx.group, ctx.n, ctx.in_shape, ctx.out_splits, ctx.in_splits = group, n, tensor.shape, out_splits, in_splits
+        _raw_all_to_all_single(output, tensor, out_splits, in_splits, group, n)
+        if direct:
+            ctx.mark_dirty(output)
+            return output
+        return output.view_as(output)
 
     @staticmethod
     def backward(ctx, grad):
-        back = _AllToAllSingle.apply(ctx.group, ctx.in_shape, ctx.in_splits, ctx.out_splits, grad.contiguous())
-        return None, back, None, None, None, None
+        args = (ctx.group, ctx.n, ctx.in_shape, ctx.in_splits, ctx.out_splits, grad.contiguous())
+        return None, _adjoint(_AllToAllSingle, _all_to_all_single_fresh, *args), None, None, None, None, None
+
+
+def _all_to_all_fresh(group, n: int, out_likes, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    outs = [torch.empty(s, dtype=dt, device=dev) for s, dt, dev in out_likes]
+    _raw_all_to_all(outs, list(tensors), group, n)
+    return tuple(outs)
 
 
 class _AllToAll(Function):
     """Fresh-output list form: y[i] = rank i's x[this rank]. Adjoint: itself, shapes swapped."""
 
     @staticmethod
-    def forward(ctx, group, out_likes, *tensors):
-        ctx.group, ctx.in_likes = group, [(t.shape, t.dtype, t.device) for t in tensors]
-        outs = [torch.empty(s, dtype=dt, device=dev) for s, dt, dev in out_likes]
-        _raw_all_to_all(outs, list(tensors), group, _groups.group_size(group))
-        return tuple(outs)
+    def forward(ctx, group, n, out_likes, *tensors):
+        ctx.group, ctx.n, ctx.in_likes = group, n, [(t.shape, t.dtype, t.device) for t in tensors]
+        return _all_to_all_fresh(group, n, out_likes, *tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, *_AllToAll.apply(ctx.group, ctx.in_likes, *[g.contiguous() for g in grads]))
+        back = _adjoint(_AllToAll, _all_to_all_fresh, ctx.group, ctx.n, ctx.in_likes, *[g.contiguous() for g in grads])
+        return (None, None, None, *back)
 
 
 class _AllToAllWrite(Function):
@@ -730,13 +745,13 @@ class _AllToAllWrite(Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        back = _AllToAll.apply(ctx.group, ctx.in_likes, *[g.contiguous() for g in grads])
+        back = _adjoint(_AllToAll, _all_to_all_fresh, ctx.group, ctx.n, ctx.in_likes, *[g.contiguous() for g in grads])
         return (None, None, None) + (None,) * ctx.n + tuple(back)
 
 
 def _check_all_to_all(op: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor], group, n: int) -> None:
     """Check mode: rank i's inputs[j] must match rank j's outputs[i] in shape and dtype, on every rank."""
-    if not _check.is_check_mode() or n == 1:
+    if n == 1 or not _check.is_check_mode():
         return
     rows = [_check._encode(t) for t in [*inputs, *outputs]]
     _, extras = _check.gather_meta(None, group, extra=[v for row in rows for v in row])
@@ -786,7 +801,7 @@ def all_to_all(
                 f"dtype {inputs[0].dtype} on {inputs[0].device}; all must match"
             )
     for i, o in enumerate(outputs):
-        _require_writable(f"output_tensor_list[{i}]", o, inputs[0])
+        _require_writable("output_tensor_list", o, inputs[0], i)
     _check_all_to_all("all_to_all", inputs, outputs, group, n)
     if not _needs_graph(*inputs):
         _raw_all_to_all(outputs, inputs, group, n)
@@ -829,13 +844,13 @@ def all_to_all_single(
         )
     out_splits = _require_splits("output_split_sizes", output_split_sizes, n, output.shape[0], "output")
     in_splits = _require_splits("input_split_sizes", input_split_sizes, n, input.shape[0], "input")
-    if _check.is_check_mode() and n > 1:
+    if n > 1 and _check.is_check_mode():
         _check_all_to_all_single(input, out_splits or [output.shape[0] // n] * n,
                                  in_splits or [input.shape[0] // n] * n, group, n)
-    if not _needs_graph(input):
+    if not (torch.is_grad_enabled() and input.requires_grad):
         _raw_all_to_all_single(output, input, out_splits, in_splits, group, n)
         return output
-    return _AllToAllSingleWrite.apply(output, input, group, out_splits, in_splits, _is_direct([output]))
+    return _AllToAllSingleWrite.apply(output, input, group, n, out_splits, in_splits, output._base is None)
 
 
 def _check_all_to_all_single(tensor, out_splits: list[int], in_splits: list[int], group, n: int) -> None:

@@ -58,7 +58,6 @@ Note [Collectives per call]
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -87,22 +86,30 @@ _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 # --------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, eq=False)
 class _Op:
-    """A parsed ReduceOp: its kind and, for PREMUL_SUM, this rank's factor."""
+    """A parsed ReduceOp: its kind, for PREMUL_SUM this rank's factor, and the family it belongs to.
 
-    kind: ReduceOp.RedOpType
-    factor: float | complex | torch.Tensor | None = None
+    ``kind`` is always the enum member itself (``ReduceOp.SUM``, ...), never an equal copy, so the hot
+    paths compare kinds with ``is`` (an ``==`` between these enums costs a Python-level call).
+    """
 
-    @property
-    def name(self) -> str:
-        return self.kind.name
+    __slots__ = ("kind", "factor", "name", "linear", "extrema", "bitwise")
+
+    def __init__(self, kind: ReduceOp.RedOpType, factor: float | complex | torch.Tensor | None = None):
+        self.kind, self.factor, self.name = kind, factor, kind.name
+        self.linear = kind in _LINEAR
+        self.extrema = kind in _EXTREMA
+        self.bitwise = kind in _BITWISE
 
 
-_SUM_OP = _Op(_SUM)
+_KINDS = {k.value: k for k in (_SUM, _AVG, _PRODUCT, _MIN, _MAX, *_BITWISE, _PREMUL_SUM)}
+_OPS = {value: _Op(kind) for value, kind in _KINDS.items() if kind is not _PREMUL_SUM}
+_SUM_OP = _OPS[_SUM.value]
 
 
 def _parse_op(op) -> _Op:
+    if op is _SUM:
+        return _SUM_OP
     if isinstance(op, ReduceOp.RedOpType):
         kind, factor = op, None
     elif isinstance(op, ReduceOp) and hasattr(op, "op"):
@@ -116,7 +123,11 @@ def _parse_op(op) -> _Op:
         raise TypeError(
             f"`op` must be a torch.distributed.ReduceOp (one of {_ALL_OPS}), got {type(op).__name__} {op!r}"
         )
-    if kind == _PREMUL_SUM:
+    parsed = _OPS.get(kind.value)
+    if parsed is not None:
+        return parsed
+    kind = _KINDS.get(kind.value, kind)
+    if kind is _PREMUL_SUM:
         if factor is None:
             raise ValueError(
                 "`op`=PREMUL_SUM needs a factor: pass torch.distributed._make_nccl_premul_sum(factor) instead of "
@@ -149,21 +160,26 @@ def _needs_grad(tensor: torch.Tensor) -> bool:
 
 def _resolve(group):
     """(group, size, this rank's position) at call time; ``group=None`` is the default group."""
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(
-            "`group` is the placeholder torch.distributed.new_group returns to processes outside the group; "
-            "only its members may call a collective on it"
-        )
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"`group` must be a torch.distributed.ProcessGroup or None (the default group), got {group!r}")
-    group = _groups.resolve_group(group)
-    return group, _groups.group_size(group), _groups.group_rank(group)
+    if group is not None:
+        if group is dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(
+                "`group` is the placeholder torch.distributed.new_group returns to processes outside the group; "
+                "only its members may call a collective on it"
+            )
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                f"`group` must be a torch.distributed.ProcessGroup or None (the default group), got {group!r}"
+            )
+    return _groups.resolve(group)
 
 
 def _check_op(fn: str, op: _Op, dtype: torch.dtype, needs_grad: bool, group) -> None:
     """Reject op/dtype combinations the backends or the gradient cannot handle, before communicating."""
+    kind = op.kind
+    if kind is _SUM:  # defined and differentiable for every dtype
+        return
     floating = dtype.is_floating_point or dtype.is_complex
-    if op.kind in _BITWISE:
+    if op.bitwise:
         if needs_grad:
             raise ValueError(
                 f"{fn}: `op`={op.name} is not differentiable, but the input requires grad; detach the input or "
@@ -176,14 +192,14 @@ def _check_op(fn: str, op: _Op, dtype: torch.dtype, needs_grad: bool, group) -> 
                 f"{fn}: `op`={op.name} is not supported by the NCCL backend (it has SUM, AVG, PREMUL_SUM, PRODUCT, "
                 "MIN and MAX); use a gloo group for bitwise reductions"
             )
-    if dtype.is_complex and op.kind in (_PRODUCT, _MIN, _MAX):
+    if dtype.is_complex and (kind is _PRODUCT or op.extrema):
         raise TypeError(
             f"{fn}: `op`={op.name} is not defined for complex tensors (got {dtype}); complex tensors allow SUM, "
             "AVG and PREMUL_SUM"
         )
-    if op.kind == _PREMUL_SUM and not floating:
+    if kind is _PREMUL_SUM and not floating:
         raise TypeError(f"{fn}: `op`=PREMUL_SUM needs a floating-point or complex tensor, got dtype {dtype}")
-    if op.kind == _AVG and dtype == torch.bool:
+    if kind is _AVG and dtype == torch.bool:
         raise TypeError(f"{fn}: `op`=AVG is not defined for bool tensors")
 
 
@@ -196,10 +212,9 @@ def _encode_shape(shape) -> list[int]:
 def _agree(fn: str, tensor: torch.Tensor, group, *, same_shape: bool = True, shapes=(), **ints: int) -> None:
     """Check mode: every rank must pass the same dtype, shape (if ``same_shape``), ``shapes`` and ``ints``.
 
-    One small all-gather; every rank sees the same data and so raises the same ``ValueError``.
+    One small all-gather; every rank sees the same data and so raises the same ``ValueError``. Called only
+    in check mode and on groups of more than one rank.
     """
-    if not _check.is_check_mode() or _groups.group_size(group) == 1:
-        return
     names = list(ints)
     extra = [int(v) for v in ints.values()] + [v for s in shapes for v in _encode_shape(s)]
     metas, rows = _check.gather_meta(tensor, group, extra=extra)
@@ -241,24 +256,23 @@ def _wire(tensor: torch.Tensor) -> torch.Tensor:
 
 def _owned_copy(x: torch.Tensor, op: _Op) -> torch.Tensor:
     """A contiguous copy of ``x`` (times the factor for PREMUL_SUM, see Note [Backend emulation])."""
-    if op.kind != _PREMUL_SUM:
+    if op.kind is not _PREMUL_SUM:
+        if x.is_contiguous():  # the plain clone keeps the (contiguous) layout and is cheaper to call
+            return x.clone()
         return x.clone(memory_format=torch.contiguous_format)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     factor = op.factor.to(x.device) if isinstance(op.factor, torch.Tensor) else op.factor
     return torch.mul(x, factor, out=out)
 
 
-def _backend_op(op: _Op, group, dtype: torch.dtype):
+def _backend_op(op: _Op, group, dtype: torch.dtype, size: int):
     """The op handed to the backend and the divisor applied afterwards (AVG emulation) or None."""
-    if op.kind == _AVG and not (_is_nccl(group) and (dtype.is_floating_point or dtype.is_complex)):
-        return _SUM, _groups.group_size(group)
-    if op.kind == _PREMUL_SUM:
+    kind = op.kind
+    if kind is _AVG and not (_is_nccl(group) and (dtype.is_floating_point or dtype.is_complex)):
+        return _SUM, size
+    if kind is _PREMUL_SUM:
         return _SUM, None
-    return op.kind, None
-
-
-def _has_nan_mask(op: _Op, dtype: torch.dtype) -> bool:
-    return op.kind in _EXTREMA and dtype.is_floating_point
+    return kind, None
 
 
 def _finish(buf: torch.Tensor, divisor: int | None, nan: torch.Tensor | None) -> torch.Tensor:
@@ -272,43 +286,46 @@ def _finish(buf: torch.Tensor, divisor: int | None, nan: torch.Tensor | None) ->
     return buf
 
 
-def _raw_all_reduce(x: torch.Tensor, op: _Op, group) -> torch.Tensor:
+def _raw_all_reduce(x: torch.Tensor, op: _Op, group, size: int) -> torch.Tensor:
     buf = _owned_copy(x, op)
-    if _groups.group_size(group) == 1 or buf.numel() == 0:
+    if size == 1 or buf.numel() == 0:
         return buf
-    backend_op, divisor = _backend_op(op, group, buf.dtype)
+    backend_op, divisor = _backend_op(op, group, buf.dtype, size)
     nan = None
-    if _has_nan_mask(op, buf.dtype):
+    if op.extrema and buf.dtype.is_floating_point:
         nan = torch.isnan(buf).to(torch.uint8)
         dist.all_reduce(nan, op=_MAX, group=group)
     dist.all_reduce(_wire(buf), op=backend_op, group=group)
+    if divisor is None and nan is None:
+        return buf
     return _finish(buf, divisor, nan)
 
 
-def _raw_reduce(x: torch.Tensor, dst: int, op: _Op, group) -> torch.Tensor:
-    """The reduction on global rank ``dst``, zeros on the other ranks."""
+def _raw_reduce(x: torch.Tensor, dst: int, op: _Op, group, size: int, is_dst: bool) -> torch.Tensor:
+    """The reduction on global rank ``dst`` (this rank if ``is_dst``), zeros on the other ranks."""
     buf = _owned_copy(x, op)
-    if _groups.group_size(group) == 1 or buf.numel() == 0:
+    if size == 1 or buf.numel() == 0:
         return buf
-    backend_op, divisor = _backend_op(op, group, buf.dtype)
+    backend_op, divisor = _backend_op(op, group, buf.dtype, size)
     nan = None
-    if _has_nan_mask(op, buf.dtype):
+    if op.extrema and buf.dtype.is_floating_point:
         nan = torch.isnan(buf).to(torch.uint8)
         dist.reduce(nan, dst, op=_MAX, group=group)
     dist.reduce(_wire(buf), dst, op=backend_op, group=group)
-    if dist.get_rank() != dst:
+    if not is_dst:
         return buf.zero_()
+    if divisor is None and nan is None:
+        return buf
     return _finish(buf, divisor, nan)
 
 
-def _raw_broadcast(x: torch.Tensor, src: int, group) -> torch.Tensor:
-    if _groups.group_size(group) == 1:
-        return x.clone(memory_format=torch.contiguous_format)
-    if dist.get_rank() == src:
-        buf = x.clone(memory_format=torch.contiguous_format)
+def _raw_broadcast(x: torch.Tensor, src: int, group, size: int, is_src: bool) -> torch.Tensor:
+    """A new contiguous tensor holding global rank ``src``'s ``x`` (this rank's if ``is_src``)."""
+    if size == 1 or is_src:
+        buf = _owned_copy(x, _SUM_OP)
     else:
-        buf = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if buf.numel():
+        buf = x.new_empty(x.shape)
+    if size > 1 and buf.numel():
         dist.broadcast(_wire(buf), src, group=group)
     return buf
 
@@ -324,27 +341,36 @@ def _stack_padded(tensors) -> torch.Tensor:
     return out
 
 
-def _raw_reduce_scatter_stacked(stacked: torch.Tensor, op: _Op, group, out: torch.Tensor | None = None):
+def _raw_reduce_scatter_into(out: torch.Tensor, src: torch.Tensor, op: _Op, group, size: int) -> torch.Tensor:
+    """``out`` receives chunk ``rank`` (along dim 0) of the reduction of the contiguous ``src``; returns ``out``.
+
+    Shapes follow the backends' concatenated layout: ``src`` is (size * k, ...) for an ``out`` of (k, ...).
+    """
+    if op.kind is _PREMUL_SUM:
+        src = _owned_copy(src, op)
+    if size == 1:
+        return out.copy_(src)
+    if out.numel() == 0:
+        return out
+    backend_op, divisor = _backend_op(op, group, src.dtype, size)
+    nan = None
+    if op.extrema and src.dtype.is_floating_point:
+        nan = torch.empty(out.shape, dtype=torch.uint8, device=src.device)
+        _reduce_scatter_into(nan, torch.isnan(src).to(torch.uint8), op=_MAX, group=group)
+    _reduce_scatter_into(_wire(out), _wire(src), op=backend_op, group=group)
+    if divisor is None and nan is None:
+        return out
+    return _finish(out, divisor, nan)
+
+
+def _raw_reduce_scatter_stacked(stacked: torch.Tensor, op: _Op, group, size: int, out: torch.Tensor | None = None):
     """Row r of the (N, m) ``stacked`` tensor, reduced over the ranks, lands on rank r: returns (m,).
 
-    ``out`` (contiguous, m elements) receives the result when given.
+    ``out`` (contiguous, m elements, 1-D) receives the result when given.
     """
-    if op.kind == _PREMUL_SUM:
-        stacked = _owned_copy(stacked, op)
-    width = stacked.shape[1]
     if out is None:
-        out = stacked.new_empty(width)
-    if _groups.group_size(group) == 1:
-        return out.copy_(stacked[0])
-    if width == 0:
-        return out
-    backend_op, divisor = _backend_op(op, group, stacked.dtype)
-    nan = None
-    if _has_nan_mask(op, stacked.dtype):
-        nan = torch.empty(width, dtype=torch.uint8, device=stacked.device)
-        _reduce_scatter_into(nan, torch.isnan(stacked).to(torch.uint8).view(-1), op=_MAX, group=group)
-    _reduce_scatter_into(_wire(out).view(-1), _wire(stacked.contiguous()).view(-1), op=backend_op, group=group)
-    return _finish(out, divisor, nan)
+        out = stacked.new_empty(stacked.shape[1])
+    return _raw_reduce_scatter_into(out, stacked.reshape(-1), op, group, size)
 
 
 def _raw_all_gather_flat(flat: torch.Tensor, numels: list[int], group) -> list[torch.Tensor]:
@@ -354,12 +380,12 @@ def _raw_all_gather_flat(flat: torch.Tensor, numels: list[int], group) -> list[t
     if flat.numel() < width:
         padded = flat.new_zeros(width)
         padded[: flat.numel()].copy_(flat)
-    out = flat.new_empty(len(numels), width)
+    out = flat.new_empty(len(numels) * width)
     if len(numels) == 1:
-        out[0].copy_(padded)
+        out.copy_(padded)
     elif width:
-        _all_gather_into(_wire(out).view(-1), _wire(padded.contiguous()).view(-1), group=group)
-    return [out[r, :n] for r, n in enumerate(numels)]
+        _all_gather_into(_wire(out), _wire(padded.contiguous()), group=group)
+    return [out[r * width : r * width + n] for r, n in enumerate(numels)]
 
 
 def _layout(shape, dim: int) -> tuple[int, int, int]:
@@ -367,41 +393,55 @@ def _layout(shape, dim: int) -> tuple[int, int, int]:
     return math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
 
 
-def _raw_reduce_scatter_dim(x: torch.Tensor, dim: int, op: _Op, group) -> torch.Tensor:
-    """Chunk r along ``dim`` of the reduction lands on rank r (no copy for dim 0 of a contiguous x)."""
-    n = _groups.group_size(group)
-    pre, size, post = _layout(x.shape, dim)
-    chunk = size // n
-    stacked = x.reshape(pre, n, chunk * post).transpose(0, 1).reshape(n, pre * chunk * post)
-    out_shape = (*x.shape[:dim], chunk, *x.shape[dim + 1 :])
-    return _raw_reduce_scatter_stacked(stacked, op, group).view(out_shape)
+def _raw_reduce_scatter_dim(x: torch.Tensor, dim: int, op: _Op, group, size: int) -> torch.Tensor:
+    """Chunk r along ``dim`` of the reduction lands on rank r, in a new tensor (no staging copy for dim 0)."""
+    shape = x.shape
+    if dim == 0:  # chunk r is the r-th block of rows: the backend reads it in place
+        out = x.new_empty((shape[0] // size, *shape[1:]))
+        return _raw_reduce_scatter_into(out, x.contiguous(), op, group, size)
+    pre, along, post = _layout(shape, dim)
+    chunk = along // size
+    stacked = x.reshape(pre, size, chunk * post).transpose(0, 1).reshape(-1)
+    out = x.new_empty((*shape[:dim], chunk, *shape[dim + 1 :]))
+    _raw_reduce_scatter_into(out.view(-1), stacked, op, group, size)
+    return out
 
 
-def _raw_all_gather_dim(y: torch.Tensor, dim: int, group) -> torch.Tensor:
-    """Concatenation along ``dim`` of every rank's (equally shaped) ``y``."""
-    n = _groups.group_size(group)
-    pre, chunk, post = _layout(y.shape, dim)
-    out = y.new_empty(n, pre * chunk * post)
-    if n == 1:
-        out[0].copy_(y.reshape(-1))
-    elif y.numel():
-        _all_gather_into(_wire(out).view(-1), _wire(y.contiguous()).view(-1), group=group)
-    full_shape = (*y.shape[:dim], n * chunk, *y.shape[dim + 1 :])
-    return out.view(n, pre, chunk * post).transpose(0, 1).reshape(full_shape)
+def _raw_all_gather_dim(y: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
+    """Concatenation along ``dim`` of every rank's (equally shaped) ``y``, in a new tensor (never a view)."""
+    if size == 1:
+        return _owned_copy(y, _SUM_OP)
+    y = y.contiguous()
+    shape = y.shape
+    if dim == 0:  # rank r's block is the r-th block of rows: the backend writes it in place
+        out = y.new_empty((size * shape[0], *shape[1:]))
+        if y.numel():
+            _all_gather_into(_wire(out), _wire(y), group=group)
+        return out
+    pre, chunk, post = _layout(shape, dim)
+    full_shape = (*shape[:dim], size * chunk, *shape[dim + 1 :])
+    if pre <= 1 or y.numel() == 0:  # rank r's block is one contiguous piece of the output
+        out = y.new_empty(full_shape)
+        if y.numel():
+            _all_gather_into(_wire(out.view(-1)), _wire(y.view(-1)), group=group)
+        return out
+    blocks = y.new_empty(size * pre * chunk * post)
+    _all_gather_into(_wire(blocks), _wire(y.view(-1)), group=group)
+    return blocks.view(size, pre, chunk * post).transpose(0, 1).reshape(full_shape)  # a copy, as pre > 1
 
 
-def _count_dtype(group) -> torch.dtype:
+def _count_dtype(size: int) -> torch.dtype:
     """The narrowest dtype that counts up to the group size (counts travel in it)."""
-    return torch.uint8 if _groups.group_size(group) < 256 else torch.int32
+    return torch.uint8 if size < 256 else torch.int32
 
 
 @torch.no_grad()
-def _others_product(x: torch.Tensor, group) -> torch.Tensor:
+def _others_product(x: torch.Tensor, group, size: int) -> torch.Tensor:
     """prod_{i != j} x_i on rank j, zero-safe (Note [Reduction gradients]); two all_reduces."""
     zero = x == 0
-    zeros = _raw_all_reduce(zero.to(_count_dtype(group)), _SUM_OP, group)
+    zeros = _raw_all_reduce(zero.to(_count_dtype(size)), _SUM_OP, group, size)
     safe = torch.where(zero, torch.ones_like(x), x)
-    nonzero_product = _raw_all_reduce(safe, _Op(_PRODUCT), group)
+    nonzero_product = _raw_all_reduce(safe, _OPS[_PRODUCT.value], group, size)
     return torch.where(
         zeros == 0,
         nonzero_product / safe,
@@ -436,19 +476,28 @@ def _first_order_only(tensor: torch.Tensor, what: str) -> torch.Tensor:
     return tensor
 
 
-def _local_vjp(op: _Op, total: torch.Tensor, group, what: str, x=None, y=None) -> torch.Tensor:
+def _adjoint(function: type[Function], raw, *args):
+    """Run a backward's adjoint collective: ``function`` while a graph is being built (double backward),
+    else its raw op ``raw`` (same arguments), which skips the cost of an autograd node nobody uses."""
+    if torch.is_grad_enabled():
+        return function.apply(*args)
+    return raw(*args)
+
+
+def _local_vjp(op: _Op, total: torch.Tensor, group, size: int, what: str, x=None, y=None) -> torch.Tensor:
     """x̄_j from ``total`` (G, or g_dst for reduce): the per-op factor of Note [Reduction gradients]."""
-    if op.kind == _SUM:
+    kind = op.kind
+    if kind is _SUM:
         return total
-    if op.kind == _AVG:
-        return total / _groups.group_size(group)
-    if op.kind == _PREMUL_SUM:
+    if kind is _AVG:
+        return total / size
+    if kind is _PREMUL_SUM:
         return total * _conj(op.factor)
-    if op.kind == _PRODUCT:
-        return _first_order_only(total * _others_product(x, group), what)
+    if kind is _PRODUCT:
+        return _first_order_only(total * _others_product(x, group, size), what)
     with torch.no_grad():
         mask = x == y
-        count = _raw_all_reduce(mask.to(_count_dtype(group)), _SUM_OP, group)
+        count = _raw_all_reduce(mask.to(_count_dtype(size)), _SUM_OP, group, size)
     return total / count * mask
 
 
@@ -456,59 +505,70 @@ class _AllReduce(Function):
     """y = op_i x_i on every rank. Adjoint: all_reduce(SUM) of the grads, times the local factor."""
 
     @staticmethod
-    def forward(ctx, tensor, op, group):
-        y = _raw_all_reduce(tensor, op, group)
-        ctx.op, ctx.group = op, group
-        if op.kind in _EXTREMA:
+    def forward(ctx, tensor, op, group, size):
+        y = _raw_all_reduce(tensor, op, group, size)
+        ctx.op, ctx.group, ctx.size = op, group, size
+        if op.extrema:
             ctx.save_for_backward(tensor, y)
-        elif op.kind == _PRODUCT:
+        elif op.kind is _PRODUCT:
             ctx.save_for_backward(tensor)
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        total = _AllReduce.apply(grad.contiguous(), _SUM_OP, ctx.group)
-        if ctx.op.kind in _LINEAR:
-            return _local_vjp(ctx.op, total, ctx.group, "all_reduce"), None, None
+        op, group, size = ctx.op, ctx.group, ctx.size
+        total = _adjoint(_AllReduce, _raw_all_reduce, grad.contiguous(), _SUM_OP, group, size)
+        if op.linear:
+            return _local_vjp(op, total, group, size, "all_reduce"), None, None, None
         x, *y = ctx.saved_tensors
-        return _local_vjp(ctx.op, total, ctx.group, "all_reduce", x, *y), None, None
+        return _local_vjp(op, total, group, size, "all_reduce", x, *y), None, None, None
 
 
 class _Reduce(Function):
     """y = op_i x_i on dst, zeros elsewhere. Adjoint: broadcast of dst's grad (reduce SUM <-> broadcast)."""
 
     @staticmethod
-    def forward(ctx, tensor, op, dst, group):
-        y = _raw_reduce(tensor, dst, op, group)
-        ctx.op, ctx.dst, ctx.group = op, dst, group
-        if op.kind in _EXTREMA:
+    def forward(ctx, tensor, dst, op, group, size, is_dst):
+        y = _raw_reduce(tensor, dst, op, group, size, is_dst)
+        ctx.op, ctx.dst, ctx.group, ctx.size, ctx.is_dst = op, dst, group, size, is_dst
+        if op.extrema:
             ctx.save_for_backward(tensor, y)
-        elif op.kind == _PRODUCT:
+        elif op.kind is _PRODUCT:
             ctx.save_for_backward(tensor)
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        total = _Broadcast.apply(grad.contiguous(), ctx.dst, ctx.group)
-        if ctx.op.kind in _LINEAR:
-            return _local_vjp(ctx.op, total, ctx.group, "reduce"), None, None, None
+        op, dst, group, size, is_dst = ctx.op, ctx.dst, ctx.group, ctx.size, ctx.is_dst
+        total = _adjoint(_Broadcast, _raw_broadcast, grad.contiguous(), dst, group, size, is_dst)
+        if op.linear:
+            return _local_vjp(op, total, group, size, "reduce"), None, None, None, None, None
         x, *y = ctx.saved_tensors
         if y:
-            y = [_raw_broadcast(y[0], ctx.dst, ctx.group)]
-        return _local_vjp(ctx.op, total, ctx.group, "reduce", x, *y), None, None, None
+            y = [_raw_broadcast(y[0], dst, group, size, is_dst)]
+        return _local_vjp(op, total, group, size, "reduce", x, *y), None, None, None, None, None
 
 
 class _Broadcast(Function):
     """y_r = x_src. Adjoint: reduce(SUM) of the grads to src, zeros elsewhere."""
 
     @staticmethod
-    def forward(ctx, tensor, src, group):
-        ctx.src, ctx.group = src, group
-        return _raw_broadcast(tensor, src, group)
+    def forward(ctx, tensor, src, group, size, is_src):
+        ctx.src, ctx.group, ctx.size, ctx.is_src = src, group, size, is_src
+        return _raw_broadcast(tensor, src, group, size, is_src)
 
     @staticmethod
     def backward(ctx, grad):
-        return _Reduce.apply(grad.contiguous(), _SUM_OP, ctx.src, ctx.group), None, None
+        total = _adjoint(
+            _Reduce, _raw_reduce, grad.contiguous(), ctx.src, _SUM_OP, ctx.group, ctx.size, ctx.is_src
+        )
+        return total, None, None, None, None
+
+
+def _all_gather_list(group, shapes, tensor) -> tuple[torch.Tensor, ...]:
+    """Every rank's tensor, rank r's of shape ``shapes[r]``: the raw op of :class:`_AllGatherList`."""
+    parts = _raw_all_gather_flat(tensor.reshape(-1), [math.prod(s) for s in shapes], group)
+    return tuple(p.view(s) for p, s in zip(parts, shapes))
 
 
 class _AllGatherList(Function):
@@ -516,13 +576,25 @@ class _AllGatherList(Function):
 
     @staticmethod
     def forward(ctx, group, shapes, tensor):
-        ctx.group = group
-        parts = _raw_all_gather_flat(tensor.reshape(-1), [math.prod(s) for s in shapes], group)
-        return tuple(p.view(s) for p, s in zip(parts, shapes))
+        ctx.group, ctx.size, ctx.rank = group, len(shapes), _groups.group_rank(group)
+        return _all_gather_list(group, shapes, tensor)
 
     @staticmethod
     def backward(ctx, *grads):
-        return None, None, _ReduceScatter.apply(None, _SUM_OP, ctx.group, *(g.contiguous() for g in grads))
+        grads = [g.contiguous() for g in grads]
+        total = _adjoint(_ReduceScatter, _reduce_scatter_list, None, _SUM_OP, ctx.group, ctx.size, ctx.rank, *grads)
+        return None, None, total
+
+
+def _reduce_scatter_list(output, op: _Op, group, size: int, rank: int, *inputs) -> torch.Tensor:
+    """Entry ``rank`` of every rank's ``inputs``, reduced; written into ``output`` when one is given."""
+    mine = inputs[rank]
+    stacked = _stack_padded(inputs)
+    if output is not None and output.is_contiguous() and stacked.shape[1] == mine.numel():
+        _raw_reduce_scatter_stacked(stacked, op, group, size, out=output.view(-1))
+        return output
+    flat = _raw_reduce_scatter_stacked(stacked, op, group, size)[: mine.numel()]
+    return flat.view(mine.shape) if output is None else output.copy_(flat.view(output.shape))
 
 
 class _ReduceScatter(Function):
@@ -532,88 +604,81 @@ class _ReduceScatter(Function):
     """
 
     @staticmethod
-    def forward(ctx, output, op, group, *inputs):
-        rank = _groups.group_rank(group)
-        mine = inputs[rank]
-        stacked = _stack_padded(inputs)
-        if output is not None and output.is_contiguous() and stacked.shape[1] == mine.numel():
-            _raw_reduce_scatter_stacked(stacked, op, group, out=output.view(-1))
-            y = output
-        else:
-            flat = _raw_reduce_scatter_stacked(stacked, op, group)[: mine.numel()]
-            y = flat.view(mine.shape) if output is None else output.copy_(flat.view(output.shape))
+    def forward(ctx, output, op, group, size, rank, *inputs):
+        y = _reduce_scatter_list(output, op, group, size, rank, *inputs)
         if output is not None:
             ctx.mark_dirty(output)
-        ctx.op, ctx.group, ctx.rank = op, group, rank
+        ctx.op, ctx.group, ctx.size, ctx.rank = op, group, size, rank
         ctx.shapes = [tuple(t.shape) for t in inputs]
-        if op.kind in _EXTREMA:
+        if op.extrema:
             ctx.save_for_backward(*inputs, y)
-        elif op.kind == _PRODUCT:
+        elif op.kind is _PRODUCT:
             ctx.save_for_backward(*inputs)
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        op, group, shapes = ctx.op, ctx.group, ctx.shapes
+        op, group, size, shapes = ctx.op, ctx.group, ctx.size, ctx.shapes
         grad = grad.contiguous()
-        if op.kind in _LINEAR:
-            parts = _AllGatherList.apply(group, shapes, grad)
-            grads = [_local_vjp(op, p, group, "reduce_scatter") for p in parts]
-        elif op.kind == _PRODUCT:
+        if op.linear:
+            parts = _adjoint(_AllGatherList, _all_gather_list, group, shapes, grad)
+            grads = [_local_vjp(op, p, group, size, "reduce_scatter") for p in parts]
+        elif op.kind is _PRODUCT:
             inputs = ctx.saved_tensors
-            others = _others_product(torch.cat([t.reshape(-1) for t in inputs]), group)
+            others = _others_product(torch.cat([t.reshape(-1) for t in inputs]), group, size)
             others = others.split([t.numel() for t in inputs])
-            parts = _AllGatherList.apply(group, shapes, grad)
+            parts = _adjoint(_AllGatherList, _all_gather_list, group, shapes, grad)
             grads = [_first_order_only(p * q.view(p.shape), "reduce_scatter") for p, q in zip(parts, others)]
         else:
             *inputs, y = ctx.saved_tensors
             with torch.no_grad():
                 ys = _raw_all_gather_flat(y.reshape(-1), [t.numel() for t in inputs], group)
                 masks = [t == yr.view(t.shape) for t, yr in zip(inputs, ys)]
-                counts = _stack_padded([m.to(_count_dtype(group)) for m in masks])
-                count = _raw_reduce_scatter_stacked(counts, _SUM_OP, group)
+                counts = _stack_padded([m.to(_count_dtype(size)) for m in masks])
+                count = _raw_reduce_scatter_stacked(counts, _SUM_OP, group, size)
                 count = count[: grad.numel()].view(grad.shape)
-            parts = _AllGatherList.apply(group, shapes, grad / count)
+            parts = _adjoint(_AllGatherList, _all_gather_list, group, shapes, grad / count)
             grads = [p * m for p, m in zip(parts, masks)]
-        return (None, None, None, *grads)
+        return (None, None, None, None, None, *grads)
 
 
-def _all_gather_tensor(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
-    # Imported here: distcomm._movement's backward imports this module in turn.
-    from distcomm._movement import all_gather_tensor
+def _all_gather_tensor(tensor: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
+    """all_gather_tensor along ``dim`` (the adjoint of reduce_scatter_tensor SUM) of ``tensor``."""
+    # Imported here: distcomm._movement imports this module.
+    from distcomm._movement import _AllGatherTensor
 
-    return all_gather_tensor(tensor, dim=dim, group=group)
+    return _adjoint(_AllGatherTensor, _raw_all_gather_dim, tensor, dim, group, size)
 
 
 class _ReduceScatterTensor(Function):
     """y_r = chunk r along ``dim`` of op_j x_j. Adjoint (SUM): all_gather_tensor (concatenation along dim)."""
 
     @staticmethod
-    def forward(ctx, tensor, op, dim, group):
-        y = _raw_reduce_scatter_dim(tensor, dim, op, group)
-        ctx.op, ctx.dim, ctx.group = op, dim, group
-        if op.kind in _EXTREMA:
+    def forward(ctx, tensor, dim, op, group, size):
+        y = _raw_reduce_scatter_dim(tensor, dim, op, group, size)
+        ctx.op, ctx.dim, ctx.group, ctx.size = op, dim, group, size
+        if op.extrema:
             ctx.save_for_backward(tensor, y)
-        elif op.kind == _PRODUCT:
+        elif op.kind is _PRODUCT:
             ctx.save_for_backward(tensor)
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        op, dim, group = ctx.op, ctx.dim, ctx.group
+        op, dim, group, size = ctx.op, ctx.dim, ctx.group, ctx.size
         grad = grad.contiguous()
-        if op.kind in _LINEAR:
-            full = _all_gather_tensor(grad, dim, group)
-            return _local_vjp(op, full, group, "reduce_scatter_tensor"), None, None, None
-        if op.kind == _PRODUCT:
+        if op.linear:
+            full = _all_gather_tensor(grad, dim, group, size)
+            return _local_vjp(op, full, group, size, "reduce_scatter_tensor"), None, None, None, None
+        if op.kind is _PRODUCT:
             (x,) = ctx.saved_tensors
-            full = _all_gather_tensor(grad, dim, group) * _others_product(x, group)
-            return _first_order_only(full, "reduce_scatter_tensor"), None, None, None
+            full = _all_gather_tensor(grad, dim, group, size) * _others_product(x, group, size)
+            return _first_order_only(full, "reduce_scatter_tensor"), None, None, None, None
         x, y = ctx.saved_tensors
         with torch.no_grad():
-            mask = x == _raw_all_gather_dim(y, dim, group)
-            count = _raw_reduce_scatter_dim(mask.to(_count_dtype(group)), dim, _SUM_OP, group)
-        return _all_gather_tensor(grad / count, dim, group) * mask, None, None, None
+            mask = x == _raw_all_gather_dim(y, dim, group, size)
+            count = _raw_reduce_scatter_dim(mask.to(_count_dtype(size)), dim, _SUM_OP, group, size)
+        return _all_gather_tensor(grad / count, dim, group, size) * mask, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -638,11 +703,12 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: dist.ProcessGroup |
     """
     _require_tensor("tensor", tensor)
     op = _parse_op(op)
-    group, _, _ = _resolve(group)
+    group, size, _ = _resolve(group)
     needs_grad = _needs_grad(tensor)
     _check_op("all_reduce", op, tensor.dtype, needs_grad, group)
-    _agree("all_reduce", tensor, group, op=op.kind.value, requires_grad=needs_grad)
-    return _AllReduce.apply(tensor, op, group)
+    if size > 1 and _check.is_check_mode():
+        _agree("all_reduce", tensor, group, op=op.kind.value, requires_grad=needs_grad)
+    return _AllReduce.apply(tensor, op, group, size)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -663,12 +729,13 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: dist.ProcessG
     """
     _require_tensor("tensor", tensor)
     op = _parse_op(op)
-    group, _, _ = _resolve(group)
-    _groups.check_rank_in_group("dst", dst, group)
+    group, size, rank = _resolve(group)
+    dst_rank = _groups.check_rank_in_group("dst", dst, group)
     needs_grad = _needs_grad(tensor)
     _check_op("reduce", op, tensor.dtype, needs_grad, group)
-    _agree("reduce", tensor, group, op=op.kind.value, dst=dst, requires_grad=needs_grad)
-    return _Reduce.apply(tensor, op, dst, group)
+    if size > 1 and _check.is_check_mode():
+        _agree("reduce", tensor, group, op=op.kind.value, dst=dst, requires_grad=needs_grad)
+    return _Reduce.apply(tensor, dst, op, group, size, rank == dst_rank)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -686,11 +753,11 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = 
         A new tensor holding ``src``'s data on every rank.
     """
     _require_tensor("tensor", tensor)
-    group, _, _ = _resolve(group)
-    _groups.check_rank_in_group("src", src, group)
-    needs_grad = _needs_grad(tensor)
-    _agree("broadcast", tensor, group, src=src, requires_grad=needs_grad)
-    return _Broadcast.apply(tensor, src, group)
+    group, size, rank = _resolve(group)
+    src_rank = _groups.check_rank_in_group("src", src, group)
+    if size > 1 and _check.is_check_mode():
+        _agree("broadcast", tensor, group, src=src, requires_grad=_needs_grad(tensor))
+    return _Broadcast.apply(tensor, src, group, size, rank == src_rank)
 
 
 def reduce_scatter(
@@ -718,7 +785,8 @@ def reduce_scatter(
     if not isinstance(input_list, (list, tuple)):
         raise TypeError(f"`input_list` must be a list of tensors, got {type(input_list).__name__}")
     for i, t in enumerate(input_list):
-        _require_tensor(f"input_list[{i}]", t)
+        if not isinstance(t, torch.Tensor):
+            _require_tensor(f"input_list[{i}]", t)
     op = _parse_op(op)
     group, size, rank = _resolve(group)
     if len(input_list) != size:
@@ -741,18 +809,19 @@ def reduce_scatter(
             f"reduce_scatter: `output` has shape {tuple(output.shape)}, but `input_list[{rank}]` (the entry this "
             f"rank receives) has shape {tuple(input_list[rank].shape)}; they must match"
         )
-    needs_grad = any(_needs_grad(t) for t in input_list)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in input_list)
     _check_op("reduce_scatter", op, output.dtype, needs_grad, group)
-    _agree(
-        "reduce_scatter",
-        output,
-        group,
-        same_shape=False,
-        shapes=[t.shape for t in input_list],
-        op=op.kind.value,
-        requires_grad=needs_grad,
-    )
-    return _ReduceScatter.apply(output, op, group, *input_list)
+    if size > 1 and _check.is_check_mode():
+        _agree(
+            "reduce_scatter",
+            output,
+            group,
+            same_shape=False,
+            shapes=[t.shape for t in input_list],
+            op=op.kind.value,
+            requires_grad=needs_grad,
+        )
+    return _ReduceScatter.apply(output, op, group, size, rank, *input_list)
 
 
 def reduce_scatter_tensor(
@@ -774,14 +843,15 @@ def reduce_scatter_tensor(
     _require_tensor("tensor", tensor)
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"`dim` must be an int, got {type(dim).__name__} {dim!r}")
-    if tensor.dim() == 0:
+    ndim = tensor.dim()
+    if ndim == 0:
         raise ValueError("reduce_scatter_tensor: `tensor` is 0-d; it needs a dimension to split")
-    if not -tensor.dim() <= dim < tensor.dim():
+    if not -ndim <= dim < ndim:
         raise ValueError(
-            f"reduce_scatter_tensor: `dim`={dim} is out of range for a tensor of {tensor.dim()} dims "
-            f"(allowed: {-tensor.dim()} to {tensor.dim() - 1})"
+            f"reduce_scatter_tensor: `dim`={dim} is out of range for a tensor of {ndim} dims "
+            f"(allowed: {-ndim} to {ndim - 1})"
         )
-    dim %= tensor.dim()
+    dim %= ndim
     op = _parse_op(op)
     group, size, _ = _resolve(group)
     if tensor.shape[dim] % size:
@@ -791,5 +861,6 @@ def reduce_scatter_tensor(
         )
     needs_grad = _needs_grad(tensor)
     _check_op("reduce_scatter_tensor", op, tensor.dtype, needs_grad, group)
-    _agree("reduce_scatter_tensor", tensor, group, op=op.kind.value, dim=dim, requires_grad=needs_grad)
-    return _ReduceScatterTensor.apply(tensor, op, dim, group)
+    if size > 1 and _check.is_check_mode():
+        _agree("reduce_scatter_tensor", tensor, group, op=op.kind.value, dim=dim, requires_grad=needs_grad)
+    return _ReduceScatterTensor.apply(tensor, dim, op, group, size)
