@@ -18,6 +18,7 @@ __all__ = [
     "to_global_rank",
     "to_group_rank",
     "check_rank_in_group",
+    "check_group",
 ]
 
 
@@ -47,12 +48,35 @@ def _not_a_member() -> ValueError:
     )
 
 
+def check_group(group) -> None:
+    """Validate a user-given ``group``: None or a process group this process belongs to.
+
+    ``torch.distributed.new_group`` hands processes outside the new group a placeholder (an int), which
+    would otherwise surface as a confusing type error; it raises the ValueError a non-member gets.
+    """
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return
+    if dist.is_available() and group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            "`group` is the placeholder torch.distributed.new_group returns to processes outside the group "
+            f"(this process, global rank {dist.get_rank()}, is not a member); only its members may call a "
+            "collective on it"
+        )
+    raise TypeError(
+        f"`group` must be a torch.distributed.ProcessGroup or None (the default group), got "
+        f"{type(group).__name__} {group!r}"
+    )
+
+
 def resolve(group) -> tuple[dist.ProcessGroup | None, int, int]:
     """(group, its size, this process's rank in it), all looked up now: one lookup per collective call.
 
     ``group=None`` is the default group; without an initialised default group the answer is
-    ``(None, 1, 0)``, a world of one process. Raises ValueError if this process is not a member.
+    ``(None, 1, 0)``, a world of one process. Raises TypeError for something that is not a group and
+    ValueError if this process is not a member (:func:`check_group`).
     """
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        check_group(group)
     world = dist.group.WORLD if dist.is_available() else None
     if world is None:
         return None, 1, 0

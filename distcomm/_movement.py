@@ -17,6 +17,10 @@ the others use this module's variable-size reduce-scatter, whose own adjoint is 
 A backward builds its adjoint as a graph node only when a graph is being built (double backward);
 otherwise it runs the raw collective, skipping the cost of an autograd node nobody uses.
 
+Every rank must agree on whether its input requires grad: the backward is a collective too, and a rank
+that skips it leaves the others waiting. Check mode verifies this (scatter needs no check: the source's
+tensors decide for every rank).
+
 Note [Writing into output arguments]
     ``_all_gather_base``, ``all_to_all_single`` and ``all_to_all`` write into tensors the caller passes,
     as torch.distributed does, straight from the collective (no staging copy when they are contiguous).
@@ -76,9 +80,10 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 
 
 def _setup(group):
-    """Resolve ``group`` and return (group, size, rank); ``group`` is None without a process group."""
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"`group` must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    """Resolve ``group`` and return (group, size, rank); ``group`` is None without a process group.
+
+    Raises TypeError for a ``group`` that is not one and ValueError where this process is not a member.
+    """
     return _groups.resolve(group)
 
 
@@ -322,7 +327,7 @@ def gather(tensor: torch.Tensor, dst: int = 0, group: dist.ProcessGroup | None =
     group, n, rank = _setup(group)
     dst_rank = _groups.check_rank_in_group("dst", dst, group)
     if n > 1 and _check.is_check_mode():
-        _check.check_same("gather", tensor, group)
+        _check.check_same("gather", tensor, group, requires_grad=_needs_graph(tensor))
     return _Gather.apply(dst_rank, group, n, rank, tensor)
 
 
@@ -520,7 +525,7 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     _require_tensor("tensor", tensor)
     group, n, rank = _setup(group)
     if n > 1 and _check.is_check_mode():
-        _check.check_same("all_gather", tensor, group)
+        _check.check_same("all_gather", tensor, group, requires_grad=_needs_graph(tensor))
     return _AllGather.apply(group, n, rank, tensor)
 
 
@@ -542,18 +547,20 @@ def all_gather_tensor(tensor: torch.Tensor, dim: int = 0, group: dist.ProcessGro
     dim = _normalize_dim(dim, tensor)
     group, n, _ = _setup(group)
     if n > 1 and _check.is_check_mode():
-        _check.check_same("all_gather_tensor", tensor, group)
+        _check.check_same("all_gather_tensor", tensor, group, requires_grad=_needs_graph(tensor))
     return _AllGatherTensor.apply(tensor, dim, group, n)
 
 
-def _learn_sizes(tensor: torch.Tensor, dim: int, sizes: list[int] | None, group, n: int) -> list[int]:
-    """Exchange shapes (and the given ``sizes``), raising the same ValueError on every rank on a mismatch."""
+def _learn_sizes(
+    tensor: torch.Tensor, dim: int, sizes: list[int] | None, needs_grad: bool, group, n: int
+) -> list[int]:
+    """Exchange shapes (and the given ``sizes``), raising the same ValueError on every rank on a mismatch.
+
+    In check mode the ranks must also agree on whether the input needs a backward (``needs_grad``).
+    """
     op = "all_gather_variable"
-    if sizes is None:
-        metas = _check.gather_meta(tensor, group)
-        extras = None
-    else:
-        metas, extras = _check.gather_meta(tensor, group, extra=sizes)
+    metas, rows = _check.gather_meta(tensor, group, extra=[int(needs_grad), *(sizes or [])])
+    extras = None if sizes is None else [row[1:] for row in rows]
     ref = metas[0]
     for m in metas:
         if m.dtype != ref.dtype:
@@ -569,6 +576,8 @@ def _learn_sizes(tensor: torch.Tensor, dim: int, sizes: list[int] | None, group,
             raise ValueError(f"{op}: the `sizes` passed differ across ranks ({detail})")
         if learned != list(extras[0]):
             raise ValueError(f"{op}: `sizes`={list(extras[0])} but the tensors have sizes {learned} along dim {dim}")
+    if _check.is_check_mode():
+        _check.require_agreement(op, "requires_grad", [row[0] for row in rows])
     return learned
 
 
@@ -606,14 +615,16 @@ def all_gather_variable(
                 raise TypeError(f"`sizes` must be a list of ints or None, got {sizes!r}")
         if len(sizes) != n or min(sizes) < 0:
             raise ValueError(f"`sizes`={sizes} must hold {n} non-negative ints (one per group rank)")
-        if sizes[rank] != tensor.shape[dim]:
+        # In check mode the exchange below compares every rank's size on every rank: a rank raising here
+        # alone would leave its peers waiting in that exchange.
+        if sizes[rank] != tensor.shape[dim] and not (n > 1 and _check.is_check_mode()):
             raise ValueError(
                 f"`sizes`[{rank}]={sizes[rank]} but this rank's tensor has size {tensor.shape[dim]} along dim {dim}"
             )
     if n == 1:
         sizes = [tensor.shape[dim]]
     elif sizes is None or _check.is_check_mode():
-        sizes = _learn_sizes(tensor, dim, sizes, group, n)
+        sizes = _learn_sizes(tensor, dim, sizes, _needs_graph(tensor), group, n)
     return _AllGatherVariable.apply(tensor, dim, tuple(sizes), group, rank), sizes
 
 
@@ -661,9 +672,10 @@ def _all_gather_base(
             f"`output_tensor` has shape {tuple(output_tensor.shape)}; for an input of shape "
             f"{tuple(input_tensor.shape)} on {n} ranks it must be one of {allowed}"
         )
+    needs_grad = _needs_graph(input_tensor)
     if n > 1 and _check.is_check_mode():
-        _check.check_same("_all_gather_base", input_tensor, group)
-    if not (torch.is_grad_enabled() and input_tensor.requires_grad):
+        _check.check_same("_all_gather_base", input_tensor, group, requires_grad=needs_grad)
+    if not needs_grad:
         _raw_all_gather_into(output_tensor, input_tensor, group, n)
         return output_tensor
     direct = output_tensor._base is None
@@ -749,16 +761,19 @@ class _AllToAllWrite(Function):
         return (None, None, None) + (None,) * ctx.n + tuple(back)
 
 
-def _check_all_to_all(op: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor], group, n: int) -> None:
-    """Check mode: rank i's inputs[j] must match rank j's outputs[i] in shape and dtype, on every rank."""
+def _check_all_to_all(
+    op: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor], needs_grad: bool, group, n: int
+) -> None:
+    """Check mode: rank i's inputs[j] must match rank j's outputs[i] in shape and dtype, and every rank's
+    inputs must agree on needing a backward, on every rank."""
     if n == 1 or not _check.is_check_mode():
         return
-    rows = [_check._encode(t) for t in [*inputs, *outputs]]
-    _, extras = _check.gather_meta(None, group, extra=[v for row in rows for v in row])
+    rows = [_check.encode_meta(t) for t in [*inputs, *outputs]]
+    _, extras = _check.gather_meta(None, group, extra=[int(needs_grad), *(v for row in rows for v in row)])
     width = len(rows[0])
 
     def meta(rank: int, k: int):
-        return _check._decode(extras[rank][k * width : (k + 1) * width])
+        return _check.decode_meta(extras[rank][1 + k * width : 1 + (k + 1) * width])
 
     for i in range(n):
         for j in range(n):
@@ -769,6 +784,7 @@ def _check_all_to_all(op: str, inputs: list[torch.Tensor], outputs: list[torch.T
                     f"but rank {j}'s output for rank {i} has shape {tuple(received.shape)} and dtype "
                     f"{received.dtype}; they must match"
                 )
+    _check.require_agreement(op, "requires_grad", [e[0] for e in extras])
 
 
 def all_to_all(
@@ -802,8 +818,9 @@ def all_to_all(
             )
     for i, o in enumerate(outputs):
         _require_writable("output_tensor_list", o, inputs[0], i)
-    _check_all_to_all("all_to_all", inputs, outputs, group, n)
-    if not _needs_graph(*inputs):
+    needs_grad = _needs_graph(*inputs)
+    _check_all_to_all("all_to_all", inputs, outputs, needs_grad, group, n)
+    if not needs_grad:
         _raw_all_to_all(outputs, inputs, group, n)
         return tuple(outputs)
     return _AllToAllWrite.apply(group, _is_direct(outputs), n, *outputs, *inputs)
@@ -844,17 +861,21 @@ def all_to_all_single(
         )
     out_splits = _require_splits("output_split_sizes", output_split_sizes, n, output.shape[0], "output")
     in_splits = _require_splits("input_split_sizes", input_split_sizes, n, input.shape[0], "input")
+    needs_grad = _needs_graph(input)
     if n > 1 and _check.is_check_mode():
         _check_all_to_all_single(input, out_splits or [output.shape[0] // n] * n,
-                                 in_splits or [input.shape[0] // n] * n, group, n)
-    if not (torch.is_grad_enabled() and input.requires_grad):
+                                 in_splits or [input.shape[0] // n] * n, needs_grad, group, n)
+    if not needs_grad:
         _raw_all_to_all_single(output, input, out_splits, in_splits, group, n)
         return output
     return _AllToAllSingleWrite.apply(output, input, group, n, out_splits, in_splits, output._base is None)
 
 
-def _check_all_to_all_single(tensor, out_splits: list[int], in_splits: list[int], group, n: int) -> None:
-    metas, extras = _check.gather_meta(tensor, group, extra=[*in_splits, *out_splits])
+def _check_all_to_all_single(
+    tensor, out_splits: list[int], in_splits: list[int], needs_grad: bool, group, n: int
+) -> None:
+    """Check mode: dtypes, trailing dims, matching splits and the requires_grad flag, on every rank."""
+    metas, extras = _check.gather_meta(tensor, group, extra=[*in_splits, *out_splits, int(needs_grad)])
     ref = metas[0]
     if any(m.dtype != ref.dtype or tuple(m.shape[1:]) != tuple(ref.shape[1:]) for m in metas):
         _check.raise_mismatch("all_to_all_single", "dtypes or sizes of the dims after the first", metas)
@@ -865,3 +886,4 @@ def _check_all_to_all_single(tensor, out_splits: list[int], in_splits: list[int]
                     f"all_to_all_single: rank {i} sends {extras[i][j]} rows to rank {j} (its input_split_sizes), "
                     f"but rank {j} expects {extras[j][n + i]} rows from rank {i} (its output_split_sizes)"
                 )
+    _check.require_agreement("all_to_all_single", "requires_grad", [e[2 * n] for e in extras])

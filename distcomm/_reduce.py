@@ -10,7 +10,7 @@ Note [Reduction gradients]
 
         op           y = all_reduce(x, op)     x̄_j
         SUM          sum_i x_i                 G
-        AVG          sum_i x_i / N             G / N
+        AVG          sum_i x_i / N             G / N  (= all_reduce(g, AVG): AVG is its own adjoint)
         PREMUL_SUM   sum_i f_i x_i             conj(f_j) G
         PRODUCT      prod_i x_i                G * prod_{i != j} x_i                  (zero-safe, below)
         MAX / MIN    max_i / min_i x_i         (G / c) * [x_j == y],  c = #{i : x_i == y}  (ties split)
@@ -23,14 +23,15 @@ Note [Reduction gradients]
       grads arriving there are rightly ignored: the VJP is exact for every output.
     - broadcast(src): x̄_src = G, zero on the other ranks (their inputs only give the shape).
     - reduce_scatter / reduce_scatter_tensor: the table per slice: slice r of x_j is reduced into y_r, so
-      x̄_j[slice r] uses g_r (SUM: x̄_j = all_gather(g)[j's slices]).
+      x̄_j[slice r] uses g_r (SUM: x̄_j = all_gather(g)[j's slices]; AVG: the same of g / N, divided
+      before the gather, where it touches 1/N of the elements).
     - PRODUCT never divides by zero: with z = the number of ranks whose x_i is 0 and P = the product of
       the non-zero x_i, prod_{i != j} x_i = P / x_j if z = 0, P if z = 1 and x_j = 0, else 0.
     - MAX / MIN follow ``torch.amax``: the result is NaN wherever any rank holds NaN, and there every
       rank's grad is NaN. The backends drop NaN (NCCL always, gloo depending on which rank holds it), so
       on floating tensors MAX / MIN reduce a one-byte NaN mask alongside the values.
     - Double backward: each backward is built from the differentiable Functions of this package (all_reduce
-      SUM <-> itself, reduce SUM <-> broadcast, reduce_scatter SUM <-> all_gather), so SUM, AVG,
+      SUM and AVG <-> themselves, reduce SUM <-> broadcast, reduce_scatter SUM <-> all_gather), so SUM, AVG,
       PREMUL_SUM, MAX, MIN (whose masks are piecewise constant) and broadcast are twice differentiable.
       PRODUCT is differentiable once: differentiating its gradient raises.
     - Gradients are reduced in the dtype they arrive in (bf16 stays bf16).
@@ -38,8 +39,10 @@ Note [Reduction gradients]
       rank that skips it leaves the others waiting. Check mode verifies this.
 
 Note [Backend emulation]
-    - AVG: native on NCCL for floating and complex tensors; otherwise SUM, then division by N (truncating
-      for integers, as NCCL's integer AVG does).
+    - AVG: native on NCCL for floating and complex CUDA tensors; otherwise SUM, then division by N
+      (truncating for integers, as NCCL's integer AVG does). all_reduce's backward takes the same path.
+      Whether a tensor goes through NCCL is decided per tensor (a CUDA tensor on a group whose backend
+      includes NCCL): a ``"cpu:gloo,cuda:nccl"`` group sends CPU tensors through gloo.
     - BAND / BOR / BXOR: not offered by NCCL; asking for them on an NCCL group raises before communicating.
     - PREMUL_SUM (built with ``torch.distributed._make_nccl_premul_sum(factor)``): computed everywhere as
       the SUM of factor * x. The scaling replaces the copy every op makes anyway, so it costs nothing, and
@@ -158,26 +161,12 @@ def _needs_grad(tensor: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and tensor.requires_grad
 
 
-def _resolve(group):
-    """(group, size, this rank's position) at call time; ``group=None`` is the default group."""
-    if group is not None:
-        if group is dist.GroupMember.NON_GROUP_MEMBER:
-            raise ValueError(
-                "`group` is the placeholder torch.distributed.new_group returns to processes outside the group; "
-                "only its members may call a collective on it"
-            )
-        if not isinstance(group, dist.ProcessGroup):
-            raise TypeError(
-                f"`group` must be a torch.distributed.ProcessGroup or None (the default group), got {group!r}"
-            )
-    return _groups.resolve(group)
-
-
-def _check_op(fn: str, op: _Op, dtype: torch.dtype, needs_grad: bool, group) -> None:
+def _check_op(fn: str, op: _Op, tensor: torch.Tensor, needs_grad: bool, group) -> None:
     """Reject op/dtype combinations the backends or the gradient cannot handle, before communicating."""
     kind = op.kind
     if kind is _SUM:  # defined and differentiable for every dtype
         return
+    dtype = tensor.dtype
     floating = dtype.is_floating_point or dtype.is_complex
     if op.bitwise:
         if needs_grad:
@@ -187,7 +176,7 @@ def _check_op(fn: str, op: _Op, dtype: torch.dtype, needs_grad: bool, group) -> 
             )
         if floating:
             raise TypeError(f"{fn}: `op`={op.name} needs an integer or bool tensor, got dtype {dtype}")
-        if _is_nccl(group):
+        if _is_nccl(group, tensor):
             raise TypeError(
                 f"{fn}: `op`={op.name} is not supported by the NCCL backend (it has SUM, AVG, PREMUL_SUM, PRODUCT, "
                 "MIN and MAX); use a gloo group for bitwise reductions"
@@ -223,14 +212,8 @@ def _agree(fn: str, tensor: torch.Tensor, group, *, same_shape: bool = True, sha
     if same_shape and any(m.shape != metas[0].shape for m in metas):
         _check.raise_mismatch(fn, "shapes", metas)
     for i, name in enumerate(names):
-        values = [row[i] for row in rows]
-        if len(set(values)) > 1:
-            show = {"op": lambda v: ReduceOp.RedOpType(v).name, "requires_grad": bool}.get(name, int)
-            detail = ", ".join(f"rank {r}: {show(v)}" for r, v in enumerate(values))
-            hint = ""
-            if name == "requires_grad":
-                hint = " (the ranks that require grad would wait forever in the backward)"
-            raise ValueError(f"{fn}: `{name}` differs across ranks ({detail}); every rank must pass the same{hint}")
+        show = (lambda v: ReduceOp.RedOpType(v).name) if name == "op" else None
+        _check.require_agreement(fn, name, [row[i] for row in rows], show=show)
     width = 1 + _check.MAX_DIMS
     for k in range(len(shapes)):
         start = len(names) + k * width
@@ -245,8 +228,13 @@ def _agree(fn: str, tensor: torch.Tensor, group, *, same_shape: bool = True, sha
 # --------------------------------------------------------------------------------------------------------
 
 
-def _is_nccl(group) -> bool:
-    return group is not None and "nccl" in str(dist.get_backend(group)).lower()
+def _is_nccl(group, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` travels through NCCL: a CUDA tensor on a group with an NCCL backend.
+
+    Decided per tensor: a group created with ``backend="cpu:gloo,cuda:nccl"`` sends CPU tensors through
+    gloo, where the NCCL-only choices (native AVG, refusing bitwise ops) do not apply.
+    """
+    return tensor.is_cuda and group is not None and "nccl" in str(dist.get_backend(group)).lower()
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
@@ -265,10 +253,10 @@ def _owned_copy(x: torch.Tensor, op: _Op) -> torch.Tensor:
     return torch.mul(x, factor, out=out)
 
 
-def _backend_op(op: _Op, group, dtype: torch.dtype, size: int):
-    """The op handed to the backend and the divisor applied afterwards (AVG emulation) or None."""
+def _backend_op(op: _Op, group, tensor: torch.Tensor, size: int):
+    """The op handed to the backend for ``tensor`` and the divisor applied afterwards (AVG emulation) or None."""
     kind = op.kind
-    if kind is _AVG and not (_is_nccl(group) and (dtype.is_floating_point or dtype.is_complex)):
+    if kind is _AVG and not ((tensor.is_floating_point() or tensor.is_complex()) and _is_nccl(group, tensor)):
         return _SUM, size
     if kind is _PREMUL_SUM:
         return _SUM, None
@@ -290,7 +278,7 @@ def _raw_all_reduce(x: torch.Tensor, op: _Op, group, size: int) -> torch.Tensor:
     buf = _owned_copy(x, op)
     if size == 1 or buf.numel() == 0:
         return buf
-    backend_op, divisor = _backend_op(op, group, buf.dtype, size)
+    backend_op, divisor = _backend_op(op, group, buf, size)
     nan = None
     if op.extrema and buf.dtype.is_floating_point:
         nan = torch.isnan(buf).to(torch.uint8)
@@ -306,7 +294,7 @@ def _raw_reduce(x: torch.Tensor, dst: int, op: _Op, group, size: int, is_dst: bo
     buf = _owned_copy(x, op)
     if size == 1 or buf.numel() == 0:
         return buf
-    backend_op, divisor = _backend_op(op, group, buf.dtype, size)
+    backend_op, divisor = _backend_op(op, group, buf, size)
     nan = None
     if op.extrema and buf.dtype.is_floating_point:
         nan = torch.isnan(buf).to(torch.uint8)
@@ -352,7 +340,7 @@ def _raw_reduce_scatter_into(out: torch.Tensor, src: torch.Tensor, op: _Op, grou
         return out.copy_(src)
     if out.numel() == 0:
         return out
-    backend_op, divisor = _backend_op(op, group, src.dtype, size)
+    backend_op, divisor = _backend_op(op, group, src, size)
     nan = None
     if op.extrema and src.dtype.is_floating_point:
         nan = torch.empty(out.shape, dtype=torch.uint8, device=src.device)
@@ -502,7 +490,8 @@ def _local_vjp(op: _Op, total: torch.Tensor, group, size: int, what: str, x=None
 
 
 class _AllReduce(Function):
-    """y = op_i x_i on every rank. Adjoint: all_reduce(SUM) of the grads, times the local factor."""
+    """y = op_i x_i on every rank. Adjoint: all_reduce(SUM) of the grads, times the local factor (AVG:
+    all_reduce(AVG) of the grads, the op itself)."""
 
     @staticmethod
     def forward(ctx, tensor, op, group, size):
@@ -517,6 +506,8 @@ class _AllReduce(Function):
     @staticmethod
     def backward(ctx, grad):
         op, group, size = ctx.op, ctx.group, ctx.size
+        if op.kind is _AVG:  # self-adjoint: the forward's own op (native on NCCL), no separate division
+            return _adjoint(_AllReduce, _raw_all_reduce, grad.contiguous(), op, group, size), None, None, None
         total = _adjoint(_AllReduce, _raw_all_reduce, grad.contiguous(), _SUM_OP, group, size)
         if op.linear:
             return _local_vjp(op, total, group, size, "all_reduce"), None, None, None
@@ -620,7 +611,9 @@ class _ReduceScatter(Function):
     def backward(ctx, grad):
         op, group, size, shapes = ctx.op, ctx.group, ctx.size, ctx.shapes
         grad = grad.contiguous()
-        if op.linear:
+        if op.kind is _AVG:  # the same 1/N for every slice: divide this rank's slice, 1/N of the elements
+            grads = _adjoint(_AllGatherList, _all_gather_list, group, shapes, grad / size)
+        elif op.linear:
             parts = _adjoint(_AllGatherList, _all_gather_list, group, shapes, grad)
             grads = [_local_vjp(op, p, group, size, "reduce_scatter") for p in parts]
         elif op.kind is _PRODUCT:
@@ -667,6 +660,8 @@ class _ReduceScatterTensor(Function):
     def backward(ctx, grad):
         op, dim, group, size = ctx.op, ctx.dim, ctx.group, ctx.size
         grad = grad.contiguous()
+        if op.kind is _AVG:  # divide the chunk before gathering: 1/N of the elements of the full grad
+            return _all_gather_tensor(grad / size, dim, group, size), None, None, None, None
         if op.linear:
             full = _all_gather_tensor(grad, dim, group, size)
             return _local_vjp(op, full, group, size, "reduce_scatter_tensor"), None, None, None, None
@@ -703,9 +698,9 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: dist.ProcessGroup |
     """
     _require_tensor("tensor", tensor)
     op = _parse_op(op)
-    group, size, _ = _resolve(group)
+    group, size, _ = _groups.resolve(group)
     needs_grad = _needs_grad(tensor)
-    _check_op("all_reduce", op, tensor.dtype, needs_grad, group)
+    _check_op("all_reduce", op, tensor, needs_grad, group)
     if size > 1 and _check.is_check_mode():
         _agree("all_reduce", tensor, group, op=op.kind.value, requires_grad=needs_grad)
     return _AllReduce.apply(tensor, op, group, size)
@@ -729,10 +724,10 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: dist.ProcessG
     """
     _require_tensor("tensor", tensor)
     op = _parse_op(op)
-    group, size, rank = _resolve(group)
+    group, size, rank = _groups.resolve(group)
     dst_rank = _groups.check_rank_in_group("dst", dst, group)
     needs_grad = _needs_grad(tensor)
-    _check_op("reduce", op, tensor.dtype, needs_grad, group)
+    _check_op("reduce", op, tensor, needs_grad, group)
     if size > 1 and _check.is_check_mode():
         _agree("reduce", tensor, group, op=op.kind.value, dst=dst, requires_grad=needs_grad)
     return _Reduce.apply(tensor, dst, op, group, size, rank == dst_rank)
@@ -753,7 +748,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = 
         A new tensor holding ``src``'s data on every rank.
     """
     _require_tensor("tensor", tensor)
-    group, size, rank = _resolve(group)
+    group, size, rank = _groups.resolve(group)
     src_rank = _groups.check_rank_in_group("src", src, group)
     if size > 1 and _check.is_check_mode():
         _agree("broadcast", tensor, group, src=src, requires_grad=_needs_grad(tensor))
@@ -788,7 +783,7 @@ def reduce_scatter(
         if not isinstance(t, torch.Tensor):
             _require_tensor(f"input_list[{i}]", t)
     op = _parse_op(op)
-    group, size, rank = _resolve(group)
+    group, size, rank = _groups.resolve(group)
     if len(input_list) != size:
         raise ValueError(
             f"reduce_scatter: `input_list` has {len(input_list)} tensors, expected {size} (one per rank of the group)"
@@ -810,7 +805,7 @@ def reduce_scatter(
             f"rank receives) has shape {tuple(input_list[rank].shape)}; they must match"
         )
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in input_list)
-    _check_op("reduce_scatter", op, output.dtype, needs_grad, group)
+    _check_op("reduce_scatter", op, output, needs_grad, group)
     if size > 1 and _check.is_check_mode():
         _agree(
             "reduce_scatter",
@@ -853,14 +848,14 @@ def reduce_scatter_tensor(
         )
     dim %= ndim
     op = _parse_op(op)
-    group, size, _ = _resolve(group)
+    group, size, _ = _groups.resolve(group)
     if tensor.shape[dim] % size:
         raise ValueError(
             f"reduce_scatter_tensor: `tensor` has size {tensor.shape[dim]} along `dim`={dim}, which the group size "
             f"{size} does not divide"
         )
     needs_grad = _needs_grad(tensor)
-    _check_op("reduce_scatter_tensor", op, tensor.dtype, needs_grad, group)
+    _check_op("reduce_scatter_tensor", op, tensor, needs_grad, group)
     if size > 1 and _check.is_check_mode():
         _agree("reduce_scatter_tensor", tensor, group, op=op.kind.value, dim=dim, requires_grad=needs_grad)
     return _ReduceScatterTensor.apply(tensor, dim, op, group, size)

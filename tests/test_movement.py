@@ -384,6 +384,8 @@ def test_nccl_every_op_matches_simulation():
 def _bad_inputs_rank(rank: int, world: int) -> dict:
     x = torch.randn(2, 3, dtype=torch.float64)
     n = world
+    groups = [dist.new_group([0]), dist.new_group([1])]
+    outside = groups[1 - rank]  # the placeholder new_group returned to this process, not a member
     cases = {
         "gather_type": lambda: F.gather([x]),
         "gather_dst_type": lambda: F.gather(x, dst="0"),
@@ -422,6 +424,14 @@ def _bad_inputs_rank(rank: int, world: int) -> dict:
         "a2as_row_shape": lambda: F.all_to_all_single(torch.empty(2, 4, dtype=x.dtype), x),
         "a2as_0d": lambda: F.all_to_all_single(torch.tensor(1.0), torch.tensor(1.0)),
         "a2as_requires_grad": lambda: F.all_to_all_single(x.clone().requires_grad_(), x),
+        "outside_gather": lambda: F.gather(x, dst=1 - rank, group=outside),
+        "outside_scatter": lambda: F.scatter(None, src=1 - rank, group=outside),
+        "outside_all_gather": lambda: F.all_gather(x, group=outside),
+        "outside_agt": lambda: F.all_gather_tensor(x, group=outside),
+        "outside_var": lambda: F.all_gather_variable(x, group=outside),
+        "outside_agb": lambda: F._all_gather_base(torch.empty(2, 3, dtype=x.dtype), x, group=outside),
+        "outside_a2a": lambda: F.all_to_all([x.clone()], [x], group=outside),
+        "outside_a2as": lambda: F.all_to_all_single(x.clone(), x, group=outside),
     }
     out = {}
     for key, fn in cases.items():
@@ -445,7 +455,8 @@ BAD_INPUTS = {
     "scatter_none_on_src": r"ValueError: `tensors` must hold 2 tensors on the source rank \(global rank \d\), got None",
     "scatter_src_range": r"ValueError: `src`=-1 is not a member of the group",
     "all_gather_type": r"TypeError: `tensor` must be a torch.Tensor, got float",
-    "all_gather_group": r"TypeError: `group` must be a torch.distributed ProcessGroup or None, got str",
+    "all_gather_group": r"TypeError: `group` must be a torch.distributed.ProcessGroup or None \(the default group\), "
+                        r"got str 'world'",
     "agt_dim_range": r"ValueError: `dim`=2 is out of range for a tensor of 2 dims \(allowed: -2 to 1\)",
     "agt_dim_type": r"TypeError: `dim` must be an int, got 1.0",
     "agt_0d": r"ValueError: a 0-d tensor has no dim to concatenate along",
@@ -472,6 +483,11 @@ BAD_INPUTS = {
     "a2as_row_shape": r"ValueError: `output` has shape \(2, 4\); its dims after the first must equal the input's",
     "a2as_0d": r"ValueError: all_to_all_single splits along dim 0",
     "a2as_requires_grad": r"ValueError: `output` requires grad",
+    **{
+        f"outside_{op}": r"ValueError: `group` is the placeholder torch.distributed.new_group returns to processes "
+                         r"outside the group \(this process, global rank \d, is not a member\); only its members may"
+        for op in ("gather", "scatter", "all_gather", "agt", "var", "agb", "a2a", "a2as")
+    },
 }
 
 
@@ -527,15 +543,47 @@ def _mismatch_rank(rank: int, world: int) -> dict:
         attempt("all_to_all", lambda: F.all_to_all(
             [torch.empty(2, 3) for _ in range(world)],
             [torch.zeros(2, 2 if (rank == 2 and j == 0) else 3) for j in range(world)]))
+        # sizes given and wrong for rank 2's own tensor: the exchange runs first, so every rank raises
+        attempt("var_sizes_own", lambda: F.all_gather_variable(
+            torch.zeros(4 if rank == 2 else rank + 1), sizes=[1, 2, 3]))
+        # dtypes outside the common set (same itemsize, so only the dtype tells them apart)
+        attempt("uncommon_dtypes", lambda: F.all_gather(
+            torch.zeros(2, dtype=torch.float8_e5m2 if rank == 1 else torch.float8_e4m3fn)))
+        # rank 1's input needs no grad: it would skip the backward collective the others wait in
+        grad = rank != 1
+
+        def leaf(*shape):
+            return torch.zeros(*shape).requires_grad_(grad)
+
+        for key, fn in _grad_disagreements(leaf, world).items():
+            attempt(f"grad_{key}", fn)
         # a consistent call passes the checks
         y, sizes = F.all_gather_variable(torch.full((rank,), float(rank)), sizes=list(range(world)))
         out["ok_in_check_mode"] = (y, sizes)
+        x = torch.full((2,), float(rank), requires_grad=True)
+        sum(t.sum() for t in F.all_gather(x)).backward()
+        out["ok_grad_in_check_mode"] = x.grad
     out["after"] = torch.cat(F.all_gather(torch.tensor([float(rank)])))
     return out
 
 
+def _grad_disagreements(leaf, world: int) -> dict:
+    """One call per movement op whose backward is a collective, with the input made by ``leaf(*shape)``."""
+    return {
+        "gather": lambda: F.gather(leaf(2)),
+        "all_gather": lambda: F.all_gather(leaf(2)),
+        "all_gather_tensor": lambda: F.all_gather_tensor(leaf(2, 3), dim=1),
+        "_all_gather_base": lambda: F._all_gather_base(torch.empty(2 * world), leaf(2)),
+        "all_gather_variable": lambda: F.all_gather_variable(leaf(2)),
+        "all_gather_variable_sizes": lambda: F.all_gather_variable(leaf(2), sizes=[2] * world),
+        "all_to_all": lambda: F.all_to_all([torch.empty(2) for _ in range(world)], [leaf(2) for _ in range(world)]),
+        "all_to_all_single": lambda: F.all_to_all_single(torch.empty(world), leaf(world)),
+    }
+
+
 def test_cross_rank_mismatches_raise_the_same_error_everywhere():
-    """Shape/dtype/size mismatches between ranks raise one identical ValueError on every rank, not a hang."""
+    """Shape/dtype/size/requires_grad mismatches between ranks raise one identical ValueError on every rank, not a
+    hang (in check mode a rank whose own `sizes` entry is wrong does not raise alone; float8 dtypes differ)."""
     world = 3
     results = run_world(_mismatch_rank, world)
     expected = {
@@ -552,7 +600,16 @@ def test_cross_rank_mismatches_raise_the_same_error_everywhere():
                              "expects 2 rows from rank 1",
         "all_to_all": "all_to_all: rank 2's input for rank 0 has shape (2, 2) and dtype torch.float32, but rank 0's "
                       "output for rank 2 has shape (2, 3)",
+        "var_sizes_own": "all_gather_variable: `sizes`=[1, 2, 3] but the tensors have sizes [1, 2, 4] along dim 0",
+        "uncommon_dtypes": "all_gather: dtypes differ across ranks (rank 0: shape=(2,) dtype=torch.float8_e4m3fn, "
+                           "rank 1: shape=(2,) dtype=torch.float8_e5m2, rank 2: shape=(2,) dtype=torch.float8_e4m3fn)",
     }
+    for key in _grad_disagreements(None, world):
+        op = key.removesuffix("_sizes")
+        expected[f"grad_{key}"] = (
+            f"{op}: `requires_grad` differs across ranks (rank 0: True, rank 1: False, rank 2: True); every rank "
+            "must pass the same (the ranks that require grad would wait forever in the backward)"
+        )
     for key, start in expected.items():
         msgs = [res[key] for res in results]
         assert msgs[0] is not None and msgs[0].startswith(start), f"{key}: {msgs[0]!r}"
@@ -561,6 +618,8 @@ def test_cross_rank_mismatches_raise_the_same_error_everywhere():
         y, sizes = res["ok_in_check_mode"]
         torch.testing.assert_close(y, torch.tensor([1.0, 2.0, 2.0]))
         assert sizes == [0, 1, 2]
+        # loss_r = sum_k sum(y_rk): every rank's x feeds every rank's loss once
+        torch.testing.assert_close(res["ok_grad_in_check_mode"], torch.full((2,), float(world)))
         torch.testing.assert_close(res["after"], torch.tensor([0.0, 1.0, 2.0]))
 
 
@@ -652,6 +711,19 @@ def test_torch_all_gather_backward_is_wrong_where_ours_is_right():
         expected = sum((torch.arange(6.0 * world).reshape(world, 3, 2) + r)[j].t() for r in range(world))
         torch.testing.assert_close(res[j]["noncontig_ours"], expected)
     assert any(not torch.allclose(res[j]["noncontig_torch"], res[j]["noncontig_ours"]) for j in range(world))
+
+
+def test_metadata_codes_tell_every_dtype_apart():
+    """Check mode's metadata gives every torch dtype (float8, uint16/32/64, ...) its own code and decodes it back."""
+    dtypes = {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+    codes = {_check.dtype_code(dtype): dtype for dtype in dtypes}
+    assert len(codes) == len(dtypes) and all(0 <= c < 2**63 for c in codes)  # distinct, and fit the int64 row
+    for code, dtype in codes.items():
+        assert _check.decode_meta([1, code, 4] + [0] * (_check.MAX_DIMS - 1)).dtype is dtype
+    uncommon = [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64, torch.float32]
+    rows = [_check.encode_meta(torch.empty(2, 3, dtype=dtype)) for dtype in uncommon]
+    assert len({row[1] for row in rows}) == len(uncommon)
+    assert [_check.decode_meta(row) for row in rows] == [((2, 3), dtype) for dtype in uncommon]
 
 
 def test_all_lists_the_public_functions():

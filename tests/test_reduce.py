@@ -488,6 +488,82 @@ def test_check_mode_raises_same_error_everywhere():
 
 
 # --------------------------------------------------------------------------------------------------------
+# Backend choice: NCCL is decided per tensor; AVG's backward issues the forward's op
+# --------------------------------------------------------------------------------------------------------
+
+_MIXED_CASES = [
+    dict(id=1000, kind="all_reduce", op="AVG", shape=(2, 3), values="normal", transpose=True),
+    dict(id=1001, kind="all_reduce", op="AVG", shape=(5,), values="int"),
+    dict(id=1002, kind="reduce_scatter_tensor", op="AVG", shape=(4, 3), dim=0, values="normal"),
+    dict(id=1003, kind="all_reduce", op="BAND", shape=(6,), values="bits"),
+]
+_NATIVE_AVG_CASE = dict(id=1004, kind="all_reduce", op="AVG", shape=(2, 3), values="normal", double=True)
+
+
+def _backend_choice_rank(rank, world):
+    from distcomm import _reduce
+
+    members = list(range(world))
+    out = {}
+    real_all_reduce, real_get_backend, real_is_nccl = dist.all_reduce, dist.get_backend, _reduce._is_nccl
+    issued = []
+    native_avg = False
+
+    def logged_all_reduce(tensor, op=R.SUM, group=None, async_op=False):
+        issued.append(R.RedOpType(op).name)
+        if op == R.AVG and native_avg:  # NCCL's native AVG, emulated on gloo
+            real_all_reduce(tensor, op=R.SUM, group=group)
+            tensor.div_(dist.get_world_size(group))
+            return None
+        return real_all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = logged_all_reduce
+    try:
+        # A "cpu:gloo,cuda:nccl" group cannot be built without CUDA: report that backend string for the
+        # default gloo group. CPU tensors must still take gloo's path (emulated AVG, bitwise ops allowed).
+        dist.get_backend = lambda group=None: "cpu:gloo,cuda:nccl"
+        try:
+            out["is_nccl_cpu"] = _reduce._is_nccl(dist.group.WORLD, torch.ones(1))
+            out["mixed"] = [_run_case(c, None, members, rank, world, "cpu") for c in _MIXED_CASES]
+        finally:
+            dist.get_backend = real_get_backend
+        out["issued_mixed"], issued[:] = list(issued), []
+        # Native AVG (as on NCCL): the backward must issue AVG too.
+        native_avg, _reduce._is_nccl = True, lambda group, tensor: True
+        try:
+            out["native"] = _run_case(_NATIVE_AVG_CASE, None, members, rank, world, "cpu")
+        finally:
+            _reduce._is_nccl = real_is_nccl
+        out["issued_native"] = issued
+    finally:
+        dist.all_reduce = real_all_reduce
+    return out
+
+
+def test_nccl_is_decided_per_tensor_and_avg_backward_reuses_the_forward_op():
+    """CPU tensors on a mixed cpu:gloo/cuda:nccl group get gloo's emulated AVG and bitwise ops (not NCCL's), and
+    all_reduce(AVG)'s backward (and double backward) issues native AVG where the forward did, with exact grads."""
+    world = 2
+    results = run_world(_backend_choice_rank, world)
+    for rank, res in enumerate(results):
+        assert res["is_nccl_cpu"] is False
+        # the float AVG case (forward, backward) and the int AVG case as SUM, then BAND: no AVG reaches gloo
+        assert res["issued_mixed"] == ["SUM", "SUM", "SUM", "BAND"], res["issued_mixed"]
+        # forward, backward, then the double backward through the backward's node and the forward's (the
+        # first grad depends on y): native AVG every time, never SUM followed by a separate division
+        assert res["issued_native"] == ["AVG", "AVG", "AVG", "AVG"], res["issued_native"]
+    for name, cases in (("mixed", _MIXED_CASES), ("native", [_NATIVE_AVG_CASE])):
+        for i, case in enumerate(cases):
+            expected = _reference(case, world)
+            for rank, res in enumerate(results):
+                got = res[name][i] if name == "mixed" else res[name]
+                torch.testing.assert_close(got["y"], expected[rank]["y"])
+                for key in ("grad", "grad2"):
+                    for a, b in zip(got.get(key, []), expected[rank].get(key, []), strict=True):
+                        torch.testing.assert_close(a, b, msg=lambda m: f"{case} rank {rank} {key}: {m}")
+
+
+# --------------------------------------------------------------------------------------------------------
 # What torch.distributed.nn.functional gets wrong
 # --------------------------------------------------------------------------------------------------------
 
