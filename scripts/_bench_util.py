@@ -468,3 +468,30 @@ def markdown_header(title: str, report: dict) -> str:
           + (f" (NCCL {env['nccl']})" if env.get("nccl") else "") + f", triton {env.get('triton')}")
     return (f"## {title}\n\nMeasured {env.get('time_utc', '')} on {hw}, commit {env.get('git_commit')}, with\n\n"
             f"```bash\n{report.get('command', '')}\n```\n")
+
+
+def run_report(run_rank, world: int, cfg: dict, *, backend: str, timeout: float, summarize) -> tuple[dict | None, str | None]:
+    """Launch ``run_rank`` on ``world`` ranks and return (rank 0's report, failure text or None).
+
+    On a hang or a crashed rank the JSON that rank 0 wrote so far is read back, re-summarised with
+    ``summarize(report)`` and rewritten, so a partial run still yields its table. Returns (None, None) on the
+    processes that are not the lead under torchrun, and (None, failure) when nothing can be recovered.
+    """
+    out = Path(cfg["out"])
+    try:
+        results = launch(run_rank, world, cfg, backend=backend, timeout=timeout)
+        if results is None:
+            return None, None
+        return results[0], None
+    except Exception as exc:  # a hang or a crashed rank: keep what rank 0 wrote so far
+        failure = error_text(exc)
+        print(f"\nrun ended early: {failure}", flush=True)
+        if not is_lead_process():
+            return None, failure
+        report = read_json(out / cfg["json_name"])
+        if report is None:
+            return None, failure
+        report["summary"] = summarize(report)
+        report["failure"] = failure
+        write_json(out / cfg["json_name"], report)
+        return report, failure

@@ -657,23 +657,10 @@ def main(argv=None) -> int:
         return 2
     out = Path(cfg["out"])
     t0 = time.monotonic()
-    failure = None
-    try:
-        results = U.launch(run_rank, world, cfg, backend=cfg["backend_dist"], timeout=cfg["budget_s"] + 90)
-        if results is None:
-            return 0
-        report = results[0]
-    except Exception as exc:  # a hang or a crashed rank: keep what rank 0 wrote so far
-        failure = U.error_text(exc)
-        print(f"\nrun ended early: {failure}", flush=True)
-        if not U.is_lead_process():
-            return 1
-        report = U.read_json(out / cfg["json_name"])
-        if report is None:
-            return 1
-        report["summary"] = summarize(report)
-        report["failure"] = failure
-        U.write_json(out / cfg["json_name"], report)
+    report, failure = U.run_report(run_rank, world, cfg, backend=cfg["backend_dist"],
+                                   timeout=cfg["budget_s"] + 90, summarize=summarize)
+    if report is None:
+        return 1 if failure else 0
     print_summary(report["summary"])
     pngs = plot(report, out, cfg)
     md = write_markdown(report, out / cfg["md_name"])
