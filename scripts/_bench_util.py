@@ -333,12 +333,14 @@ class Table:
 
 
 def git_commit() -> str | None:
+    """The checkout's short commit, or $DISTCOMM_COMMIT where the tree was copied without its git metadata."""
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              timeout=5, cwd=Path(__file__).resolve().parent)
-        return out.stdout.strip() or None
+        commit = out.stdout.strip()
     except Exception:
-        return None
+        commit = ""
+    return commit or os.environ.get("DISTCOMM_COMMIT") or None
 
 
 def command_line() -> str:
