@@ -32,10 +32,28 @@ Note [Gradient convention]
 
 from torch.distributed import ReduceOp, group  # noqa: F401  (torch's module exposes both)
 
-from distcomm._movement import *  # noqa: F401,F403
-from distcomm._movement import __all__ as _movement_all
-from distcomm._reduce import *  # noqa: F401,F403
-from distcomm._reduce import __all__ as _reduce_all
+from distcomm._all_gather import _all_gather_base, all_gather, all_gather_tensor, all_gather_variable
+from distcomm._all_to_all import all_to_all, all_to_all_single
+from distcomm._gather_scatter import gather, scatter
+from distcomm._reduce import all_reduce, broadcast, reduce
+from distcomm._reduce_scatter import reduce_scatter, reduce_scatter_tensor
 from distcomm.ring import ring_pass
 
-__all__ = [*_reduce_all, *_movement_all, "ring_pass", "ReduceOp", "group"]
+__all__ = [
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "scatter",
+    "all_gather",
+    "_all_gather_base",
+    "all_to_all",
+    "all_to_all_single",
+    "all_gather_tensor",
+    "all_gather_variable",
+    "ring_pass",
+    "ReduceOp",
+    "group",
+]

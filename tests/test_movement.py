@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import distcomm
 import distcomm.functional as F
-from distcomm import _check, _movement
+from distcomm import _all_gather, _all_to_all, _check, _gather_scatter
 from tests.dist_harness import run_world
 
 TOL = dict(rtol=1e-12, atol=1e-12)
@@ -727,10 +727,15 @@ def test_metadata_codes_tell_every_dtype_apart():
 
 
 def test_all_lists_the_public_functions():
-    """functional re-exports exactly these names, each a callable of this module."""
-    assert set(_movement.__all__) == {
+    """functional re-exports exactly these names, each a callable of the data-movement module that defines it."""
+    modules = (_gather_scatter, _all_gather, _all_to_all)
+    names = [name for module in modules for name in module.__all__]
+    assert len(names) == len(set(names))
+    assert set(names) == {
         "gather", "scatter", "all_gather", "_all_gather_base", "all_to_all", "all_to_all_single",
         "all_gather_tensor", "all_gather_variable",
     }
-    for name in _movement.__all__:
-        assert callable(getattr(F, name)) and getattr(F, name) is getattr(_movement, name)
+    for module in modules:
+        for name in module.__all__:
+            assert name in F.__all__
+            assert callable(getattr(F, name)) and getattr(F, name) is getattr(module, name)

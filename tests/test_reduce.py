@@ -1,4 +1,4 @@
-"""Reductions and broadcast (distcomm._reduce) against a float64 single-process simulation.
+"""Reductions and broadcast (distcomm._reduce, distcomm._reduce_scatter) against a float64 single-process simulation.
 
 Layers, cheapest first:
 1. in-process, no process group: the world-of-one identity and argument validation;
@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import distcomm
 import distcomm.functional as F
+from distcomm import _reduce, _reduce_scatter
 from tests.dist_harness import run_world
 
 R = dist.ReduceOp
@@ -364,6 +365,18 @@ def test_single_process_identity():
     torch.testing.assert_close(y, 3.0 * x)
 
 
+def test_all_lists_the_public_functions():
+    """functional re-exports exactly these names, each a callable of the reduction module that defines it."""
+    modules = (_reduce, _reduce_scatter)
+    names = [name for module in modules for name in module.__all__]
+    assert len(names) == len(set(names))
+    assert set(names) == {"all_reduce", "reduce", "broadcast", "reduce_scatter", "reduce_scatter_tensor"}
+    for module in modules:
+        for name in module.__all__:
+            assert name in F.__all__
+            assert callable(getattr(F, name)) and getattr(F, name) is getattr(module, name)
+
+
 # --------------------------------------------------------------------------------------------------------
 # Errors: raised before any communication, with messages naming the argument
 # --------------------------------------------------------------------------------------------------------
@@ -501,11 +514,11 @@ _NATIVE_AVG_CASE = dict(id=1004, kind="all_reduce", op="AVG", shape=(2, 3), valu
 
 
 def _backend_choice_rank(rank, world):
-    from distcomm import _reduce
+    from distcomm import _reduce_ops
 
     members = list(range(world))
     out = {}
-    real_all_reduce, real_get_backend, real_is_nccl = dist.all_reduce, dist.get_backend, _reduce._is_nccl
+    real_all_reduce, real_get_backend, real_is_nccl = dist.all_reduce, dist.get_backend, _reduce_ops._is_nccl
     issued = []
     native_avg = False
 
@@ -523,17 +536,17 @@ def _backend_choice_rank(rank, world):
         # default gloo group. CPU tensors must still take gloo's path (emulated AVG, bitwise ops allowed).
         dist.get_backend = lambda group=None: "cpu:gloo,cuda:nccl"
         try:
-            out["is_nccl_cpu"] = _reduce._is_nccl(dist.group.WORLD, torch.ones(1))
+            out["is_nccl_cpu"] = _reduce_ops._is_nccl(dist.group.WORLD, torch.ones(1))
             out["mixed"] = [_run_case(c, None, members, rank, world, "cpu") for c in _MIXED_CASES]
         finally:
             dist.get_backend = real_get_backend
         out["issued_mixed"], issued[:] = list(issued), []
         # Native AVG (as on NCCL): the backward must issue AVG too.
-        native_avg, _reduce._is_nccl = True, lambda group, tensor: True
+        native_avg, _reduce_ops._is_nccl = True, lambda group, tensor: True
         try:
             out["native"] = _run_case(_NATIVE_AVG_CASE, None, members, rank, world, "cpu")
         finally:
-            _reduce._is_nccl = real_is_nccl
+            _reduce_ops._is_nccl = real_is_nccl
         out["issued_native"] = issued
     finally:
         dist.all_reduce = real_all_reduce
