@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from distcomm import _groups
+from distcomm._reduce_ops import _require_tensor  # noqa: F401  (shared argument check)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -39,11 +40,6 @@ def _setup(group):
     Raises TypeError for a ``group`` that is not one and ValueError where this process is not a member.
     """
     return _groups.resolve(group)
-
-
-def _require_tensor(name: str, value) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(value).__name__}")
 
 
 def _require_tensor_list(name: str, value, n: int) -> list[torch.Tensor]:

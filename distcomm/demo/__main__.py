@@ -41,7 +41,7 @@ def _plot(path, dist_hist, single_hist, world):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"  (matplotlib is not installed, so no plot: pip install 'distcomm[demo]')")
+        print("  (matplotlib is not installed, so no plot: pip install 'distcomm[demo]')")
         return
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, key, title in zip(axes, ("clip", "lm"), ("CLIP loss, uneven batches", "ring-attention LM loss")):
