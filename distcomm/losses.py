@@ -39,9 +39,9 @@ from __future__ import annotations
 
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from distcomm import _groups
 from distcomm import functional as dfunc
 from distcomm.ring import RingComm
 
@@ -90,11 +90,12 @@ def _check_features(op: str, image_features, text_features) -> None:
 
 
 def _check_scalar(op: str, name: str, value, like: torch.Tensor) -> torch.Tensor:
-    """Return ``value`` as a tensor with one element (a Python number becomes a constant)."""
+    """Return ``value`` as a tensor with one element (a number becomes a constant in the compute dtype)."""
     if isinstance(value, bool):
         raise TypeError(f"{op}: `{name}` must be a scalar tensor or a real number, got bool {value!r}")
     if isinstance(value, (int, float)):
-        return torch.tensor(float(value), dtype=like.dtype, device=like.device)
+        # Built in the compute dtype: a number rounded to half precision would change the loss.
+        return torch.tensor(float(value), dtype=_compute_dtype(like.dtype), device=like.device)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{op}: `{name}` must be a scalar tensor or a real number, got {type(value).__name__}")
     if value.numel() != 1:
@@ -109,6 +110,13 @@ def _check_scalar(op: str, name: str, value, like: torch.Tensor) -> torch.Tensor
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Logits and losses of half-precision features are taken in float32."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def _size_and_rank(group) -> tuple[int, int]:
+    """(W, r) of ``group`` (``None``: the default group), looked up now; a world of one without a group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -143,7 +151,8 @@ def clip_loss(
         group: process group (``None``: the default group; no process group: a world of one).
 
     Returns:
-        0-d tensor L_r, in float32 or wider (half-precision logits are upcast before the softmax).
+        0-d tensor L_r, in float32 or wider (half-precision features are upcast before the logit products,
+        so the logits are float32).
 
     Raises:
         TypeError, ValueError: bad input on this rank (raised before any communication), or feature dims /
@@ -155,24 +164,25 @@ def clip_loss(
     if not isinstance(local_loss, bool):
         raise TypeError(f"{op}: `local_loss` must be a bool, got {local_loss!r}")
 
-    world = _groups.group_size(group)
-    rank = _groups.group_rank(group)
     all_images, sizes = dfunc.all_gather_variable(image_features, sizes=None, group=group)
     all_texts, _ = dfunc.all_gather_variable(text_features, sizes=sizes, group=group)
+    world, rank = _size_and_rank(group)
     total = sum(sizes)
+    # Half-precision operands are upcast before the products, so the logits are float32 throughout.
     dtype = _compute_dtype(image_features.dtype)
     scale = logit_scale.reshape(()).to(dtype)
+    all_images, all_texts = all_images.to(dtype), all_texts.to(dtype)
 
     if local_loss:
         offset = sum(sizes[:rank])
         targets = torch.arange(offset, offset + sizes[rank], device=image_features.device)
-        rows = scale * (image_features @ all_texts.T).to(dtype)  # (n_r, N): own images vs all texts
-        cols = scale * (text_features @ all_images.T).to(dtype)  # (n_r, N): own texts vs all images
+        rows = scale * (image_features.to(dtype) @ all_texts.T)  # (n_r, N): own images vs all texts
+        cols = scale * (text_features.to(dtype) @ all_images.T)  # (n_r, N): own texts vs all images
         summed = F.cross_entropy(rows, targets, reduction="sum") + F.cross_entropy(cols, targets, reduction="sum")
         weight = world / (2 * total) if total else 0.0
     else:
         targets = torch.arange(total, device=image_features.device)
-        logits = scale * (all_images @ all_texts.T).to(dtype)  # (N, N)
+        logits = scale * (all_images @ all_texts.T)  # (N, N)
         summed = F.cross_entropy(logits, targets, reduction="sum") + F.cross_entropy(
             logits.T, targets, reduction="sum"
         )
@@ -186,8 +196,12 @@ def clip_loss(
 
 
 def _siglip_logits(x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor):
-    """(logits, dots) of one block: ``scale * x @ y.T + bias`` and ``x @ y.T``, in the compute dtype."""
-    dots = (x @ y.T).to(_compute_dtype(x.dtype))
+    """(logits, dots) of one block: ``scale * x @ y.T + bias`` and ``x @ y.T``, in the compute dtype.
+
+    Half-precision operands are upcast before the product (one block at a time, so memory stays O(block)).
+    """
+    dtype = _compute_dtype(x.dtype)
+    dots = x.to(dtype) @ y.to(dtype).T
     return dots * scale + bias, dots
 
 
@@ -211,9 +225,9 @@ def _siglip_block_grads(x, y, scale, bias, diagonal: int | None, weight: float):
     signs = _siglip_signs(logits, diagonal)
     # d/dl [-log sigmoid(z l)] = -z sigmoid(-z l)
     dlogits = -weight * signs * torch.sigmoid(-signs * logits)
-    scaled = (dlogits * scale).to(x.dtype)
-    dx = (scaled @ y).to(logits.dtype)
-    dy = (scaled.T @ x).to(logits.dtype)
+    scaled = dlogits * scale
+    dx = scaled @ y.to(logits.dtype)
+    dy = scaled.T @ x.to(logits.dtype)
     return dx, dy, (dlogits * dots).sum(), dlogits.sum()
 
 
@@ -337,15 +351,32 @@ def _wait(pending) -> tuple[torch.Tensor, torch.Tensor | None]:
     return handle_right.wait()[0], None if handle_left is None else handle_left.wait()[0]
 
 
-def _exchange_sizes(op: str, image_features: torch.Tensor, group) -> list[int]:
-    """Every rank's batch size (one small all_gather), checking feature dims and dtypes agree."""
-    row = [image_features.shape[0], image_features.shape[1], _DTYPE_CODES.get(image_features.dtype, 0)]
+def _exchange_sizes(op: str, image_features: torch.Tensor, needs_grad: bool, group) -> list[int]:
+    """Every rank's batch size (one small all_gather), checking that feature dims, dtypes and
+    ``needs_grad`` (whether this rank's loss will be in the autograd graph) agree across ranks.
+
+    The ring's backward communicates, so a rank without a graph would leave its peers waiting in theirs;
+    every rank sees the same gathered rows and raises the same error.
+    """
+    row = [
+        image_features.shape[0],
+        image_features.shape[1],
+        _DTYPE_CODES.get(image_features.dtype, 0),
+        int(needs_grad),
+    ]
     meta = torch.tensor(row, dtype=torch.int64, device=image_features.device)
     rows = [t.tolist() for t in dfunc.all_gather(meta, group=group)]
-    if any(r[1:] != rows[0][1:] for r in rows):
+    if any(r[1:3] != rows[0][1:3] for r in rows):
         inv = {v: k for k, v in _DTYPE_CODES.items()}
         detail = ", ".join(f"rank {i}: dim={r[1]} dtype={inv.get(r[2])}" for i, r in enumerate(rows))
         raise ValueError(f"{op}: feature dims or dtypes differ across ranks ({detail}); they must agree")
+    if any(r[3] != rows[0][3] for r in rows):
+        detail = ", ".join(f"rank {i}: {bool(r[3])}" for i, r in enumerate(rows))
+        raise ValueError(
+            f"{op}: whether the loss needs a backward differs across ranks ({detail}); impl='ring' "
+            "communicates in backward, so it must be all or none: grad mode enabled and the features, "
+            "`logit_scale` or `logit_bias` requiring grad on every rank, or on none"
+        )
     return [r[0] for r in rows]
 
 
@@ -376,11 +407,13 @@ def siglip_loss(
         group: process group (``None``: the default group; no process group: a world of one).
 
     Returns:
-        0-d tensor L_r, in float32 or wider.
+        0-d tensor L_r, in float32 or wider (half-precision features are upcast before the logit products).
 
     Raises:
         TypeError, ValueError: bad input on this rank (raised before any communication), or feature dims /
-            dtypes that differ across ranks (raised on every rank).
+            dtypes that differ across ranks (raised on every rank). ``impl="ring"`` also raises on every
+            rank if some ranks' losses need a backward (grad mode on and an input requiring grad) and
+            others' do not, since its backward communicates.
     """
     op = "siglip_loss"
     _check_features(op, image_features, text_features)
@@ -391,12 +424,16 @@ def siglip_loss(
 
     if impl == "ring":
         comm = RingComm(group)
-        sizes = _exchange_sizes(op, image_features, comm.group) if comm.size > 1 else [image_features.shape[0]]
+        if comm.size == 1:
+            sizes = [image_features.shape[0]]
+        else:
+            inputs = (image_features, text_features, logit_scale, logit_bias)
+            needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+            sizes = _exchange_sizes(op, image_features, needs_grad, comm.group)
         return _SigLipRing.apply(image_features, text_features, logit_scale, logit_bias, comm, sizes)
 
-    world = _groups.group_size(group)
-    rank = _groups.group_rank(group)
     all_texts, sizes = dfunc.all_gather_variable(text_features, sizes=None, group=group)
+    world, rank = _size_and_rank(group)
     total = sum(sizes)
     offset = sum(sizes[:rank])
     summed = _siglip_block_sum(

@@ -6,15 +6,20 @@
    single-process float64 loss G of the concatenated batch written here from the formulas: each rank's
    L_r, mean_r L_r == G, rank r's grad of its own features / W == G's grad of those rows, mean over ranks
    of the logit_scale / logit_bias grads == G's; siglip ring == gather; a subgroup; cross-rank dim
-   mismatches; saved-for-backward bytes of the siglip ring flat in W while gather's grow;
-3. GPU (NCCL, 2 ranks): the same checks on CUDA tensors.
+   mismatches; ranks disagreeing on whether the ring needs a backward; saved-for-backward bytes of the
+   siglip ring flat in W while gather's grow (in-process: bf16 features keep float32 logits and scalars);
+3. GPU (NCCL, 2 ranks): the same checks on CUDA tensors; peak memory of forward + backward, ring vs gather.
 """
+
+import ast
+import inspect
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import distcomm.losses
 from distcomm.losses import clip_loss, siglip_loss
 from tests.dist_harness import run_world
 
@@ -194,6 +199,18 @@ def test_errors_raised_before_any_communication():
     assert [r["sum"] for r in res] == [3.0, 3.0]
 
 
+def test_losses_import_only_public_distcomm_modules():
+    """The losses are examples built on distcomm's public ops, so they import no private distcomm module."""
+    imported = []
+    for node in ast.walk(ast.parse(inspect.getsource(distcomm.losses))):
+        if isinstance(node, ast.Import):
+            imported += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            imported += [f"{node.module}.{alias.name}" for alias in node.names]
+    private = [name for name in imported if name.startswith("distcomm") and "._" in name]
+    assert not private, private
+
+
 def test_single_process_python_number_scalars():
     """Without a process group the losses equal G, and plain numbers are accepted as logit_scale / bias."""
     images, texts, scale, bias = _inputs([5], 4, seed=3)
@@ -204,6 +221,39 @@ def test_single_process_python_number_scalars():
         else:
             got = siglip_loss(images, texts, scale.item(), bias.item(), impl=option)
         torch.testing.assert_close(got, loss_ref, rtol=1e-12, atol=1e-12)
+
+
+def _call(kind, option, x, y, scale, bias):
+    if kind == "clip":
+        return clip_loss(x, y, scale, local_loss=option)
+    return siglip_loss(x, y, scale, bias, impl=option)
+
+
+def test_number_scalars_keep_their_value_with_half_features():
+    """A plain-number logit_scale / logit_bias is not rounded to the features' bf16 (14.2857 -> 14.3125)."""
+    images, texts, _, _ = _inputs([6], 8, seed=4)
+    x, y = images.bfloat16(), texts.bfloat16()
+    scale, bias = 14.2857, -6.789
+    scale_t, bias_t = torch.tensor(scale), torch.tensor(bias)  # float32, the compute dtype of bf16 features
+    for kind, option in VARIANTS:
+        got = _call(kind, option, x, y, scale, bias)
+        expected = _call(kind, option, x, y, scale_t, bias_t)
+        assert got.dtype == torch.float32, (kind, option, got.dtype)
+        torch.testing.assert_close(got, expected, rtol=1e-7, atol=0, msg=f"{kind}/{option}")
+
+
+def test_half_features_give_float32_logits():
+    """bf16 features with a large scale: the loss is that of float32 logits, not of bf16 products upcast."""
+    gen = torch.Generator().manual_seed(5)
+    images = F.normalize(torch.randn(24, 64, generator=gen, dtype=torch.float64), dim=1)
+    texts = F.normalize(images + 0.4 * torch.randn(24, 64, generator=gen, dtype=torch.float64), dim=1)
+    x, y = images.bfloat16(), texts.bfloat16()  # unit vectors: cosine logits, a loss far from 0 at scale 100
+    scale, bias = torch.tensor(100.0), torch.tensor(-10.0)
+    for kind, option in VARIANTS:
+        got = _call(kind, option, x, y, scale, bias).double()
+        # Reference: float64 math on the same (bf16-rounded) inputs.
+        expected = _reference(kind, x.double(), y.double(), scale.double(), bias.double())[0]
+        assert abs(got - expected) / abs(expected) < 1e-5, (kind, option, got.item(), expected.item())
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -287,6 +337,38 @@ def test_feature_dims_differing_across_ranks():
     assert "siglip_loss: feature dims or dtypes differ across ranks (rank 0: dim=4" in res[0]["siglip/ring"]
 
 
+def _grad_mode_mismatch_rank(rank, world):
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    scale, bias = torch.tensor(2.0), torch.tensor(-1.0)
+    out = {}
+    # rank 1's features do not require grad; then rank 1 runs with grad mode off although its features do.
+    for case, (needs_grad, grad_mode) in enumerate([(rank == 0, True), (True, rank == 0)]):
+        xi, yi = x.clone().requires_grad_(needs_grad), y.clone().requires_grad_(needs_grad)
+        try:
+            with torch.set_grad_enabled(grad_mode):
+                siglip_loss(xi, yi, scale, bias, impl="ring")
+            out[case] = "no error"
+        except ValueError as exc:
+            out[case] = str(exc)
+    # With no rank needing a backward the forward alone runs, on every rank.
+    with torch.no_grad():
+        loss = siglip_loss(x, y, scale, bias, impl="ring")
+    out["no_grad_loss"] = loss
+    return out
+
+
+def test_siglip_ring_backward_needed_on_some_ranks_only():
+    """A rank whose ring loss needs no backward would leave its peers hanging in theirs: all raise the same error."""
+    res = run_world(_grad_mode_mismatch_rank, 2, timeout=30)
+    for case in (0, 1):
+        assert res[0][case] == res[1][case], res
+        assert "siglip_loss: whether the loss needs a backward differs across ranks (rank 0: True, rank 1: False)" in (
+            res[0][case]
+        ), res[0][case]
+    assert [r["no_grad_loss"].requires_grad for r in res] == [False, False]
+    assert all(torch.isfinite(r["no_grad_loss"]) for r in res)
+
+
 def _saved_bytes_rank(rank, world, batch, dim):
     torch.manual_seed(rank)
     out = {}
@@ -326,7 +408,25 @@ def test_siglip_ring_saved_memory_flat_in_world_size():
 # ------------------------------------------------------------------------------------------------------
 
 GPU_CASES = [[3, 3], [5, 0], [2, 7]]
-GPU_MEMORY_BATCH, GPU_MEMORY_DIM = 1024, 256
+GPU_MEMORY_BATCH, GPU_MEMORY_DIM = 1024, 32
+
+
+def _peak_bytes(impl, group, device):
+    """Peak allocated bytes above the inputs during one siglip forward + backward (after a warm-up run)."""
+    x = torch.randn(GPU_MEMORY_BATCH, GPU_MEMORY_DIM, device=device, requires_grad=True)
+    y = torch.randn(GPU_MEMORY_BATCH, GPU_MEMORY_DIM, device=device, requires_grad=True)
+    scale = torch.tensor(10.0, device=device, requires_grad=True)
+    bias = torch.tensor(-10.0, device=device, requires_grad=True)
+    peak = None
+    for _ in range(2):  # the first run warms up communicators and workspaces
+        x.grad = y.grad = scale.grad = bias.grad = None
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        siglip_loss(x, y, scale, bias, impl=impl, group=group).backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+    return peak
 
 
 def _gpu_rank(rank, world):
@@ -337,30 +437,28 @@ def _gpu_rank(rank, world):
         rows = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
         args = [t.to(device) for t in (images[rows], texts[rows], scale, bias)]
         out.append({v: _run_variant(*v, *args) for v in VARIANTS})
-    # Memory held between forward and backward (what autograd keeps alive), per siglip implementation.
-    retained = {}
-    for impl in ("ring", "gather"):
-        x = torch.randn(GPU_MEMORY_BATCH, GPU_MEMORY_DIM, device=device, requires_grad=True)
-        y = torch.randn(GPU_MEMORY_BATCH, GPU_MEMORY_DIM, device=device, requires_grad=True)
-        scale = torch.tensor(10.0, device=device, requires_grad=True)
-        bias = torch.tensor(-10.0, device=device, requires_grad=True)
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        loss = siglip_loss(x, y, scale, bias, impl=impl)
-        torch.cuda.synchronize()
-        retained[impl] = torch.cuda.memory_allocated() - before
-        loss.backward()
-    return {"cases": out, "retained": retained}
+    # Peak memory of forward + backward per siglip implementation, on a one-rank group and on both ranks.
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank must create every group
+    peaks = {
+        (impl, w): _peak_bytes(impl, group, device)
+        for impl in ("ring", "gather")
+        for w, group in ((1, singles[rank]), (world, None))
+    }
+    return {"cases": out, "peaks": peaks}
 
 
 @pytest.mark.gpu2
 def test_losses_on_cuda_nccl():
-    """Both losses, every option, on CUDA tensors over NCCL match the float64 reference; the ring keeps
-    no (n, N) logits alive between forward and backward while gathering does."""
+    """Both losses, every option, on CUDA tensors over NCCL match the float64 reference; the ring's peak
+    memory over forward + backward is below gathering's and does not grow with W while gathering's does."""
     results = run_world(_gpu_rank, 2, backend="nccl", timeout=120)
     for i, sizes in enumerate(GPU_CASES):
         _check_world([res["cases"][i] for res in results], sizes, DIM, i, 2, tol=1e-9)
-    logits_bytes = GPU_MEMORY_BATCH * 2 * GPU_MEMORY_BATCH * 4  # one (n, N) float32 block
+    block = GPU_MEMORY_BATCH * GPU_MEMORY_BATCH * 4  # one (n_r, n_r) float32 logit block
     for res in results:
-        assert res["retained"]["ring"] < 64 * 1024, res["retained"]
-        assert res["retained"]["gather"] >= logits_bytes, res["retained"]
+        peaks = res["peaks"]
+        # Going from 1 to 2 ranks adds an (n_r, n_r) block to each of gathering's saved (n_r, N) tensors,
+        assert peaks["gather", 2] - peaks["gather", 1] >= block, peaks
+        # but only a few (n_r, D) feature buffers (in flight, accumulators) to the ring's peak.
+        assert peaks["ring", 2] - peaks["ring", 1] < block // 2, peaks
+        assert peaks["ring", 2] < peaks["gather", 2], peaks
