@@ -13,8 +13,8 @@ Backends (``backend=`` of ``ring_flash_attn``):
     "triton"    TritonForward    AtenFlashBackward     CUDA fp16/bf16
                                  TorchBackward         CPU fp16/bf16/fp32, only under TRITON_INTERPRET=1
     "flash_attn" TritonForward   FlashAttnBackward     CUDA fp16/bf16, needs `pip install flash-attn`
-    "auto"      by device and dtype only: CPU -> "torch"; CUDA fp16/bf16 -> "triton";
-                CUDA fp32/fp64 (the documented exact path) and other devices -> "torch"
+    "auto"      by device and dtype only: CPU -> "torch"; CUDA fp16/bf16 -> "triton" (an empty batch:
+                "torch"); CUDA fp32/fp64 (the documented exact path) and other devices -> "torch"
 
 Kernel modules are imported here, lazily, so ``import distcomm_attention`` needs neither triton nor
 flash_attn.
@@ -28,7 +28,10 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["BACKENDS", "ForwardKernel", "BackwardKernel", "check_backend", "resolve_backend", "select_kernels"]
+__all__ = [
+    "BACKENDS", "ForwardKernel", "BackwardKernel", "check_backend", "check_flash_backward", "resolve_backend",
+    "select_kernels",
+]
 
 BACKENDS = ("auto", "torch", "triton", "flash_attn")
 _HALF = (torch.float16, torch.bfloat16)
@@ -93,15 +96,56 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _triton_importable() -> bool:
+    """Whether ``import triton`` succeeds (a broken install counts as missing)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _cuda_capability(device: torch.device) -> tuple[int, int]:
+    """The (major, minor) compute capability of a CUDA device."""
+    return torch.cuda.get_device_capability(device)
+
+
+def check_flash_backward(name: str, device: torch.device, batch: int) -> None:
+    """Raise ValueError, before any communication, where a FlashAttention-2 backward (PyTorch's or the
+    flash-attn package's, used by backends "triton" and "flash_attn" on CUDA) would fail only in the
+    backward pass: an empty batch, or a GPU older than sm80."""
+    if device.type != "cuda" or name not in ("triton", "flash_attn"):
+        return
+    if batch == 0:
+        raise ValueError(
+            f"backend={name!r} on CUDA does not support batch size 0 (its FlashAttention-2 backward rejects "
+            "empty batches); use backend='torch' or backend='auto'"
+        )
+    major, minor = _cuda_capability(device)
+    if major < 8:
+        raise ValueError(
+            f"backend={name!r}: FlashAttention-2 backward needs sm80+ (compute capability >= 8.0), got "
+            f"sm{major}{minor} on {device}; use backend='torch'"
+        )
+
+
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     """The concrete backend for ``backend`` on tensors of ``device``/``dtype``.
 
-    "auto" looks at device and dtype only, never at what is installed. An explicit backend is checked for
-    the device and dtype (ValueError) and for its package (ImportError naming what to install).
+    "auto" chooses by device and dtype only; where that choice is "triton", a missing triton raises
+    ImportError rather than failing later. An explicit backend is checked for the device and dtype
+    (ValueError) and for its package (ImportError naming what to install).
     """
     check_backend(backend)
     if backend == "auto":
-        return "triton" if device.type == "cuda" and dtype in _HALF else "torch"
+        if device.type != "cuda" or dtype not in _HALF:
+            return "torch"
+        if not _triton_importable():
+            raise ImportError(
+                f"backend='auto' on CUDA {dtype} tensors uses the Triton forward kernel, but triton cannot be "
+                "imported: pip install triton, or use backend='torch'"
+            )
+        return "triton"
     if backend == "torch":
         return backend
     if backend == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
@@ -110,8 +154,11 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> s
             "pip install flash-attn --no-build-isolation; or use backend='triton' (same forward, PyTorch's "
             "built-in copy of the FlashAttention-2 backward)"
         )
-    if importlib.util.find_spec("triton") is None:
-        raise ImportError(f"backend={backend!r} needs the Triton compiler: pip install triton")
+    if not _triton_importable():
+        raise ImportError(
+            f"backend={backend!r} needs the Triton compiler, which cannot be imported: pip install triton, "
+            "or use backend='torch'"
+        )
     if device.type == "cuda":
         if dtype not in _HALF:
             raise ValueError(
@@ -143,11 +190,15 @@ def select_kernels(backend: str, q: torch.Tensor):
     Everything the kernels would reject is checked here, before any communication.
 
     Raises:
-        ValueError / TypeError: unknown backend, a backend that does not run on this device/dtype, or a
-            head_dim its kernels do not support.
-        ImportError: the backend's package is not installed.
+        ValueError / TypeError: unknown backend, a backend that does not run on this device/dtype, a
+            head_dim its kernels do not support, or (CUDA FlashAttention-2 backward) batch size 0 or a GPU
+            older than sm80.
+        ImportError: the backend's package is not installed (for "auto": triton, on CUDA fp16/bf16).
     """
+    if backend == "auto" and q.shape[0] == 0:
+        backend = "torch"  # nothing to compute: the exact path handles an empty batch on any device
     name = resolve_backend(backend, q.device, q.dtype)
+    check_flash_backward(name, q.device, q.shape[0])
     if name == "torch":
         from distcomm_attention._torch_kernels import TorchBackward, TorchForward
 

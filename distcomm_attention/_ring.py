@@ -23,10 +23,13 @@ Note [Ring attention loop]
     dQ accumulates locally in fp32 (fp64 for fp64 input); dK/dV travel in the same dtype. Communication is
     posted before the compute it overlaps with and waited after it; every rank posts the same sequence, so
     there is no barrier and no deadlock (see distcomm.ring). Only q, k, v, out and lse are saved for the
-    backward. A ring of one runs the same code with no communication.
+    backward (q, k, v as given, not copies). The whole loop runs with autocast disabled: the kernels pick
+    their own precisions. A ring of one runs the same code with no communication.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -47,6 +50,14 @@ def _add_into(acc: torch.Tensor | None, rows: slice, value: torch.Tensor, like: 
     return acc
 
 
+def _no_autocast(device: torch.device):
+    """A context disabling autocast on ``device``: the kernels choose their own precisions (fp32 state, fp32
+    math in the exact path), and autocast would round the exact path's matmuls to bf16/fp16."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 class _RingFlashAttn(torch.autograd.Function):
     """out = softmax(q k^T * scale + mask) v over the ring's global sequence; see Note [Ring attention loop].
 
@@ -56,8 +67,8 @@ class _RingFlashAttn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, comm: RingComm, layout: str, causal: bool, scale: float, fwd, bwd):
-        k = k_own = k.contiguous()
-        v = v_own = v.contiguous()
+        k_own, v_own = k, v  # saved as given: the backward makes its own contiguous copies
+        k, v = k.contiguous(), v.contiguous()
         size, rank, n = comm.size, comm.rank, q.shape[1]
         state = fwd.init_state(q)
         for t in range(size):
@@ -81,6 +92,11 @@ class _RingFlashAttn(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
+        with _no_autocast(dout.device):
+            return _RingFlashAttn._backward(ctx, dout)
+
+    @staticmethod
+    def _backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         comm, layout, causal, scale, bwd = ctx.comm, ctx.layout, ctx.causal, ctx.scale, ctx.bwd
         dout = dout.contiguous()
@@ -121,7 +137,8 @@ class _RingFlashAttn(torch.autograd.Function):
 
 def ring_attention(q, k, v, comm: RingComm, *, layout: str, causal: bool, scale: float, fwd, bwd) -> torch.Tensor:
     """Run the ring loop (inputs already validated). q: (B, n, H, D); k, v: (B, n, Hkv, D) -> (B, n, H, D)."""
-    return _RingFlashAttn.apply(q, k, v, comm, layout, causal, scale, fwd, bwd)
+    with _no_autocast(q.device):
+        return _RingFlashAttn.apply(q, k, v, comm, layout, causal, scale, fwd, bwd)
 
 
 def _ring_all_gather_impl(x: torch.Tensor, comm: RingComm, dim: int) -> torch.Tensor:

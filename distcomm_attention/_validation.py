@@ -3,7 +3,10 @@
 Per-rank facts (types, ranks of tensors, dtypes, devices, head counts, lengths vs the layout) raise at once
 on the rank that sees them. Cross-rank facts (shapes, dtypes, layout and mask that differ between the ring's
 ranks) would make the ring hang or compute garbage: :func:`verify_across_ring` exchanges a small metadata
-vector around the ring and every rank of the ring raises the same ValueError.
+vector around the ring and every rank of the ring raises the same ValueError. In distcomm's check mode the
+exchange comes first and the per-rank shape checks after it, so that a rank whose shapes differ from its
+peers' (e.g. a local length the layout cannot split on one rank only) fails together with them instead of
+raising alone while they wait in the exchange.
 
 Note [Verified signatures]
     Exchanging metadata costs a host sync, so outside distcomm's check mode it happens once per new
@@ -25,10 +28,16 @@ import torch
 from distcomm import _check
 from distcomm.ring import RingComm
 
-__all__ = ["check_qkv", "check_flag", "check_scale", "verify_across_ring"]
+__all__ = ["check_is_tensor", "check_qkv", "check_flag", "check_scale", "verify_across_ring"]
 
 _DTYPE_CODES = {dt: i for i, dt in enumerate(_check._DTYPES)}
 _verified: set[tuple] = set()
+
+
+def check_is_tensor(name: str, value) -> None:
+    """Raise TypeError unless ``value`` is a torch.Tensor."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(value).__name__}")
 
 
 def check_qkv(q, k, v) -> None:

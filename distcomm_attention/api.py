@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from distcomm import _check
 from distcomm.ring import RingComm
 from distcomm_attention import _kernels, _validation, layouts
 from distcomm_attention._ring import ring_all_gather, ring_attention
@@ -28,8 +29,8 @@ def ring_flash_attn(
     Each rank passes its shard of the global sequence; key/value blocks travel around the ring while every
     rank attends its queries to the block it holds, so memory stays O(local sequence). The running max,
     sum and output accumulator stay in fp32 across all ring steps (no per-hop rounding), fully masked
-    causal blocks are skipped, and each block's send/receive is posted before the previous block is
-    computed.
+    causal blocks are skipped, and the transfer of the next block is posted before the current block is
+    computed, so communication overlaps compute.
 
     Args:
         q: (batch, local_seq, heads, head_dim), this rank's queries.
@@ -72,27 +73,42 @@ def ring_flash_attn(
             same error on every rank of the ring).
         ImportError: an explicitly requested backend whose package is missing.
     """
-    _validation.check_qkv(q, k, v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _validation.check_is_tensor(name, t)
     _validation.check_flag("causal", causal)
     layouts.check_layout(layout)
     _kernels.check_backend(backend)
-    head_dim = q.shape[3]
-    scale = _validation.check_scale(softmax_scale, head_dim)
     comm = RingComm(group, ring_size)
-    layouts.check_local_length(layout, q.shape[1], comm.size)
-    _name, fwd, bwd = _kernels.select_kernels(backend, q)
-    _validation.verify_across_ring(
-        "ring_flash_attn",
-        comm,
-        {"q": q, "k": k, "v": v},
-        extra={
-            "layout": layouts.LAYOUTS.index(layout),
-            "causal": int(causal),
-            "softmax_scale": _validation.float_bits(scale),
-            # a rank whose inputs need no grad would skip the backward its peers wait in
-            "requires_grad": int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))),
-        },
-    )
+
+    def local_checks():
+        _validation.check_qkv(q, k, v)
+        layouts.check_local_length(layout, q.shape[1], comm.size)
+        return _kernels.select_kernels(backend, q)
+
+    def verify(scale: float) -> None:
+        _validation.verify_across_ring(
+            "ring_flash_attn",
+            comm,
+            {"q": q, "k": k, "v": v},
+            extra={
+                "layout": layouts.LAYOUTS.index(layout),
+                "causal": int(causal),
+                "softmax_scale": _validation.float_bits(scale),
+                # a rank whose inputs need no grad would skip the backward its peers wait in
+                "requires_grad": int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))),
+            },
+        )
+
+    if _check.is_check_mode():
+        # Cross-rank facts first: ranks whose shapes differ then all raise the same error, instead of one
+        # raising a local error while its peers wait in the exchange (see Note [Verified signatures]).
+        verify(_validation.check_scale(softmax_scale, q.shape[-1] if q.dim() else 1))
+        _name, fwd, bwd = local_checks()
+        scale = _validation.check_scale(softmax_scale, q.shape[3])
+    else:
+        _name, fwd, bwd = local_checks()
+        scale = _validation.check_scale(softmax_scale, q.shape[3])
+        verify(scale)
     return ring_attention(q, k, v, comm, layout=layout, causal=causal, scale=scale, fwd=fwd, bwd=bwd)
 
 
@@ -171,13 +187,21 @@ def gather_sequence(
     """
     comm, ring_size, _rank = _ring_position(layout, dim, ring_size, group, None)
     local_len, dim = layouts.seq_len_along(x_local, dim)
+
+    def verify() -> None:
+        _validation.verify_across_ring(
+            "gather_sequence", comm, {"x_local": x_local}, extra={
+                "dim": dim,
+                "layout": layouts.LAYOUTS.index(layout),
+                "requires_grad": int(torch.is_grad_enabled() and x_local.requires_grad),
+            }
+        )
+
+    check_mode = _check.is_check_mode()
+    if check_mode:  # cross-rank facts first, so that every rank raises the same error
+        verify()
     layouts.check_local_length(layout, local_len, ring_size, name=f"local length along dim {dim}")
-    _validation.verify_across_ring(
-        "gather_sequence", comm, {"x_local": x_local}, extra={
-            "dim": dim,
-            "layout": layouts.LAYOUTS.index(layout),
-            "requires_grad": int(torch.is_grad_enabled() and x_local.requires_grad),
-        }
-    )
+    if not check_mode:
+        verify()
     cat = ring_all_gather(x_local, comm, dim)
     return layouts.unshard_concat(cat, layout, ring_size, dim)

@@ -144,21 +144,38 @@ def _growth_case(layout, dtype, w):
 
 
 def _growth_rank(rank, world):
-    return {(layout, dtype): _run_case(_growth_case(layout, dtype, world))
+    return {(layout, dtype): _run_case(_growth_case(layout, dtype, world), backend="torch")
             for layout in da.LAYOUTS for dtype in ("float32", "bfloat16")}
 
 
+def _rms_errors(case, got_by_pos):
+    """RMS error per quantity over all ring positions (got_by_pos[r] = results of ring position r)."""
+    want = _expected(case)
+    errs = {}
+    for name, ref in want.items():
+        sq = sum(
+            (got[name].double() - layouts.shard(ref, case["layout"], case["w"], r, 1)).square().sum().item()
+            for r, got in enumerate(got_by_pos)
+        )
+        errs[name] = (sq / ref.numel()) ** 0.5
+    return errs
+
+
 def test_error_does_not_grow_with_ring_size():
-    """fp32 and bf16 errors at W=4 stay at the W=1 level: the softmax state is never rounded between hops."""
+    """fp32 and bf16 errors at W=4 stay at the W=1 level: the softmax state is never rounded between hops
+    (rounding it per hop raises the bf16 RMS error by 13-55%)."""
     world = 4
     results = run_world(_growth_rank, world)
     for layout in da.LAYOUTS:
         for dtype, bound in (("float32", 4e-6), ("bfloat16", 3e-2)):
-            one = _max_errors(_growth_case(layout, dtype, 1), [_run_case(_growth_case(layout, dtype, 1))])
-            four = _max_errors(_growth_case(layout, dtype, world), [results[r][(layout, dtype)] for r in range(world)])
-            for name in one:
+            case_one, case_four = _growth_case(layout, dtype, 1), _growth_case(layout, dtype, world)
+            got_one = [_run_case(case_one, backend="torch")]
+            got_four = [results[r][(layout, dtype)] for r in range(world)]
+            four = _max_errors(case_four, got_four)
+            rms_one, rms_four = _rms_errors(case_one, got_one), _rms_errors(case_four, got_four)
+            for name in four:
                 assert four[name] < bound, (layout, dtype, name, four[name])
-                assert four[name] <= 2 * one[name] + bound / 20, (layout, dtype, name, one[name], four[name])
+                assert rms_four[name] <= 1.05 * rms_one[name], (layout, dtype, name, rms_one[name], rms_four[name])
 
 
 def _rings_and_subgroup_rank(rank, world):
@@ -326,3 +343,82 @@ def test_cross_rank_errors_same_on_every_rank():
         assert msgs[0][key] is not None and re.search(expect, msgs[0][key]), (key, msgs[0][key])
     assert all(m["exchanges"] == (1, 0) for m in msgs)
     assert all(m["after"] == 4 for m in msgs)
+
+
+def _check_mode_length_rank(rank, world):
+    msgs = {}
+    with distcomm.check_mode():
+        q = torch.randn(1, 5 + rank, 2, 16, dtype=torch.float64)
+        msgs["attn"] = _catch(lambda: da.ring_flash_attn(q, q, q, layout="zigzag"))
+        msgs["gather"] = _catch(lambda: da.gather_sequence(torch.zeros(2, 5 + rank), "zigzag"))
+    return msgs
+
+
+def test_check_mode_length_errors_same_on_every_rank():
+    """In check mode a length only one rank's layout rejects (zigzag 5 vs 6) raises the same error on both ranks."""
+    msgs = run_world(_check_mode_length_rank, 2, timeout=30)
+    for key in ("attn", "gather"):
+        assert msgs[0][key] is not None and msgs[0][key] == msgs[1][key], (key, msgs)
+        assert "ring position 0" in msgs[0][key] and "ring position 1" in msgs[0][key], msgs[0][key]
+
+
+def test_autocast_keeps_exact_torch_path():
+    """fp32 inputs under CPU bf16 autocast still get fp32-exact output and gradients (autocast is disabled inside)."""
+    case = dict(layout="contiguous", causal=True, b=1, n=24, h=4, hkv=2, d=32, w=1, seed=21, dtype="float32")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _run_case(case, backend="torch")
+    assert got["out"].dtype == torch.float32
+    _check_case(case, [got], FP32)
+
+
+def _saved_storage_bytes(fn):
+    """Bytes of the distinct storages that autograd keeps alive for the backward of ``fn()``."""
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+def test_saved_tensors_do_not_duplicate_inputs():
+    """Only q, k, v (as given: no contiguous copies), out and lse stay alive for the backward."""
+    b, n, h, d = 2, 16, 4, 32
+    unit = b * n * h * d * 4  # one (B, S, H, D) fp32 tensor
+    lse_bytes = b * h * n * 4
+    packed = torch.randn(b, n, 3, h, d, requires_grad=True)  # a fused qkv projection
+    q, k, v = packed.unbind(2)
+    saved = _saved_storage_bytes(lambda: da.ring_flash_attn(q, k, v, causal=True, backend="torch"))
+    assert saved == 3 * unit + unit + lse_bytes, (saved, unit)  # packed q/k/v + out + lse
+    q, k, v = (torch.randn(b, n, h, d, requires_grad=True) for _ in range(3))
+    saved = _saved_storage_bytes(lambda: da.ring_flash_attn(q, k, v, causal=True, backend="torch"))
+    assert saved == 3 * unit + unit + lse_bytes, (saved, unit)
+
+
+def test_cuda_only_failures_raise_before_communication(monkeypatch):
+    """A missing triton, an empty batch or a pre-sm80 GPU for the FlashAttention-2 backward raise up front."""
+    from distcomm_attention import _kernels
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(_kernels, "_cuda_capability", lambda device: (7, 5))
+    with pytest.raises(ValueError, match=r"FlashAttention-2 backward needs sm80\+.*sm75.*backend='torch'"):
+        _kernels.check_flash_backward("triton", cuda, 2)
+    with pytest.raises(ValueError, match=r"backend='flash_attn' on CUDA does not support batch size 0.*backend='torch'"):
+        _kernels.check_flash_backward("flash_attn", cuda, 0)
+    _kernels.check_flash_backward("torch", cuda, 0)  # the exact path runs anywhere
+    _kernels.check_flash_backward("triton", torch.device("cpu"), 0)  # CPU (interpreter) uses the torch backward
+    monkeypatch.setattr(_kernels, "_cuda_capability", lambda device: (8, 0))
+    _kernels.check_flash_backward("triton", cuda, 2)
+
+    monkeypatch.setattr(_kernels, "_triton_importable", lambda: False)
+    with pytest.raises(ImportError, match=r"backend='auto' on CUDA torch.bfloat16 .*pip install triton.*backend='torch'"):
+        _kernels.resolve_backend("auto", cuda, torch.bfloat16)
+    assert _kernels.resolve_backend("auto", cuda, torch.float32) == "torch"
+    assert _kernels.resolve_backend("auto", torch.device("cpu"), torch.bfloat16) == "torch"
+    q = torch.zeros(1, 4, 2, 16)
+    with pytest.raises(ImportError, match=r"backend='triton' needs the Triton compiler.*pip install triton"):
+        da.ring_flash_attn(q, q, q, backend="triton")
