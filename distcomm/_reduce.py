@@ -129,6 +129,14 @@ def _local_vjp(op: _Op, total: torch.Tensor, group, size: int, what: str, x=None
     return total / count * mask
 
 
+def _save_for_vjp(ctx, op, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Save what the op's local VJP needs: x and y for MAX/MIN, x for PRODUCT, nothing for linear ops."""
+    if op.extrema:
+        ctx.save_for_backward(x, y)
+    elif op.kind is _PRODUCT:
+        ctx.save_for_backward(x)
+
+
 class _AllReduce(Function):
     """y = op_i x_i on every rank. Adjoint: all_reduce(SUM) of the grads, times the local factor (AVG:
     all_reduce(AVG) of the grads, the op itself)."""
@@ -137,10 +145,7 @@ class _AllReduce(Function):
     def forward(ctx, tensor, op, group, size):
         y = _raw_all_reduce(tensor, op, group, size)
         ctx.op, ctx.group, ctx.size = op, group, size
-        if op.extrema:
-            ctx.save_for_backward(tensor, y)
-        elif op.kind is _PRODUCT:
-            ctx.save_for_backward(tensor)
+        _save_for_vjp(ctx, op, tensor, y)
         return y
 
     @staticmethod
@@ -162,10 +167,7 @@ class _Reduce(Function):
     def forward(ctx, tensor, dst, op, group, size, is_dst):
         y = _raw_reduce(tensor, dst, op, group, size, is_dst)
         ctx.op, ctx.dst, ctx.group, ctx.size, ctx.is_dst = op, dst, group, size, is_dst
-        if op.extrema:
-            ctx.save_for_backward(tensor, y)
-        elif op.kind is _PRODUCT:
-            ctx.save_for_backward(tensor)
+        _save_for_vjp(ctx, op, tensor, y)
         return y
 
     @staticmethod

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from distcomm import _check, _groups
-from distcomm._reduce import _adjoint, _first_order_only, _local_vjp
+from distcomm._reduce import _adjoint, _first_order_only, _local_vjp, _save_for_vjp
 from distcomm._reduce_ops import (
     _AVG,
     _PRODUCT,
@@ -143,10 +143,7 @@ class _ReduceScatterTensor(Function):
     def forward(ctx, tensor, dim, op, group, size):
         y = _raw_reduce_scatter_dim(tensor, dim, op, group, size)
         ctx.op, ctx.dim, ctx.group, ctx.size = op, dim, group, size
-        if op.extrema:
-            ctx.save_for_backward(tensor, y)
-        elif op.kind is _PRODUCT:
-            ctx.save_for_backward(tensor)
+        _save_for_vjp(ctx, op, tensor, y)
         return y
 
     @staticmethod
