@@ -11,20 +11,20 @@ Note [Ring attention loop]
 
     backward, step t:  post send_recv(k, v, dk_acc, dv_acc)   (k, v: as in the forward; the
                        accumulators of the block computed at step t - 1 travel one hop behind it)
-                       dk_t, dv_t = contributions of this rank's queries to block src (fresh buffers)
-                       wait; dk_acc = received dk_acc + dk_t   (received: the contributions of ranks
+                       dk_t, dv_t = contributions of this rank's queries to block src
+                       wait; received dk_acc += dk_t in place   (received: the contributions of ranks
                        src .. r - 1)
                        after W steps: one last hop takes each accumulator to its owner, with the
-                       contributions of all W ranks.
+                       contributions of all W ranks; being complete, it travels in the input dtype.
 
         rank r:   t=0: block r        t=1: block r-1 (+acc from r-1)   ...  t=W-1: block r+1
                   then send acc(r+1) -> r+1, receive acc(r) <- r-1: the total dK, dV of r's own block
 
-    dQ accumulates locally in fp32 (fp64 for fp64 input); dK/dV travel in the same dtype. Communication is
-    posted before the compute it overlaps with and waited after it; every rank posts the same sequence, so
-    there is no barrier and no deadlock (see distcomm.ring). Only q, k, v, out and lse are saved for the
-    backward (q, k, v as given, not copies). The whole loop runs with autocast disabled: the kernels pick
-    their own precisions. A ring of one runs the same code with no communication.
+    dQ accumulates locally in fp32 (fp64 for fp64 input); partial dK/dV sums travel in that dtype too.
+    Communication is posted before the compute it overlaps with and waited after it; every rank posts the
+    same sequence, so there is no barrier and no deadlock (see distcomm.ring). Only q, k, v, out and lse
+    are saved for the backward (q, k, v as given, not copies). The whole loop runs with autocast disabled:
+    the kernels pick their own precisions. A ring of one runs the same code with no communication.
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ from distcomm_attention.layouts import block_plan
 __all__ = ["ring_attention", "ring_all_gather", "ring_reduce_scatter"]
 
 
-def _add_into(acc: torch.Tensor | None, rows: slice, value: torch.Tensor, like: torch.Tensor, dtype) -> torch.Tensor:
-    """acc[:, rows] += value (acc allocated as zeros shaped like ``like`` on first use)."""
-    if acc is None:
-        if rows == slice(None):
-            return value.to(dtype)
-        acc = torch.zeros(like.shape, dtype=dtype, device=like.device)
-    acc[:, rows] += value
+def _start_acc(grads: list, like: torch.Tensor, dtype: torch.dtype, which: int) -> torch.Tensor:
+    """An accumulator shaped like ``like`` holding the sum of ``grads[i][which]`` over their kv rows."""
+    if len(grads) == 1 and grads[0][0] == slice(None):
+        return grads[0][which].to(dtype)
+    acc = torch.zeros(like.shape, dtype=dtype, device=like.device)
+    for g in grads:
+        acc[:, g[0]] += g[which]
     return acc
 
 
@@ -111,7 +111,7 @@ class _RingFlashAttn(torch.autograd.Function):
             if t > 0:
                 send += (dk_acc, dv_acc)
             handle = comm.send_recv(*send) if send else None
-            dk_t = dv_t = None
+            grads = []  # (kv rows, dk, dv) of this step's blocks, added to the accumulators after the wait
             for block in block_plan(layout, causal, size, rank, src, n):
                 rows = block.q
                 dq_b, dk_b, dv_b = bwd.step(
@@ -119,20 +119,20 @@ class _RingFlashAttn(torch.autograd.Function):
                     causal=block.causal, scale=scale,
                 )
                 dq[:, rows] += dq_b
-                dk_t = _add_into(dk_t, block.kv, dk_b, k, acc_dtype)
-                dv_t = _add_into(dv_t, block.kv, dv_b, v, acc_dtype)
+                grads.append((block.kv, dk_b, dv_b))
             received = handle.wait() if handle is not None else ()
             if t + 1 < size:
                 k, v, received = received[0], received[1], received[2:]
             if t == 0:
-                dk_acc = dk_t if dk_t is not None else torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
-                dv_acc = dv_t if dv_t is not None else torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
-            else:
+                dk_acc, dv_acc = _start_acc(grads, k, acc_dtype, 1), _start_acc(grads, v, acc_dtype, 2)
+            else:  # the received buffers are ours: accumulate in place
                 dk_acc, dv_acc = received
-                if dk_t is not None:
-                    dk_acc, dv_acc = dk_acc + dk_t, dv_acc + dv_t
-        dk_acc, dv_acc = comm.send_recv(dk_acc, dv_acc).wait()
-        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None, None, None
+                for kv, dk_b, dv_b in grads:
+                    dk_acc[:, kv] += dk_b
+                    dv_acc[:, kv] += dv_b
+        # The last hop carries complete sums: rounding them before or after it gives the same bits.
+        dk_acc, dv_acc = comm.send_recv(dk_acc.to(k.dtype), dv_acc.to(v.dtype)).wait()
+        return dq.to(q.dtype), dk_acc, dv_acc, None, None, None, None, None, None
 
 
 def ring_attention(q, k, v, comm: RingComm, *, layout: str, causal: bool, scale: float, fwd, bwd) -> torch.Tensor:
