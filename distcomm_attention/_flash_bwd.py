@@ -82,10 +82,20 @@ class AtenFlashBackward:
     it is called directly.
     """
 
+    def __init__(self):
+        self._rng_state: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
     @staticmethod
     def supports_head_dim(head_dim: int) -> bool:
         """Multiples of 8 up to 256."""
         return isinstance(head_dim, int) and 8 <= head_dim <= _MAX_HEAD_DIM and head_dim % 8 == 0
+
+    def _philox(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The op's dropout seed and offset: unused without dropout, so one read-only pair per device."""
+        if device not in self._rng_state:
+            self._rng_state[device] = (torch.zeros(2, dtype=torch.uint64, device=device),
+                                       torch.zeros((), dtype=torch.uint64, device=device))
+        return self._rng_state[device]
 
     def step(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
              causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -112,8 +122,7 @@ class AtenFlashBackward:
         q_t, k_t, v_t, out_t, dout_t = (
             _last_dim_contiguous(x.to(q.dtype)).transpose(1, 2) for x in (q, k, v, out, dout)
         )
-        seed = torch.zeros(2, dtype=torch.uint64, device=q.device)  # unused without dropout
-        offset = torch.zeros((), dtype=torch.uint64, device=q.device)
+        seed, offset = self._philox(q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout_t, q_t, k_t, v_t, out_t, lse.to(torch.float32).contiguous(),
             None, None, seqlen_q, seqlen_k, 0.0, bool(causal), seed, offset, scale=float(scale),

@@ -41,10 +41,22 @@ __all__ = ["ring_attention", "ring_all_gather", "ring_reduce_scatter"]
 
 
 def _start_acc(grads: list, like: torch.Tensor, dtype: torch.dtype, which: int) -> torch.Tensor:
-    """An accumulator shaped like ``like`` holding the sum of ``grads[i][which]`` over their kv rows."""
+    """The accumulator of step 0: the sum of ``grads[i][which]`` over their kv rows, shaped like ``like``.
+
+    A single block covering every row is one term, exact in the dtype the kernel returned: it travels as is
+    (a bf16 block gradient crosses its first hop in bf16, not widened to fp32).
+    """
     if len(grads) == 1 and grads[0][0] == slice(None):
-        return grads[0][which].to(dtype)
+        return grads[0][which]
     acc = torch.zeros(like.shape, dtype=dtype, device=like.device)
+    for g in grads:
+        acc[:, g[0]] += g[which]
+    return acc
+
+
+def _accumulate(received: torch.Tensor, grads: list, dtype: torch.dtype, which: int) -> torch.Tensor:
+    """received + this step's block gradients, in ``dtype`` (in place when received already has it)."""
+    acc = received if received.dtype == dtype else received.to(dtype)
     for g in grads:
         acc[:, g[0]] += g[which]
     return acc
@@ -102,7 +114,7 @@ class _RingFlashAttn(torch.autograd.Function):
         dout = dout.contiguous()
         size, rank, n = comm.size, comm.rank, q.shape[1]
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        dq = None  # fp32 (fp64) accumulator of this rank's dQ
         k, v = k.contiguous(), v.contiguous()
         dk_acc = dv_acc = None  # accumulators of the block computed at the previous step
         for t in range(size):
@@ -118,7 +130,12 @@ class _RingFlashAttn(torch.autograd.Function):
                     dout[:, rows], q[:, rows], k[:, block.kv], v[:, block.kv], out[:, rows], lse[:, :, rows],
                     causal=block.causal, scale=scale,
                 )
-                dq[:, rows] += dq_b
+                if dq is None and rows == slice(None):
+                    dq = dq_b.to(acc_dtype) if size > 1 else dq_b
+                else:
+                    if dq is None:
+                        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+                    dq[:, rows] += dq_b
                 grads.append((block.kv, dk_b, dv_b))
             received = handle.wait() if handle is not None else ()
             if t + 1 < size:
@@ -126,12 +143,12 @@ class _RingFlashAttn(torch.autograd.Function):
             if t == 0:
                 dk_acc, dv_acc = _start_acc(grads, k, acc_dtype, 1), _start_acc(grads, v, acc_dtype, 2)
             else:  # the received buffers are ours: accumulate in place
-                dk_acc, dv_acc = received
-                for kv, dk_b, dv_b in grads:
-                    dk_acc[:, kv] += dk_b
-                    dv_acc[:, kv] += dv_b
+                dk_acc = _accumulate(received[0], grads, acc_dtype, 1)
+                dv_acc = _accumulate(received[1], grads, acc_dtype, 2)
         # The last hop carries complete sums: rounding them before or after it gives the same bits.
         dk_acc, dv_acc = comm.send_recv(dk_acc.to(k.dtype), dv_acc.to(v.dtype)).wait()
+        if dq is None:
+            dq = torch.zeros_like(q)
         return dq.to(q.dtype), dk_acc, dv_acc, None, None, None, None, None, None
 
 

@@ -68,37 +68,54 @@ def _subtract_length(base: list[tuple[float, float]], cover: list[tuple[float, f
     return _union_length(base) - _union_length(both)
 
 
-def breakdown(trace: dict, wall_us: float) -> dict:
-    """Split ``wall_us`` (the profiled window) by the kernels of a Chrome trace; see the module docstring."""
-    kernels = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and e.get("dur", 0) > 0]
-    if not kernels:
-        return {"wall_us": wall_us, "kernels": 0}
-    comm = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()]
-    attn = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower() and _is_attention(e["name"])]
-    other = [(e["ts"], e["ts"] + e["dur"]) for e in kernels
-             if "nccl" not in e["name"].lower() and not _is_attention(e["name"])]
+def breakdown(trace: dict) -> dict:
+    """Per-iteration split of the steady iterations' GPU time (µs); see the module docstring.
+
+    The window runs from the first kernel of the second profiled iteration to the last kernel of the last
+    one (the iterations are marked with ``record_function``), so the profiler's start-up stays out.
+    """
+    events = trace.get("traceEvents", [])
+    marks = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith("profiled_iter"))
+    if len(marks) < 2:
+        return {"kernels": 0}
+    lo, hi = marks[1][0], max(b for _, b in marks[1:])
+    iters = len(marks) - 1
+
+    def clip(e):
+        return max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
+
+    kernels = [e for e in events if e.get("cat") == "kernel" and e.get("dur", 0) > 0
+               and e["ts"] < hi and e["ts"] + e["dur"] > lo]
+    is_comm = {id(e): "nccl" in e["name"].lower() for e in kernels}
+    comm = [clip(e) for e in kernels if is_comm[id(e)]]
+    attn = [clip(e) for e in kernels if not is_comm[id(e)] and _is_attention(e["name"])]
+    other = [clip(e) for e in kernels if not is_comm[id(e)] and not _is_attention(e["name"])]
     compute = attn + other
-    busy = _union_length(compute + comm)
-    attn_len = _union_length(attn)
-    compute_len = _union_length(compute)
+    wall = hi - lo
     by_name: dict[str, list[float]] = {}
     for e in kernels:
-        by_name.setdefault(e["name"], []).append(e["dur"])
+        a, b = clip(e)
+        by_name.setdefault(e["name"], []).append(b - a)
     top = sorted(((sum(d), len(d), name) for name, d in by_name.items()), reverse=True)[:12]
-    return {
-        "wall_us": wall_us,
-        "attention": attn_len,
-        "other compute": compute_len - attn_len,
+    res = {
+        "wall_us": wall,
+        "attention": _union_length(attn),
+        "other compute": _union_length(compute) - _union_length(attn),
         "comm exposed": _subtract_length(comm, compute),
         "comm total": _union_length(comm),
-        "idle": max(0.0, wall_us - busy),
-        "top_kernels": [{"name": name[:90], "total_us": tot, "count": cnt} for tot, cnt, name in top],
+        "idle": max(0.0, wall - _union_length(compute + comm)),
     }
+    res = {key: value / iters for key, value in res.items()}
+    res["top_kernels"] = [{"name": name[:90], "total_us": tot / iters, "count": cnt / iters}
+                          for tot, cnt, name in top]
+    res["iters"] = iters
+    return res
 
 
 def profile_window(step, *, iters: int, warmup: int, device, trace_path: Path | None = None) -> dict:
-    """Profile ``iters`` calls of ``step`` after ``warmup``; returns the per-iteration breakdown (µs)."""
-    from torch.profiler import ProfilerActivity, profile
+    """Profile ``iters`` + 1 calls of ``step`` after ``warmup``; returns the per-iteration breakdown (µs)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     for _ in range(warmup):
         step()
@@ -108,29 +125,16 @@ def profile_window(step, *, iters: int, warmup: int, device, trace_path: Path | 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         with profile(activities=activities) as prof:
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            for _ in range(iters):
-                step()
-            if device.type == "cuda":
-                end.record()
-                end.synchronize()
+            for i in range(iters + 1):
+                with record_function(f"profiled_iter{i}"):
+                    step()
+            U.synchronize(device)
         prof.export_chrome_trace(str(path))
         trace = json.loads(path.read_text())
         if trace_path is not None:
             with path.open("rb") as src, gzip.open(trace_path, "wb") as dst:
                 shutil.copyfileobj(src, dst)
-    wall_us = start.elapsed_time(end) * 1e3 if device.type == "cuda" else 0.0
-    # the window of the kernels only: the events' clock has its own origin
-    res = breakdown(trace, wall_us)
-    for key in CATEGORIES + ("comm total", "wall_us"):
-        if key in res:
-            res[key] /= iters
-    for row in res.get("top_kernels", []):
-        row["total_us"] /= iters
-        row["count"] /= iters
-    return res
+    return breakdown(trace)
 
 
 def run_rank(rank: int, world: int, cfg: dict) -> dict:
@@ -181,11 +185,15 @@ def run_rank(rank: int, world: int, cfg: dict) -> dict:
                     del qs, ks, vs, douts
                     U.release_memory(device)
                 row["flops_fwdbwd"] = 3.5 * attn_flops(s, h, d, causal)
-                (row["ring_wall_max_us"],) = U.all_max([row["ring"]["wall_us"]], device)
+                (row["ring_wall_max_us"],) = U.all_max([row["ring"].get("wall_us", 0.0)], device)
                 rows.append(row)
                 if rank == 0:
                     _print_case(row, world)
     return {"rows": rows, "env": U.env_info(cfg["backend_dist"], world), "command": cfg["command"]}
+
+
+def _k(s: int) -> str:
+    return f"{s // 1024}k" if s % 1024 == 0 else str(s)
 
 
 def _fmt_breakdown(res: dict) -> str:
@@ -193,12 +201,12 @@ def _fmt_breakdown(res: dict) -> str:
 
 
 def _print_case(row: dict, world: int) -> None:
-    print(f"\nS={row['S'] // 1024}k {row['H']}/{row['Hkv']} {'causal' if row['causal'] else 'full'} {row['layout']}",
+    print(f"\nS={_k(row['S'])} {row['H']}/{row['Hkv']} {'causal' if row['causal'] else 'full'} {row['layout']}",
           flush=True)
     print(f"  ring (ms/iter, rank 0): {_fmt_breakdown(row['ring'])}  comm total={row['ring'].get('comm total', 0) / 1e3:.3f}")
     if "sdpa" in row:
         print(f"  sdpa (ms/iter, whole S): {_fmt_breakdown(row['sdpa'])}  -> ideal per GPU "
-              f"{row['sdpa']['wall_us'] / world / 1e3:.3f}")
+              f"{row['sdpa'].get('wall_us', 0) / world / 1e3:.3f}")
     for k in row["ring"].get("top_kernels", [])[:8]:
         print(f"    {k['total_us'] / 1e3:8.3f} ms x{k['count']:5.1f}  {k['name']}")
 
@@ -217,8 +225,9 @@ def write_markdown(report: dict, path: Path, world: int) -> None:
     for r in report["rows"]:
         ring, sdpa = r["ring"], r.get("sdpa", {})
         ideal = sdpa.get("wall_us", 0) / world
-        table.append([f"{r['S'] // 1024}k", f"{r['H']}/{r['Hkv']}", "causal" if r["causal"] else "full", r["layout"],
-                      f"{ring['wall_us'] / 1e3:.3f}", f"{ideal / r['ring_wall_max_us']:.2f}" if ideal else "-",
+        table.append([_k(r['S']), f"{r['H']}/{r['Hkv']}", "causal" if r["causal"] else "full", r["layout"],
+                      f"{ring.get('wall_us', 0) / 1e3:.3f}",
+                      f"{ideal / r['ring_wall_max_us']:.2f}" if ideal and r["ring_wall_max_us"] else "-",
                       f"{ideal / 1e3:.3f}", f"{ring.get('attention', 0) / 1e3:.3f}",
                       f"{sdpa.get('attention', 0) / world / 1e3:.3f}", f"{ring.get('other compute', 0) / 1e3:.3f}",
                       f"{ring.get('comm exposed', 0) / 1e3:.3f}", f"{ring.get('comm total', 0) / 1e3:.3f}",
@@ -226,7 +235,7 @@ def write_markdown(report: dict, path: Path, world: int) -> None:
     lines.append(U.markdown_table(headers, table, "rrllrrrrrrrrr"))
     lines.append("\nLargest kernels of the ring (ms per iteration, rank 0):\n")
     for r in report["rows"]:
-        lines.append(f"- S={r['S'] // 1024}k {r['H']}/{r['Hkv']} {'causal' if r['causal'] else 'full'}: "
+        lines.append(f"- S={_k(r['S'])} {r['H']}/{r['Hkv']} {'causal' if r['causal'] else 'full'}: "
                      + "; ".join(f"`{k['name'][:60]}` {k['total_us'] / 1e3:.3f} (x{k['count']:.0f})"
                                  for k in r["ring"].get("top_kernels", [])[:5]))
     path.write_text("\n".join(lines) + "\n")
