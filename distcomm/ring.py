@@ -85,6 +85,7 @@ class RingComm:
         self.rank = group_rank % ring_size
         first = group_rank - self.rank
         self.ranks = [_groups.to_global_rank(self.group, first + i) for i in range(ring_size)]
+        self._nccl: bool | None = None  # whether the group's backend is NCCL (looked up on first CUDA use)
 
     def peer(self, offset: int) -> int:
         """Global rank of the ring member ``offset`` positions to the right (negative: to the left)."""
@@ -137,7 +138,9 @@ class RingComm:
         send = [t.contiguous() for t in tensors]
         recv = [torch.empty(s, dtype=t.dtype, device=t.device) for t, s in zip(tensors, shapes)]
         dst, src = self.peer(shift), self.peer(-shift)
-        use_batch = send[0].is_cuda and "nccl" in str(dist.get_backend(self.group))
+        if send[0].is_cuda and self._nccl is None:
+            self._nccl = "nccl" in str(dist.get_backend(self.group))
+        use_batch = send[0].is_cuda and self._nccl
         ops = []
         # Even positions send first, odd positions receive first: a fixed global order that cannot deadlock
         # even for backends that serialise point-to-point operations.

@@ -358,8 +358,7 @@ def _launch(
     )
 
 
-@torch.library.custom_op("distcomm_attention::triton_fwd_step", mutates_args=("acc", "m", "l"))
-def _fwd_step_op(
+def _fwd_step_impl(
     q: Tensor, k: Tensor, v: Tensor, acc: Tensor, m: Tensor, l: Tensor,
     q_start: int, q_stop: int, causal: bool, scale: float, load_state: bool,
     block_m: int, block_n: int, num_warps: int, num_stages: int,
@@ -373,14 +372,19 @@ def _fwd_step_op(
     )
 
 
+# Eager calls go straight to the implementations (no dispatcher on the host's critical path); under
+# torch.compile the same functions run as opaque custom ops with fake (meta) implementations.
+_fwd_step_op = torch.library.custom_op("distcomm_attention::triton_fwd_step", _fwd_step_impl,
+                                       mutates_args=("acc", "m", "l"))
+
+
 @_fwd_step_op.register_fake
 def _fwd_step_fake(q, k, v, acc, m, l, q_start, q_stop, causal, scale, load_state, block_m, block_n,
                    num_warps, num_stages) -> None:
     return None
 
 
-@torch.library.custom_op("distcomm_attention::triton_fwd_last", mutates_args=())
-def _fwd_last_op(
+def _fwd_last_impl(
     q: Tensor, k: Tensor, v: Tensor, acc: Tensor, m: Tensor, l: Tensor,
     causal: bool, scale: float, load_state: bool,
     block_m: int, block_n: int, num_warps: int, num_stages: int,
@@ -397,6 +401,9 @@ def _fwd_last_op(
         cfg=TritonConfig(block_m, block_n, num_warps, num_stages),
     )
     return out, lse
+
+
+_fwd_last_op = torch.library.custom_op("distcomm_attention::triton_fwd_last", _fwd_last_impl, mutates_args=())
 
 
 @_fwd_last_op.register_fake
@@ -530,8 +537,8 @@ class TritonForward:
                 acc = m = l = empty
             else:
                 acc, m, l = state.acc, state.m, state.l
-            state.out, state.lse = _fwd_last_op(q, k, v, acc, m, l, bool(causal), float(scale),
-                                                not state.fresh, *meta)
+            last = _fwd_last_op if torch.compiler.is_compiling() else _fwd_last_impl
+            state.out, state.lse = last(q, k, v, acc, m, l, bool(causal), float(scale), not state.fresh, *meta)
             state.fresh = False
             return
         if stop <= start or k.shape[1] == 0:
@@ -539,8 +546,8 @@ class TritonForward:
         load_state = not state.fresh
         if state.acc is None:
             self._allocate(state, fill=(start, stop) != (0, seqlen_q))
-        _fwd_step_op(q, k, v, state.acc, state.m, state.l, start, stop, bool(causal), float(scale),
-                     load_state, *meta)
+        step = _fwd_step_op if torch.compiler.is_compiling() else _fwd_step_impl
+        step(q, k, v, state.acc, state.m, state.l, start, stop, bool(causal), float(scale), load_state, *meta)
         state.fresh = False
 
     def finalize(self, state: TritonForwardState, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

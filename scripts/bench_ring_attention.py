@@ -16,6 +16,8 @@ Part 1, the ring (batch 1, head_dim 128, bf16; S is the TOTAL sequence, each of 
   timed step (as a user would have to).
 - "ring-<layout>": ``distcomm_attention.ring_flash_attn(q, k, v, causal=..., layout=...)`` on this rank's
   (B, S/W, H, D) shard, for each layout.
+Every method runs with NCCL on high-priority CUDA streams (``--nccl-priority high``, the default: sets
+``TORCH_NCCL_HIGH_PRIORITY=1``), so ring transfers start beside the attention kernel instead of after it.
 Forward (under no_grad) and forward+backward are timed with CUDA events around back-to-back iterations
 after warm-up (the slowest rank for distributed methods). FLOPs: fwd = 4 * B * H * S * S * D, halved for
 causal; fwd+bwd = 3.5 x fwd. TFLOP/s are PER GPU (distributed methods: FLOPs / W / time). Efficiency =
@@ -547,7 +549,9 @@ def write_markdown(report: dict, path: Path) -> Path:
     text += (f"\n{cfg['dtype']}, batch {cfg['batch']}, head_dim {cfg['head_dim']}; S = total sequence ({world} "
              f"GPUs hold S/{world} each). TFLOP/s per GPU (fwd 4·b·h·S²·d, halved for causal; fwd+bwd 3.5x). "
              f"eff = T_sdpa(S) / ({world} T(S)); vs CP = T_context_parallel / T (fwd+bwd, > 1 is faster); "
-             f"peak = max allocated per GPU during fwd+bwd.\n\n")
+             f"peak = max allocated per GPU during fwd+bwd. NCCL streams: "
+             f"{'high priority' if report['env'].get('env', {}).get('TORCH_NCCL_HIGH_PRIORITY') == '1' else 'default priority'}"
+             f" (every method).\n\n")
     rows = []
     for r in report["rows"]:
         rows.append([f"{U.fmt_count(r['S'])}", f"{r['heads']}/{r['kv_heads']}", "causal" if r["causal"] else "full",
@@ -610,6 +614,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=390.0,
                    help="seconds of measuring after which remaining cases are skipped (default 390)")
     p.add_argument("--out", default="docs/bench", help="output directory for JSON and PNG (default docs/bench)")
+    p.add_argument("--nccl-priority", choices=["high", "default"], default="high",
+                   help="NCCL stream priority for every method (default high: TORCH_NCCL_HIGH_PRIORITY=1)")
     p.add_argument("--quick", action="store_true", help="S = 8k, 32k, minimum matrix, fewer iterations")
     p.add_argument("--smoke", action="store_true", help="CPU/gloo, tiny shapes, torch backend: plumbing only")
     return p.parse_args(argv)
@@ -650,6 +656,7 @@ def make_config(args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    U.set_nccl_priority(args.nccl_priority)
     cfg = make_config(args)
     world = args.world_size
     if cfg["backend_dist"] == "nccl" and not U.under_torchrun() and torch.cuda.device_count() < world:

@@ -252,8 +252,11 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="auto", help="ring_flash_attn backend")
     p.add_argument("--trace", action="store_true", help="also write rank 0's Chrome trace of the first case")
     p.add_argument("--out", default="docs/bench")
+    p.add_argument("--nccl-priority", choices=["high", "default"], default="high",
+                   help="NCCL stream priority (default high: TORCH_NCCL_HIGH_PRIORITY=1)")
     p.add_argument("--smoke", action="store_true", help="CPU/gloo, tiny shapes, torch backend")
     args = p.parse_args(argv)
+    U.set_nccl_priority(args.nccl_priority)
     heads = [tuple(int(x) for x in part.split("/")) for part in args.heads.split(",")]
     cfg = dict(seqs=args.seqs, heads=heads, causal={"both": [True, False], "yes": [True], "no": [False]}[args.causal],
                iters=args.iters, warmup=args.warmup, backend=args.backend, trace=args.trace, out=args.out,
