@@ -343,14 +343,17 @@ class Table:
 
 
 def git_commit() -> str | None:
-    """The checkout's short commit, or $DISTCOMM_COMMIT where the tree was copied without its git metadata."""
+    """$DISTCOMM_COMMIT when set (a copied tree whose git metadata is missing or stale), else the checkout's
+    short commit."""
+    if os.environ.get("DISTCOMM_COMMIT"):
+        return os.environ["DISTCOMM_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              timeout=5, cwd=Path(__file__).resolve().parent)
         commit = out.stdout.strip()
     except Exception:
         commit = ""
-    return commit or os.environ.get("DISTCOMM_COMMIT") or None
+    return commit or None
 
 
 def command_line() -> str:

@@ -13,6 +13,11 @@ What is measured (one row per op and message size; sizes are PER-RANK INPUT byte
   MAX/MIN/PRODUCT raw is the forward all_reduce(op) plus ONE all_reduce(SUM) of the grad (torch's
   gradient, not the exact one): the ratio is the price of the exact gradient, and the collectives each
   side issued (counted with the profiler) show the extra collectives it needs.
+- "x8 in one graph" rows: eight collectives whose outputs share ONE ``backward()`` call, as in a training
+  step, against eight forward and eight adjoint collectives by hand: the autograd engine's fixed cost per
+  ``backward()`` call (thread hand-off, graph walk) is shared, what remains is distcomm's cost per op.
+  "no autograd" and "torch.nn" rows: distcomm under ``torch.no_grad`` (the ops alone) and
+  ``torch.distributed.nn.functional`` (the same autograd path through torch's module).
 - all_gather_variable is compared with a fixed-size all_gather_into_tensor + reduce_scatter_tensor of the
   same bytes (uneven sizes: the same total bytes, evenly split).
 Time: CUDA events around back-to-back iterations after warm-up, the best of ``--repeats`` alternating
@@ -308,6 +313,53 @@ def _no_grad_all_reduce_build(c: Ctx, F):
     return {"dist": step_dist, "raw": step_raw, "compare": True}
 
 
+IN_GRAPH = 8  # collectives per backward() in the "in one graph" rows
+
+
+def _in_graph_build(kind: str):
+    """IN_GRAPH independent collectives whose outputs go through ONE backward() call, as in a training step:
+    the autograd engine's fixed cost per backward() call is shared, what remains is distcomm's per-op cost.
+    Raw: the same IN_GRAPH forward collectives, then their IN_GRAPH adjoints, by hand."""
+
+    def build(c: Ctx, F):
+        xs = [c.rand() for _ in range(IN_GRAPH)]
+        g = c.rand()
+        leaves = [x.clone().requires_grad_() for x in xs]
+
+        def forward(t):
+            return F.all_reduce(t) if kind == "all_reduce" else F.broadcast(t, 0)
+
+        def step_dist():
+            ys = [forward(leaf) for leaf in leaves]
+            torch.autograd.backward(ys, [g] * IN_GRAPH)
+            for leaf in leaves:
+                leaf.grad = None
+            return ys[0]
+
+        def step_raw():
+            ys = []
+            for x in xs:
+                y = x.clone() if kind == "all_reduce" or c.rank == 0 else torch.empty_like(x)
+                if kind == "all_reduce":
+                    dist.all_reduce(y)
+                else:
+                    dist.broadcast(y, 0)
+                ys.append(y)
+            for _ in xs:
+                gx = g.clone()
+                if kind == "all_reduce":
+                    dist.all_reduce(gx)
+                else:
+                    dist.reduce(gx, 0, op=dist.ReduceOp.SUM)
+                    if c.rank != 0:
+                        gx.zero_()
+            return ys[0]
+
+        return {"dist": step_dist, "raw": step_raw, "compare": True}
+
+    return build
+
+
 _GATHER_PAIR = lambda m, w: 2 * m * (w - 1)  # noqa: E731  all_gather (W*m out) + reduce_scatter (W*m in)
 _SCATTER_PAIR = lambda m, w: 2 * m * (w - 1) / w  # noqa: E731
 CASES = [
@@ -336,6 +388,14 @@ CASES = [
     _all_reduce_case("PRODUCT"),
     Case("all_reduce(SUM) no autograd", "info", lambda m, w: 4 * m * (w - 1) / w, _no_grad_all_reduce_build,
          "clone + all_reduce(SUM), twice (dist column: distcomm under torch.no_grad)"),
+]
+CASES += [
+    Case(f"all_reduce(SUM) x{IN_GRAPH} in one graph", "info", lambda m, w: IN_GRAPH * 4 * m * (w - 1) / w,
+         _in_graph_build("all_reduce"), f"{IN_GRAPH} x (clone + all_reduce(SUM)), then {IN_GRAPH} x (clone grad + "
+         "all_reduce(SUM)); dist column: one backward() for all"),
+    Case(f"broadcast(src=0) x{IN_GRAPH} in one graph", "info", lambda m, w: IN_GRAPH * 2 * m,
+         _in_graph_build("broadcast"), f"{IN_GRAPH} x (clone + broadcast), then {IN_GRAPH} x (clone grad + reduce); "
+         "dist column: one backward() for all"),
 ]
 CASES += [_torch_nn_case(c) for c in CASES if c.name in ("all_reduce(SUM)", "broadcast(src=0)")]
 
@@ -372,7 +432,7 @@ def run_rank(rank: int, world: int, cfg: dict) -> dict:
     out_path = Path(cfg["out"]) / cfg["json_name"]
     budget = U.Budget(cfg["budget_s"], device)
     lead = rank == 0
-    table = U.Table([("op", -28), ("bytes", 6), ("iters", 5), ("distcomm us", 11), ("raw us", 10), ("ratio", 6),
+    table = U.Table([("op", -34), ("bytes", 6), ("iters", 5), ("distcomm us", 11), ("raw us", 10), ("ratio", 6),
                      ("busbw GB/s", 10), ("raw GB/s", 8), ("MiB dc/raw", 13), ("target", 6), ("", 4),
                      ("note", -1)], enabled=lead)
     table.header(f"{world} ranks, {cfg['backend']}, {cfg['dtype']}; bytes = per-rank input; time = forward+backward")
@@ -495,7 +555,7 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def print_summary(summary: dict) -> None:
-    table = U.Table([("op", -28), ("target", 6), ("worst>=16MB", 11), ("mean>=16MB", 10), ("", 4),
+    table = U.Table([("op", -34), ("target", 6), ("worst>=16MB", 11), ("mean>=16MB", 10), ("", 4),
                      ("collectives distcomm", -48), ("raw", -46), ("extra", 5)])
     table.header("Summary (ratio = distcomm time / raw time, forward+backward)")
     for name, s in summary.items():
