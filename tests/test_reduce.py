@@ -266,7 +266,9 @@ def _run_case(case: dict, group, members: list[int], grank: int, n: int, device:
     if differentiable:
         w = _weight(case, grank, n, y.shape).to(device)
         if not case.get("double"):
+            w_before = w.clone()
             y.backward(w)  # 2-d: w, hence the grad reaching the collective's backward, is non-contiguous
+            assert _same(w_before, w), "the incoming gradient was modified"
             result["grad"] = [x.grad.cpu() for x in xs]
         else:
             first = torch.autograd.grad((w * y * y).sum(), xs, create_graph=True)
