@@ -115,9 +115,9 @@ class AtenFlashBackward:
         batch, seqlen_q, heads, _ = q.shape
         seqlen_k, kv_heads = k.shape[1], k.shape[2]
         group = heads // kv_heads
-        if group > 1:
-            k = k.repeat_interleave(group, dim=2)
-            v = v.repeat_interleave(group, dim=2)
+        if group > 1:  # repeat_interleave order, by expand + reshape (one copy, never a host sync)
+            k = k.unsqueeze(3).expand(batch, seqlen_k, kv_heads, group, k.shape[3]).reshape(batch, seqlen_k, heads, -1)
+            v = v.unsqueeze(3).expand(batch, seqlen_k, kv_heads, group, v.shape[3]).reshape(batch, seqlen_k, heads, -1)
         # The aten op takes (B, H, S, D) views; BSHD memory transposed is its native layout.
         q_t, k_t, v_t, out_t, dout_t = (
             _last_dim_contiguous(x.to(q.dtype)).transpose(1, 2) for x in (q, k, v, out, dout)

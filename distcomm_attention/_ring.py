@@ -54,12 +54,21 @@ def _start_acc(grads: list, like: torch.Tensor, dtype: torch.dtype, which: int) 
     return acc
 
 
-def _accumulate(received: torch.Tensor, grads: list, dtype: torch.dtype, which: int) -> torch.Tensor:
-    """received + this step's block gradients, in ``dtype`` (in place when received already has it)."""
+def _accumulate(received: torch.Tensor, grads: list, dtype: torch.dtype, which: int,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """received + this step's block gradients, summed in ``dtype`` (in place when received already has it).
+
+    With ``out_dtype`` (the last step: the sum is complete) the result is rounded to it once; a single block
+    covering every row does it in one kernel: ``torch.add`` computes in the promoted dtype (fp32 opmath for
+    two half-precision operands) and rounds on store, the same bits as summing in ``dtype`` and casting.
+    """
+    if out_dtype is not None and len(grads) == 1 and grads[0][0] == slice(None):
+        out = torch.empty(received.shape, dtype=out_dtype, device=received.device)
+        return torch.add(received, grads[0][which], out=out)
     acc = received if received.dtype == dtype else received.to(dtype)
     for g in grads:
         acc[:, g[0]] += g[which]
-    return acc
+    return acc if out_dtype is None else acc.to(out_dtype)
 
 
 def _no_autocast(device: torch.device):
@@ -119,7 +128,8 @@ class _RingFlashAttn(torch.autograd.Function):
         dk_acc = dv_acc = None  # accumulators of the block computed at the previous step
         for t in range(size):
             src = (rank - t) % size
-            send = (k, v) if t + 1 < size else ()
+            last = t + 1 == size
+            send = (k, v) if not last else ()
             if t > 0:
                 send += (dk_acc, dv_acc)
             handle = comm.send_recv(*send) if send else None
@@ -132,6 +142,8 @@ class _RingFlashAttn(torch.autograd.Function):
                 )
                 if dq is None and rows == slice(None):
                     dq = dq_b.to(acc_dtype) if size > 1 else dq_b
+                elif last and rows == slice(None):  # the complete dQ, rounded once
+                    dq = torch.add(dq, dq_b, out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
                 else:
                     if dq is None:
                         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
@@ -143,9 +155,10 @@ class _RingFlashAttn(torch.autograd.Function):
             if t == 0:
                 dk_acc, dv_acc = _start_acc(grads, k, acc_dtype, 1), _start_acc(grads, v, acc_dtype, 2)
             else:  # the received buffers are ours: accumulate in place
-                dk_acc = _accumulate(received[0], grads, acc_dtype, 1)
-                dv_acc = _accumulate(received[1], grads, acc_dtype, 2)
-        # The last hop carries complete sums: rounding them before or after it gives the same bits.
+                # After the last step the sums are complete: they are rounded to the input dtype before the
+                # final hop (the same bits as rounding after it, half the bytes).
+                dk_acc = _accumulate(received[0], grads, acc_dtype, 1, k.dtype if last else None)
+                dv_acc = _accumulate(received[1], grads, acc_dtype, 2, v.dtype if last else None)
         dk_acc, dv_acc = comm.send_recv(dk_acc.to(k.dtype), dv_acc.to(v.dtype)).wait()
         if dq is None:
             dq = torch.zeros_like(q)

@@ -546,11 +546,12 @@ def write_markdown(report: dict, path: Path) -> Path:
     cfg = report["config"]
     world = report["env"].get("world_size", 2)
     text = U.markdown_header("Ring attention vs SDPA flash and context_parallel", report)
+    high = report["env"].get("env", {}).get("TORCH_NCCL_HIGH_PRIORITY") == "1"
     text += (f"\n{cfg['dtype']}, batch {cfg['batch']}, head_dim {cfg['head_dim']}; S = total sequence ({world} "
              f"GPUs hold S/{world} each). TFLOP/s per GPU (fwd 4·b·h·S²·d, halved for causal; fwd+bwd 3.5x). "
              f"eff = T_sdpa(S) / ({world} T(S)); vs CP = T_context_parallel / T (fwd+bwd, > 1 is faster); "
              f"peak = max allocated per GPU during fwd+bwd. NCCL streams: "
-             f"{'high priority' if report['env'].get('env', {}).get('TORCH_NCCL_HIGH_PRIORITY') == '1' else 'default priority'}"
+             f"{'high priority' if high else 'default priority'}"
              f" (every method).\n\n")
     rows = []
     for r in report["rows"]:

@@ -203,7 +203,8 @@ def _fmt_breakdown(res: dict) -> str:
 def _print_case(row: dict, world: int) -> None:
     print(f"\nS={_k(row['S'])} {row['H']}/{row['Hkv']} {'causal' if row['causal'] else 'full'} {row['layout']}",
           flush=True)
-    print(f"  ring (ms/iter, rank 0): {_fmt_breakdown(row['ring'])}  comm total={row['ring'].get('comm total', 0) / 1e3:.3f}")
+    comm_total = row["ring"].get("comm total", 0) / 1e3
+    print(f"  ring (ms/iter, rank 0): {_fmt_breakdown(row['ring'])}  comm total={comm_total:.3f}")
     if "sdpa" in row:
         print(f"  sdpa (ms/iter, whole S): {_fmt_breakdown(row['sdpa'])}  -> ideal per GPU "
               f"{row['sdpa'].get('wall_us', 0) / world / 1e3:.3f}")
