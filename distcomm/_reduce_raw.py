@@ -54,8 +54,9 @@ def _raw_all_reduce(x: torch.Tensor, op: _Op, group, size: int) -> torch.Tensor:
 def _raw_reduce(x: torch.Tensor, dst: int, op: _Op, group, size: int, is_dst: bool) -> torch.Tensor:
     """The reduction on global rank ``dst`` (this rank if ``is_dst``), zeros on the other ranks."""
     if (not is_dst and size > 1 and op.kind is _SUM_OP.kind and x.numel() and x.is_contiguous()
-            and _is_nccl(group, x)):
+            and not x.is_conj() and _is_nccl(group, x)):
         # NCCL only reads a non-root rank's buffer (its receive buffer is used on the root alone): no copy.
+        # (A lazily conjugated tensor still needs the copy that resolves it before view_as_real.)
         dist.reduce(_wire(x), dst, op=_SUM_OP.kind, group=group)
         return torch.zeros_like(x, memory_format=torch.contiguous_format)
     buf = _owned_copy(x, op)

@@ -12,15 +12,16 @@ Note [Ring attention loop]
     backward, step t:  post send_recv(k, v, dk_acc, dv_acc)   (k, v: as in the forward; the
                        accumulators of the block computed at step t - 1 travel one hop behind it)
                        dk_t, dv_t = contributions of this rank's queries to block src
-                       wait; received dk_acc += dk_t in place   (received: the contributions of ranks
-                       src .. r - 1)
+                       wait; dk_acc = received dk_acc + dk_t   (received: the contributions of ranks
+                       src .. r - 1; added in place when it is already fp32)
                        after W steps: one last hop takes each accumulator to its owner, with the
                        contributions of all W ranks; being complete, it travels in the input dtype.
 
         rank r:   t=0: block r        t=1: block r-1 (+acc from r-1)   ...  t=W-1: block r+1
                   then send acc(r+1) -> r+1, receive acc(r) <- r-1: the total dK, dV of r's own block
 
-    dQ accumulates locally in fp32 (fp64 for fp64 input); partial dK/dV sums travel in that dtype too.
+    dQ accumulates locally in fp32 (fp64 for fp64 input); partial dK/dV sums of two or more blocks travel in
+    that dtype too, while the first hop carries a single block's gradient as the kernel returned it (exact).
     Communication is posted before the compute it overlaps with and waited after it; every rank posts the
     same sequence, so there is no barrier and no deadlock (see distcomm.ring). Only q, k, v, out and lse
     are saved for the backward (q, k, v as given, not copies). The whole loop runs with autocast disabled:

@@ -372,8 +372,17 @@ def _fwd_step_impl(
     )
 
 
-# Eager calls go straight to the implementations (no dispatcher on the host's critical path); under
-# torch.compile the same functions run as opaque custom ops with fake (meta) implementations.
+# Eager calls on plain tensors go straight to the implementations (no dispatcher on the host's critical
+# path); under torch.compile, a dispatch mode (FakeTensorMode, make_fx) or tensor subclasses, the same
+# functions run as opaque custom ops with fake (meta) implementations.
+def _plain_eager(*tensors: Tensor) -> bool:
+    """Whether a direct kernel launch is safe: eager mode, plain tensors, no Python dispatch mode active."""
+    if torch.compiler.is_compiling() or any(type(t) is not Tensor for t in tensors):
+        return False
+    current_mode = getattr(getattr(torch.utils, "_python_dispatch", None), "_get_current_dispatch_mode", None)
+    return current_mode is not None and current_mode() is None
+
+
 _fwd_step_op = torch.library.custom_op("distcomm_attention::triton_fwd_step", _fwd_step_impl,
                                        mutates_args=("acc", "m", "l"))
 
@@ -537,7 +546,7 @@ class TritonForward:
                 acc = m = l = empty
             else:
                 acc, m, l = state.acc, state.m, state.l
-            last = _fwd_last_op if torch.compiler.is_compiling() else _fwd_last_impl
+            last = _fwd_last_impl if _plain_eager(q, k, v) else _fwd_last_op
             state.out, state.lse = last(q, k, v, acc, m, l, bool(causal), float(scale), not state.fresh, *meta)
             state.fresh = False
             return
@@ -546,7 +555,7 @@ class TritonForward:
         load_state = not state.fresh
         if state.acc is None:
             self._allocate(state, fill=(start, stop) != (0, seqlen_q))
-        step = _fwd_step_op if torch.compiler.is_compiling() else _fwd_step_impl
+        step = _fwd_step_impl if _plain_eager(q, k, v) else _fwd_step_op
         step(q, k, v, state.acc, state.m, state.l, start, stop, bool(causal), float(scale), load_state, *meta)
         state.fresh = False
 

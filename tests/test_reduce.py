@@ -608,6 +608,24 @@ def test_max_gradient_fixes_torch():
     assert not torch.equal(results[0]["torch"], expected[0])
 
 
+def _conj_reduce_rank(rank, world):
+    from distcomm import _reduce_raw
+
+    # Take the NCCL-only path (non-root ranks hand their buffer over uncopied) on gloo: a lazily conjugated
+    # input must still be resolved by a copy first, or view_as_real raises on the non-root ranks only.
+    _reduce_raw._is_nccl = lambda group, tensor: True
+    z = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex128) * (rank + 1)
+    y = F.reduce(z.conj(), 0)
+    return y, z.conj().resolve_conj()
+
+
+def test_reduce_resolves_lazy_conjugates_before_the_uncopied_path():
+    results = run_world(_conj_reduce_rank, 2)
+    total = sum(inp for _, inp in results)
+    torch.testing.assert_close(results[0][0], total)
+    torch.testing.assert_close(results[1][0], torch.zeros_like(total))
+
+
 # --------------------------------------------------------------------------------------------------------
 # NCCL
 # --------------------------------------------------------------------------------------------------------

@@ -304,6 +304,31 @@ def test_custom_ops_pass_opcheck():
                           (q, k, v, acc, m, l, True, 0.25, False, *meta), test_utils=checks)
 
 
+def test_fake_tensors_use_the_fake_kernels():
+    """Eager calls launch the kernel directly, but under FakeTensorMode (shape/memory dry runs) the steps go
+    through the custom ops' fake kernels: a launch on fake tensors would fail on their missing storage."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    kern = TritonForward()
+
+    def run(q, k, v):
+        state = kern.init_state(q)
+        kern.step(state, q, k, v, causal=True, scale=0.25, q_slice=slice(0, 8))
+        kern.step(state, q, k, v, causal=False, scale=0.25)
+        return kern.finalize(state, q.dtype)
+
+    with FakeTensorMode():
+        q, k, v = make_qkv(1, 16, 16, 4, 2, 16, torch.float32)
+        out, lse = run(q, k, v)
+        assert isinstance(out, FakeTensor) and isinstance(lse, FakeTensor)
+        assert out.shape == q.shape and lse.shape == (1, 4, 16)
+        q, k, v = make_qkv(1, 16, 16, 4, 2, 16, torch.float32)
+        state = kern.init_state(q)
+        kern.step(state, q, k, v, causal=False, scale=0.25, final=True)  # the fused last step
+        out, lse = kern.finalize(state, q.dtype)
+        assert isinstance(out, FakeTensor) and out.shape == q.shape
+
+
 # ---------------------------------------------------------------------------------------------------
 # flash backward wrappers (dispatch only: the kernels need CUDA)
 # ---------------------------------------------------------------------------------------------------
