@@ -422,3 +422,36 @@ def test_cuda_only_failures_raise_before_communication(monkeypatch):
     q = torch.zeros(1, 4, 2, 16)
     with pytest.raises(ImportError, match=r"backend='triton' needs the Triton compiler.*pip install triton"):
         da.ring_flash_attn(q, q, q, backend="triton")
+
+
+def test_backward_accumulators_round_once():
+    """dK/dV accumulation of the ring backward: a single block travels as the kernel returned it; partial sums
+    are fp32; the last step rounds the complete sum to the input dtype exactly once (fp32 sum, then cast)."""
+    from distcomm_attention._ring import _accumulate, _start_acc
+
+    gen = torch.Generator().manual_seed(0)
+    like = torch.empty(2, 6, 3, 4, dtype=torch.bfloat16)
+    g1, g2 = (torch.randn(like.shape, generator=gen).bfloat16() for _ in range(2))
+
+    first = _start_acc([(slice(None), g1, g1)], like, torch.float32, 1)
+    assert first is g1  # one exact term: no widening copy before its first hop
+    part = _start_acc([(slice(0, 3), g1[:, :3], g1[:, :3])], like, torch.float32, 1)
+    assert part.dtype == torch.float32 and torch.equal(part[:, :3], g1[:, :3].float()) and not part[:, 3:].any()
+
+    # a middle step: fp32 partial sum, in place when the received buffer is already fp32
+    received = g1.float()
+    mid = _accumulate(received, [(slice(None), g2, g2)], torch.float32, 1)
+    assert mid is received and torch.equal(mid, g1.float() + g2.float())
+    widened = _accumulate(g1, [(slice(None), g2, g2)], torch.float32, 1)
+    assert widened.dtype == torch.float32 and torch.equal(widened, g1.float() + g2.float())
+
+    # the last step: rounded to the input dtype once, full and partial kv rows, bf16 or fp32 received
+    third = torch.randn(like.shape, generator=gen)
+    for recv in (g1, g1.float() + third):
+        full = _accumulate(recv.clone(), [(slice(None), g2, g2)], torch.float32, 1, torch.bfloat16)
+        assert full.dtype == torch.bfloat16 and torch.equal(full, (recv.float() + g2.float()).bfloat16())
+        rows = slice(2, 5)
+        out = _accumulate(recv.clone(), [(rows, g2[:, rows], g2[:, rows])], torch.float32, 1, torch.bfloat16)
+        want = recv.float().clone()
+        want[:, rows] += g2[:, rows].float()
+        assert out.dtype == torch.bfloat16 and torch.equal(out, want.bfloat16())
