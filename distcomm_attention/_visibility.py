@@ -1,0 +1,261 @@
+"""Who may attend whom: the one visibility rule of ring attention, and the block plan derived from it.
+
+Note [Visibility]
+    A key at global position pk is visible to a query at global position pq iff all of
+
+        band        pq - left <= pk <= pq + right        (window_size = (left, right), -1 = unbounded;
+                                                          causal sets right = 0)
+        document    doc(pq) == doc(pk)                   (cu_seqlens; one document when absent)
+        padding     key_mask[b, pk]                      (attention_mask, True = attend)
+
+    Softcap changes the scores, not the visibility. Every layout stores its tokens in increasing global
+    order, so for one query block and one key block (a rank's shard and a source rank's shard):
+
+        keys visible to query row i   = the local key rows [row_lo[i], row_hi[i])   (band and documents)
+        rows that see key j           = the local query rows [col_lo[j], col_hi[j])
+        row_lo, row_hi, col_lo, col_hi are nondecreasing
+
+    (the band is an interval of positions, a document an interval of positions, and positions increase
+    with the local index). The key mask is applied element-wise on top. Kernels only execute this: a
+    ``BlockMask`` hands them the intervals, or says the block is one of two shapes that need none:
+
+        "full"      every (row, key) pair of the block is visible
+        "causal"    key j visible to row i iff j <= i (top-left; equal lengths)
+        "interval"  the arrays above (int32, relative to the block's first row / first key)
+
+    From the intervals a kernel tile of rows [i0, i1] touches keys [row_lo[i0], row_hi[i1]) and sees every
+    key of [row_lo[i1], row_hi[i0]) unmasked: the same three-range loop as a causal kernel.
+
+Note [Ring plan]
+    ``ring_plan`` evaluates the rule for every (rank, source rank) pair of the ring once per distinct
+    call signature (cached): a pair with no visible key is skipped, a pair whose visible rows and keys
+    form a full or causal rectangle becomes a "full" / "causal" block, anything else an "interval" block.
+    A ring step t (rank r attends the keys of rank r - t) that no rank needs is not communicated: the
+    key/value blocks jump straight to the next needed step (a send over several ring positions), so a
+    window much smaller than the sequence makes fewer hops.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from distcomm_attention import layouts
+
+__all__ = [
+    "Visibility",
+    "BlockMask",
+    "Block",
+    "RingPlan",
+    "ring_plan",
+    "cu_seqlens_from_position_ids",
+    "visible_mask",
+    "FULL",
+    "CAUSAL",
+]
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """The call's mask description (hashable): the band and the documents; see Note [Visibility].
+
+    Attributes:
+        causal: keys after the query are hidden (sets the band's right edge to 0).
+        window: (left, right) as given, -1 = unbounded on that side.
+        cu_seqlens: global document boundaries (0, ..., global length), or None for one document.
+        key_mask: whether a key padding mask is applied (element-wise; it does not shape the plan).
+    """
+
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    cu_seqlens: tuple[int, ...] | None = None
+    key_mask: bool = False
+
+    @property
+    def left(self) -> int | None:
+        """Largest visible pq - pk, or None when unbounded."""
+        return None if self.window[0] < 0 else self.window[0]
+
+    @property
+    def right(self) -> int | None:
+        """Largest visible pk - pq, or None when unbounded (0 when causal)."""
+        if self.causal:
+            return 0 if self.window[1] < 0 else min(self.window[1], 0)
+        return None if self.window[1] < 0 else self.window[1]
+
+    @property
+    def plain(self) -> bool:
+        """No window, documents or key mask: plain full or causal attention."""
+        return self.left is None and (self.causal or self.right is None) and self.cu_seqlens is None \
+            and not self.key_mask
+
+
+class BlockMask(NamedTuple):
+    """The visibility of one kernel call (see Note [Visibility]).
+
+    ``mode`` is "full", "causal" or "interval"; the four arrays are int32 (on the kernel's device) only for
+    "interval": ``row_lo``/``row_hi`` (Sq,) relative to the call's first key, ``col_lo``/``col_hi`` (Sk,)
+    relative to its first query row.
+    """
+
+    mode: str
+    row_lo: torch.Tensor | None = None
+    row_hi: torch.Tensor | None = None
+    col_lo: torch.Tensor | None = None
+    col_hi: torch.Tensor | None = None
+
+
+FULL = BlockMask("full")
+CAUSAL = BlockMask("causal")
+
+
+class Block(NamedTuple):
+    """One kernel call of a ring step: query rows, key/value rows (local slices) and their visibility.
+
+    ``intervals`` holds the CPU int32 arrays of an "interval" block; ``mask(device)`` gives the kernels'
+    ``BlockMask``.
+    """
+
+    q: slice
+    kv: slice
+    mode: str
+    intervals: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def causal(self) -> bool:
+        return self.mode == "causal"
+
+
+@dataclass
+class RingPlan:
+    """This rank's blocks for every needed ring step (see Note [Ring plan]).
+
+    Attributes:
+        steps: the needed ring steps t in increasing order, always starting with 0; at step t this rank
+            attends the keys of ring position (rank - t) mod W.
+        blocks: blocks[i] are the kernel calls of steps[i] (possibly none for this rank).
+    """
+
+    steps: tuple[int, ...]
+    blocks: tuple[tuple[Block, ...], ...]
+    _device_masks: dict = field(default_factory=dict, repr=False)
+
+    def mask(self, step_index: int, block_index: int, device: torch.device) -> BlockMask:
+        """The kernels' BlockMask of one block, with its arrays on ``device`` (moved once, then cached)."""
+        block = self.blocks[step_index][block_index]
+        if block.mode == "full":
+            return FULL
+        if block.mode == "causal":
+            return CAUSAL
+        key = (step_index, block_index, str(device))
+        if key not in self._device_masks:
+            self._device_masks[key] = BlockMask("interval", *(a.to(device) for a in block.intervals))
+        return self._device_masks[key]
+
+
+def _doc_ids(cu: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Document index of each global position (cu: the boundaries, int64)."""
+    return torch.searchsorted(cu, pos, right=True) - 1
+
+
+def _row_intervals(vis: Visibility, pq: torch.Tensor, pk: torch.Tensor, cu: torch.Tensor | None):
+    """[row_lo, row_hi) of visible local key rows for each query (positions increasing, int64)."""
+    big = torch.iinfo(torch.int64).max // 4
+    lo_pos = pq - vis.left if vis.left is not None else torch.full_like(pq, -big)
+    hi_pos = pq + vis.right if vis.right is not None else torch.full_like(pq, big)
+    row_lo = torch.searchsorted(pk, lo_pos, right=False)
+    row_hi = torch.searchsorted(pk, hi_pos, right=True)
+    if cu is not None:
+        dq, dk = _doc_ids(cu, pq), _doc_ids(cu, pk)
+        row_lo = torch.maximum(row_lo, torch.searchsorted(dk, dq, right=False))
+        row_hi = torch.minimum(row_hi, torch.searchsorted(dk, dq, right=True))
+    return row_lo, torch.maximum(row_hi, row_lo)  # empty rows: hi == lo (keeps both nondecreasing)
+
+
+def _block(vis: Visibility, pq: torch.Tensor, pk: torch.Tensor, cu: torch.Tensor | None) -> Block | None:
+    """The single kernel call covering every visible pair of two shards, or None if there is none."""
+    row_lo, row_hi = _row_intervals(vis, pq, pk, cu)
+    seen = (row_hi > row_lo).nonzero().flatten()
+    if seen.numel() == 0:
+        return None
+    q0, q1 = int(seen[0]), int(seen[-1]) + 1
+    k0, k1 = int(row_lo[q0:q1].min()), int(row_hi[q0:q1].max())
+    row_lo, row_hi = row_lo[q0:q1] - k0, row_hi[q0:q1] - k0
+    nq, nk = q1 - q0, k1 - k0
+    if bool((row_lo == 0).all()) and bool((row_hi == nk).all()):
+        return Block(slice(q0, q1), slice(k0, k1), "full")
+    if nq == nk and bool((row_lo == 0).all()) and bool((row_hi == torch.arange(1, nq + 1)).all()):
+        return Block(slice(q0, q1), slice(k0, k1), "causal")
+    j = torch.arange(nk)
+    col_lo = torch.searchsorted(row_hi, j, right=True)  # first row with row_hi > j
+    col_hi = torch.searchsorted(row_lo, j, right=True)  # rows with row_lo <= j
+    arrays = tuple(a.to(torch.int32) for a in (row_lo, row_hi, col_lo, torch.maximum(col_hi, col_lo)))
+    return Block(slice(q0, q1), slice(k0, k1), "interval", arrays)
+
+
+@functools.lru_cache(maxsize=64)
+def _all_pairs(layout: str, vis: Visibility, ring_size: int, local_len: int):
+    """blocks[r][t] for every ring position r and step t (None: nothing visible)."""
+    seq_len = local_len * ring_size
+    pos = [layouts.positions(layout, seq_len, ring_size, r) for r in range(ring_size)]
+    cu = None if vis.cu_seqlens is None else torch.tensor(vis.cu_seqlens, dtype=torch.int64)
+    return tuple(
+        tuple(_block(vis, pos[r], pos[(r - t) % ring_size], cu) for t in range(ring_size))
+        for r in range(ring_size)
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def ring_plan(layout: str, vis: Visibility, ring_size: int, rank: int, local_len: int) -> RingPlan:
+    """The blocks ``rank`` computes at each needed ring step (see Note [Ring plan]); cached per signature."""
+    if local_len == 0:
+        return RingPlan((0,), ((),))
+    pairs = _all_pairs(layout, vis, ring_size, local_len)
+    steps = tuple(t for t in range(ring_size) if t == 0 or any(pairs[r][t] is not None for r in range(ring_size)))
+    blocks = tuple(() if pairs[rank][t] is None else (pairs[rank][t],) for t in steps)
+    return RingPlan(steps, blocks)
+
+
+def visible_mask(vis: Visibility, pq: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
+    """(len(pq), len(pk)) bool: the band and document rule element-wise (no key mask), on global positions."""
+    diff = pq[:, None] - pk[None, :]  # pq - pk
+    ok = torch.ones(diff.shape, dtype=torch.bool, device=diff.device)
+    if vis.left is not None:
+        ok &= diff <= vis.left
+    if vis.right is not None:
+        ok &= -diff <= vis.right
+    if vis.cu_seqlens is not None:
+        cu = torch.tensor(vis.cu_seqlens, dtype=torch.int64, device=diff.device)
+        ok &= _doc_ids(cu, pq)[:, None] == _doc_ids(cu, pk)[None, :]
+    return ok
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document boundaries from Hugging Face style position ids that restart at 0 for each document.
+
+    Args:
+        position_ids: (seq_len,) or (1, seq_len) integer tensor over the GLOBAL sequence, e.g.
+            ``[0, 1, 2, 0, 1, 0, 1, 2, 3]`` for documents of lengths 3, 2 and 4. A new document starts at
+            every 0 (and at position 0 of the sequence).
+
+    Returns:
+        int32 (num_docs + 1,) on the same device: ``[0, 3, 5, 9]`` for the example.
+    """
+    if not isinstance(position_ids, torch.Tensor):
+        raise TypeError(f"`position_ids` must be a torch.Tensor, got {type(position_ids).__name__}")
+    if position_ids.dim() == 2 and position_ids.shape[0] == 1:
+        position_ids = position_ids[0]
+    if position_ids.dim() != 1 or position_ids.is_floating_point() or position_ids.is_complex():
+        raise ValueError(
+            "`position_ids` must be an integer tensor of shape (seq_len,) or (1, seq_len), got "
+            f"{tuple(position_ids.shape)} {position_ids.dtype}"
+        )
+    n = position_ids.shape[0]
+    starts = (position_ids == 0).nonzero().flatten()
+    if n and (starts.numel() == 0 or int(starts[0]) != 0):
+        starts = torch.cat([starts.new_zeros(1), starts])
+    end = torch.tensor([n], dtype=starts.dtype, device=starts.device)
+    return torch.cat([starts, end]).to(torch.int32)
