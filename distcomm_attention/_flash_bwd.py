@@ -1,8 +1,10 @@
 """FlashAttention-2 backward of one ring block: ``AtenFlashBackward`` and ``FlashAttnBackward``.
 
-Both implement the BackwardKernel contract: ``step(dout, q, k, v, out, lse, *, causal, scale)`` recomputes
-the probabilities of one (q, k) block from the GLOBAL ``lse`` and uses the GLOBAL ``out`` (for
-``D = rowsum(dout * out)``), and returns ``dq`` (B, Sq, H, D), ``dk``/``dv`` (B, Sk, Hkv, D).
+Both implement the BackwardKernel contract (``step(dout, q, k, v, out, lse, delta, *, mask, scale, ...)``,
+see distcomm_attention._kernels) for the plain blocks only: ``mask`` "full" or "causal", no key mask, no
+softcap (the backend selection never gives them anything else). They recompute the probabilities of one
+(q, k) block from the GLOBAL ``lse`` and use the GLOBAL ``out`` (their own ``D = rowsum(dout * out)``; the
+given ``delta`` is not needed).
 
 - ``AtenFlashBackward``: PyTorch's built-in copy of the FlashAttention-2 backward,
   ``torch.ops.aten._scaled_dot_product_flash_attention_backward`` (always present in CUDA builds of
@@ -75,6 +77,25 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _plain_causal(name: str, mask, softcap: float, key_mask) -> bool:
+    """The block's causal flag; ValueError for a visibility the FlashAttention-2 backward cannot express."""
+    if mask.mode not in ("full", "causal") or softcap or key_mask is not None:
+        raise ValueError(
+            f"{name}: only plain full or causal blocks are supported (got mode {mask.mode!r}, softcap "
+            f"{softcap}, key mask {'given' if key_mask is not None else 'none'}); use backend='triton'"
+        )
+    return mask.mode == "causal"
+
+
+def _finish(dq: Tensor, dk: Tensor, dv: Tensor, dq_acc, dkv_dtype):
+    """Apply the contract's accumulation and dtype options to one block's gradients."""
+    if dq_acc is not None:
+        dq = dq_acc.add_(dq)
+    if dkv_dtype is not None:
+        dk, dv = dk.to(dkv_dtype), dv.to(dkv_dtype)
+    return dq, dk, dv
+
+
 class AtenFlashBackward:
     """BackwardKernel using ``torch.ops.aten._scaled_dot_product_flash_attention_backward``.
 
@@ -97,9 +118,10 @@ class AtenFlashBackward:
                                        torch.zeros((), dtype=torch.uint64, device=device))
         return self._rng_state[device]
 
-    def step(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
-             causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-        """Backward of one block.
+    def step(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, delta=None, *,
+             mask, scale: float, softcap: float = 0.0, key_mask=None, dq_acc=None,
+             dkv_dtype=None) -> tuple[Tensor, Tensor, Tensor]:
+        """Backward of one block (``mask`` "full" or "causal"; ``dq_acc``/``dkv_dtype`` as in the contract).
 
         Args:
             dout, q, out: (B, Sq, H, D), fp16/bf16 (dout/out are cast to q's dtype if they differ).
@@ -111,6 +133,7 @@ class AtenFlashBackward:
         Returns:
             dq (B, Sq, H, D) in q's dtype; dk, dv (B, Sk, Hkv, D) (fp32 when reduced over a GQA group).
         """
+        causal = _plain_causal("AtenFlashBackward", mask, softcap, key_mask)
         _check_block("AtenFlashBackward", dout, q, k, v, out, lse, causal)
         batch, seqlen_q, heads, _ = q.shape
         seqlen_k, kv_heads = k.shape[1], k.shape[2]
@@ -131,7 +154,7 @@ class AtenFlashBackward:
         if group > 1:
             dk = dk.unflatten(2, (kv_heads, group)).sum(3, dtype=torch.float32)
             dv = dv.unflatten(2, (kv_heads, group)).sum(3, dtype=torch.float32)
-        return dq, dk, dv
+        return _finish(dq, dk, dv, dq_acc, dkv_dtype)
 
 
 # Signatures of flash_attn.flash_attn_interface._flash_attn_backward, by release:
@@ -205,9 +228,12 @@ class FlashAttnBackward:
         """Multiples of 8 up to 256."""
         return AtenFlashBackward.supports_head_dim(head_dim)
 
-    def step(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
-             causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    def step(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, delta=None, *,
+             mask, scale: float, softcap: float = 0.0, key_mask=None, dq_acc=None,
+             dkv_dtype=None) -> tuple[Tensor, Tensor, Tensor]:
         """Backward of one block; same arguments and results as ``AtenFlashBackward.step``."""
+        causal = _plain_causal("FlashAttnBackward", mask, softcap, key_mask)
         _check_block("FlashAttnBackward", dout, q, k, v, out, lse, causal)
-        return _call_flash_attn_backward(self._backward, self._split_window, dout, q, k, v, out, lse,
-                                         causal=causal, scale=scale)
+        grads = _call_flash_attn_backward(self._backward, self._split_window, dout, q, k, v, out, lse,
+                                          causal=causal, scale=scale)
+        return _finish(*grads, dq_acc, dkv_dtype)

@@ -1,39 +1,46 @@
 """The block-kernel contract between the ring loop and the per-block attention kernels, and the backends.
 
 Tensors are (batch, seq, heads, head_dim) ("BSHD"). q: (B, Sq, H, D); k, v: (B, Sk, Hkv, D) with
-H % Hkv == 0 (query head h uses kv head h // (H // Hkv)); lse: (B, H, Sq), natural log. ``causal=True`` is
-the mask j <= i with the diagonal at the top-left (query row i sees key columns 0..i); the ring loop slices
-blocks so that Sq == Sk in causal calls.
+H % Hkv == 0 (query head h uses kv head h // (H // Hkv)); lse: (B, H, Sq), natural log. Each call gets a
+``BlockMask`` (distcomm_attention._visibility: "full", "causal" top-left, or "interval" arrays), an optional
+key padding mask and a softcap; kernels execute that visibility, the ring planner decides it.
 
 Backends (``backend=`` of ``ring_flash_attn``):
 
-    name        forward          backward              devices / dtypes
-    "torch"     TorchForward     TorchBackward         any device, any float dtype (exact: fp32 math,
-                                                       fp64 for fp64 input)
-    "triton"    TritonForward    AtenFlashBackward     CUDA fp16/bf16
-                                 TorchBackward         CPU fp16/bf16/fp32, only under TRITON_INTERPRET=1
-    "flash_attn" TritonForward   FlashAttnBackward     CUDA fp16/bf16, needs `pip install flash-attn`
-    "auto"      by device and dtype only: CPU -> "torch"; CUDA fp16/bf16 -> "triton" (an empty batch:
-                "torch"); CUDA fp32/fp64 (the documented exact path) and other devices -> "torch"
+    name         forward          backward              devices / dtypes / features
+    "torch"      TorchForward     TorchBackward         any device, any float dtype (exact: fp32 math,
+                                                        fp64 for fp64 input); every feature
+    "triton"     TritonForward    TritonBackward        CUDA fp16/bf16 (CPU fp16/bf16/fp32 only under
+                                                        TRITON_INTERPRET=1); every feature
+    "flash2"     TritonForward    AtenFlashBackward     CUDA fp16/bf16; plain full/causal attention only
+                                                        (PyTorch's built-in FlashAttention-2 backward)
+    "flash_attn" TritonForward    FlashAttnBackward     like "flash2" with the flash-attn package's backward
+    "auto"       CPU, CUDA fp32/fp64 -> "torch"; CUDA fp16/bf16 -> the fastest that can do the call
+                 (``AUTO_PREFERENCE``, from the measurements in docs/bench/block_kernels.md)
 
-Kernel modules are imported here, lazily, so ``import distcomm_attention`` needs neither triton nor
-flash_attn.
+``which_kernels`` (public) answers which backend and kernels a call would use, and why. Kernel modules are
+imported here, lazily, so ``import distcomm_attention`` needs neither triton nor flash_attn.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
+from distcomm_attention._visibility import BlockMask, Visibility
+
 __all__ = [
-    "BACKENDS", "ForwardKernel", "BackwardKernel", "check_backend", "check_flash_backward", "resolve_backend",
-    "select_kernels",
+    "BACKENDS", "AUTO_PREFERENCE", "ForwardKernel", "BackwardKernel", "KernelChoice", "check_backend",
+    "check_flash_backward", "resolve_backend", "select_kernels", "unsupported_feature",
 ]
 
-BACKENDS = ("auto", "torch", "triton", "flash_attn")
+BACKENDS = ("auto", "torch", "triton", "flash2", "flash_attn")
+# The order in which "auto" tries the CUDA fp16/bf16 backends; the first that can do a call wins.
+AUTO_PREFERENCE = ("flash2", "triton")
+_PLAIN_ONLY = ("flash2", "flash_attn")
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -51,12 +58,15 @@ class ForwardKernel(Protocol):
         k: torch.Tensor,
         v: torch.Tensor,
         *,
-        causal: bool,
+        mask: BlockMask,
         scale: float,
+        softcap: float = 0.0,
+        key_mask: torch.Tensor | None = None,
         q_slice: slice = slice(None),
         final: bool = False,
     ) -> None:
-        """Accumulate attention of q[:, q_slice] over (k, v) into the state rows q_slice, in place.
+        """Accumulate attention of q[:, q_slice] over (k, v) into the state rows q_slice, in place, under the
+        block's visibility ``mask`` and the key padding mask ``key_mask`` (B, Sk) (True = attend).
 
         q is the full local q; k, v (B, Sk, Hkv, D) are already sliced (views, any strides). ``final``:
         the last call of this forward, covering every row; a kernel may normalise and write out/lse
@@ -78,12 +88,18 @@ class BackwardKernel(Protocol):
         v: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
+        delta: torch.Tensor,
         *,
-        causal: bool,
+        mask: BlockMask,
         scale: float,
+        softcap: float = 0.0,
+        key_mask: torch.Tensor | None = None,
+        dq_acc: torch.Tensor | None = None,
+        dkv_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """dout, q, out: (B, Sq, H, D) (out: the global output rows); lse: (B, H, Sq) (global);
-        k, v: (B, Sk, Hkv, D). Returns dq (B, Sq, H, D), dk, dv (B, Sk, Hkv, D) in any float dtype."""
+        """dout, q, out: (B, Sq, H, D) (out: the global output rows); lse, delta = rowsum(dout * out):
+        (B, H, Sq) (global); k, v: (B, Sk, Hkv, D). Adds the block's dq into ``dq_acc`` (B, Sq, H, D) and
+        returns it (a new dq without one); dk, dv (B, Sk, Hkv, D) in ``dkv_dtype``."""
 
 
 def check_backend(backend) -> None:
@@ -112,9 +128,9 @@ def _cuda_capability(device: torch.device) -> tuple[int, int]:
 
 def check_flash_backward(name: str, device: torch.device, batch: int) -> None:
     """Raise ValueError, before any communication, where a FlashAttention-2 backward (PyTorch's or the
-    flash-attn package's, used by backends "triton" and "flash_attn" on CUDA) would fail only in the
+    flash-attn package's, used by backends "flash2" and "flash_attn" on CUDA) would fail only in the
     backward pass: an empty batch, or a GPU older than sm80."""
-    if device.type != "cuda" or name not in ("triton", "flash_attn"):
+    if device.type != "cuda" or name not in _PLAIN_ONLY:
         return
     if batch == 0:
         raise ValueError(
@@ -129,97 +145,157 @@ def check_flash_backward(name: str, device: torch.device, batch: int) -> None:
         )
 
 
-def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
-    """The concrete backend for ``backend`` on tensors of ``device``/``dtype``.
+def unsupported_feature(name: str, vis: Visibility, softcap: float) -> str | None:
+    """Why backend ``name`` cannot execute a call with this visibility and softcap, or None if it can."""
+    if name not in _PLAIN_ONLY:
+        return None
+    features = []
+    if vis.key_mask:
+        features.append("attention_mask")
+    if vis.window != (-1, -1) and not (vis.causal and vis.left is None):
+        features.append(f"window_size={vis.window}")
+    if vis.cu_seqlens is not None:
+        features.append("cu_seqlens (packed documents)")
+    if softcap:
+        features.append(f"softcap={softcap}")
+    if not features:
+        return None
+    return (
+        f"backend={name!r} runs plain full or causal attention only (FlashAttention-2 backward), but this call "
+        f"uses {', '.join(features)}; use backend='triton' or backend='auto'"
+    )
 
-    "auto" chooses by device and dtype only; where that choice is "triton", a missing triton raises
-    ImportError rather than failing later. An explicit backend is checked for the device and dtype
-    (ValueError) and for its package (ImportError naming what to install).
+
+def _check_package(name: str) -> None:
+    if name == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
+        raise ImportError(
+            "backend='flash_attn' needs the flash-attn package (CUDA only, built from source): "
+            "pip install flash-attn --no-build-isolation; or use backend='flash2' (same kernels, PyTorch's "
+            "built-in copy of the FlashAttention-2 backward) or backend='triton'"
+        )
+    if not _triton_importable():
+        raise ImportError(
+            f"backend={name!r} needs the Triton compiler, which cannot be imported: pip install triton, "
+            "or use backend='torch'"
+        )
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype,
+                    vis: Visibility = Visibility(), softcap: float = 0.0) -> tuple[str, str]:
+    """The concrete backend for ``backend`` on tensors of ``device``/``dtype`` for a call with visibility
+    ``vis`` and ``softcap``, and the reason for the choice.
+
+    "auto" takes "torch" for CPU tensors and CUDA fp32/fp64 (the exact path), else the first backend of
+    ``AUTO_PREFERENCE`` that can do the call. An explicit backend is checked for the device and dtype
+    (ValueError), its features (ValueError naming the unsupported ones) and its package (ImportError naming
+    what to install).
     """
     check_backend(backend)
     if backend == "auto":
         if device.type != "cuda" or dtype not in _HALF:
-            return "torch"
+            return "torch", f"{device.type} {dtype}: the exact PyTorch path"
         if not _triton_importable():
             raise ImportError(
-                f"backend='auto' on CUDA {dtype} tensors uses the Triton forward kernel, but triton cannot be "
-                "imported: pip install triton, or use backend='torch'"
+                f"backend='auto' on CUDA {dtype} tensors uses Triton kernels, but triton cannot be imported: "
+                "pip install triton, or use backend='torch'"
             )
-        return "triton"
+        for name in AUTO_PREFERENCE:
+            if name != "flash_attn" or importlib.util.find_spec("flash_attn") is not None:
+                if unsupported_feature(name, vis, softcap) is None:
+                    return name, f"the first of AUTO_PREFERENCE={AUTO_PREFERENCE} that can do this call"
+        raise AssertionError("'triton' supports every call")  # pragma: no cover
     if backend == "torch":
-        return backend
-    if backend == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
-        raise ImportError(
-            "backend='flash_attn' needs the flash-attn package (CUDA only, built from source): "
-            "pip install flash-attn --no-build-isolation; or use backend='triton' (same forward, PyTorch's "
-            "built-in copy of the FlashAttention-2 backward)"
-        )
-    if not _triton_importable():
-        raise ImportError(
-            f"backend={backend!r} needs the Triton compiler, which cannot be imported: pip install triton, "
-            "or use backend='torch'"
-        )
+        return backend, "requested"
+    _check_package(backend)
+    reason = unsupported_feature(backend, vis, softcap)
+    if reason is not None:
+        raise ValueError(reason)
     if device.type == "cuda":
         if dtype not in _HALF:
             raise ValueError(
                 f"backend={backend!r} supports CUDA tensors of dtype float16 or bfloat16, got {dtype}; "
                 "use backend='torch' (exact, any dtype) or backend='auto'"
             )
-        return backend
+        return backend, "requested"
     if backend == "triton" and device.type == "cpu":
         if not _interpreting():
             raise ValueError(
                 "backend='triton' on CPU tensors runs only in the Triton interpreter: set TRITON_INTERPRET=1 "
-                "before distcomm_attention's Triton kernel is first imported, or use backend='torch'"
+                "before distcomm_attention's Triton kernels are first imported, or use backend='torch'"
             )
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(
                 f"backend='triton' on CPU (interpreter) supports float16, bfloat16 and float32, got {dtype}; "
                 "use backend='torch'"
             )
-        return backend
+        return backend, "requested"
     where = "CUDA tensors (and CPU ones under TRITON_INTERPRET=1)" if backend == "triton" else "CUDA tensors"
     raise ValueError(
         f"backend={backend!r} supports {where}, got a tensor on {device.type}; use backend='torch' or backend='auto'"
     )
 
 
-def select_kernels(backend: str, q: torch.Tensor):
+class KernelChoice(NamedTuple):
+    """What a ``ring_flash_attn`` call runs: the backend and its forward / backward kernels, and why."""
+
+    backend: str
+    forward: str
+    backward: str
+    reason: str
+
+
+_KERNEL_NAMES = {
+    "torch": ("TorchForward", "TorchBackward"),
+    "triton": ("TritonForward", "TritonBackward"),
+    "flash2": ("TritonForward", "AtenFlashBackward"),
+    "flash_attn": ("TritonForward", "FlashAttnBackward"),
+}
+
+
+def choose(backend: str, q: torch.Tensor, vis: Visibility, softcap: float) -> KernelChoice:
+    """The backend and kernel names for queries ``q`` (B, n, H, D); raises what ``select_kernels`` raises."""
+    if backend == "auto" and q.shape[0] == 0:
+        name, reason = "torch", "empty batch: nothing to compute"
+    else:
+        name, reason = resolve_backend(backend, q.device, q.dtype, vis, softcap)
+    check_flash_backward(name, q.device, q.shape[0])
+    if name != "torch":
+        head_dim = q.shape[-1]
+        if not (isinstance(head_dim, int) and 16 <= head_dim <= 256 and head_dim % 8 == 0):
+            raise ValueError(
+                f"backend={name!r}: head_dim={head_dim} is not supported by the Triton kernels "
+                "(allowed: multiples of 8 from 16 to 256); use backend='torch'"
+            )
+    return KernelChoice(name, *_KERNEL_NAMES[name], reason)
+
+
+def select_kernels(backend: str, q: torch.Tensor, vis: Visibility = Visibility(), softcap: float = 0.0):
     """Resolve ``backend`` for queries ``q`` (B, n, H, D) and return (name, ForwardKernel, BackwardKernel).
 
     Everything the kernels would reject is checked here, before any communication.
 
     Raises:
-        ValueError / TypeError: unknown backend, a backend that does not run on this device/dtype, a
-            head_dim its kernels do not support, or (CUDA FlashAttention-2 backward) batch size 0 or a GPU
-            older than sm80.
+        ValueError / TypeError: unknown backend, a backend that does not run on this device/dtype or cannot
+            do this call's features, a head_dim its kernels do not support, or (CUDA FlashAttention-2
+            backward) batch size 0 or a GPU older than sm80.
         ImportError: the backend's package is not installed (for "auto": triton, on CUDA fp16/bf16).
     """
-    if backend == "auto" and q.shape[0] == 0:
-        backend = "torch"  # nothing to compute: the exact path handles an empty batch on any device
-    name = resolve_backend(backend, q.device, q.dtype)
-    check_flash_backward(name, q.device, q.shape[0])
+    name = choose(backend, q, vis, softcap).backend
     if name == "torch":
         from distcomm_attention._torch_kernels import TorchBackward, TorchForward
 
         return name, TorchForward(), TorchBackward()
     from distcomm_attention._triton_fwd import TritonForward
 
-    head_dim = q.shape[-1]
-    if not TritonForward.supports_head_dim(head_dim):
-        raise ValueError(
-            f"backend={name!r}: head_dim={head_dim} is not supported by the Triton forward kernel "
-            "(allowed: multiples of 8 from 16 to 256); use backend='torch'"
-        )
     TritonForward.check_tensor("q", q)  # e.g. a kernel module imported before TRITON_INTERPRET was set
     if name == "flash_attn":
         from distcomm_attention._flash_bwd import FlashAttnBackward
 
         return name, TritonForward(), FlashAttnBackward()
-    if q.device.type == "cuda":
+    if name == "flash2":
         from distcomm_attention._flash_bwd import AtenFlashBackward
 
         return name, TritonForward(), AtenFlashBackward()
-    from distcomm_attention._torch_kernels import TorchBackward
+    from distcomm_attention._triton_bwd import TritonBackward
 
-    return name, TritonForward(), TorchBackward()
+    return name, TritonForward(), TritonBackward()

@@ -19,6 +19,10 @@ def attention_reference(
     causal: bool = False,
     softmax_scale: float | None = None,
     positions: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v in float64, differentiable (autograd gives the reference grads).
 
@@ -30,9 +34,13 @@ def attention_reference(
         softmax_scale: ``None`` means head_dim ** -0.5.
         positions: global position of each token (seq,) when q and k are the same permuted sequence;
             default 0..seq-1.
+        attention_mask: bool (batch, seq) key padding mask in the same token order, True = attend.
+        window_size: (left, right): key visible iff pos(i) - left <= pos(j) <= pos(i) + right (-1: unbounded).
+        softcap: scores = softcap * tanh(scores / softcap) when > 0.
+        cu_seqlens: document boundaries over positions; keys of another document are hidden.
 
     Returns:
-        (batch, seq, heads, head_dim) in float64.
+        (batch, seq, heads, head_dim) in float64; a query with no visible key outputs zeros.
     """
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[2] // k.shape[2]
@@ -40,9 +48,27 @@ def attention_reference(
     v = v.repeat_interleave(group, dim=2)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     scores = torch.einsum("bihd,bjhd->bhij", q, k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    pos_q = torch.arange(q.shape[1]) if positions is None else positions.cpu()
+    pos_k = torch.arange(k.shape[1]) if positions is None else positions.cpu()
+    visible = torch.ones(len(pos_q), len(pos_k), dtype=torch.bool)
+    left, right = window_size
     if causal:
-        pos_q = torch.arange(q.shape[1]) if positions is None else positions
-        pos_k = torch.arange(k.shape[1]) if positions is None else positions
-        visible = pos_k[None, :] <= pos_q[:, None]
-        scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
-    return torch.einsum("bhij,bjhd->bihd", torch.softmax(scores, dim=-1), v)
+        visible &= pos_k[None, :] <= pos_q[:, None]
+    if left >= 0:
+        visible &= pos_k[None, :] >= pos_q[:, None] - left
+    if right >= 0:
+        visible &= pos_k[None, :] <= pos_q[:, None] + right
+    if cu_seqlens is not None:
+        bounds = [int(x) for x in cu_seqlens]
+        doc = torch.zeros(bounds[-1], dtype=torch.long)
+        for d, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            doc[a:b] = d
+        visible &= doc[pos_q][:, None] == doc[pos_k][None, :]
+    visible = visible.to(scores.device)[None, None]
+    if attention_mask is not None:
+        visible = visible & attention_mask.to(scores.device)[:, None, None, :]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no visible key: zero weights
+    return torch.einsum("bhij,bjhd->bihd", probs, v)

@@ -36,7 +36,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from distcomm.ring import RingComm
-from distcomm_attention.layouts import block_plan
+from distcomm_attention._visibility import RingPlan
 
 __all__ = ["ring_attention", "ring_all_gather", "ring_reduce_scatter"]
 
@@ -80,35 +80,48 @@ def _no_autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
+def _as_bytes(key_mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The key mask as uint8 for the wire (every backend moves bytes), or nothing without one."""
+    return () if key_mask is None else (key_mask.contiguous().view(torch.uint8),)
+
+
+def _shifts(steps: tuple[int, ...], size: int) -> list[int]:
+    """Ring distance from each needed step to the next one; the last entry takes a block home."""
+    return [b - a for a, b in zip(steps, steps[1:])] + [size - steps[-1]]
+
+
 class _RingFlashAttn(torch.autograd.Function):
-    """out = softmax(q k^T * scale + mask) v over the ring's global sequence; see Note [Ring attention loop].
+    """out = softmax(mask(q k^T * scale)) v over the ring's global sequence; see Note [Ring attention loop].
 
     Adjoint: the same ring, carrying dK/dV accumulators back to their owners (summing convention: rank r's
     dK/dV include the contributions of every rank's queries).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, comm: RingComm, layout: str, causal: bool, scale: float, fwd, bwd):
+    def forward(ctx, q, k, v, key_mask, comm: RingComm, plan: RingPlan, softcap: float, scale: float, fwd, bwd):
         k_own, v_own = k, v  # saved as given: the backward makes its own contiguous copies
         k, v = k.contiguous(), v.contiguous()
-        size, rank, n = comm.size, comm.rank, q.shape[1]
+        km = key_mask
+        shifts = _shifts(plan.steps, comm.size)
         state = fwd.init_state(q)
-        for t in range(size):
-            src = (rank - t) % size
-            handle = comm.send_recv(k, v) if t + 1 < size else None
-            plan = block_plan(layout, causal, size, rank, src, n)
-            for i, block in enumerate(plan):
+        for i, blocks in enumerate(plan.blocks):
+            more = i + 1 < len(plan.steps)
+            handle = comm.send_recv(k, v, *_as_bytes(km), shift=shifts[i]) if more else None
+            for j, block in enumerate(blocks):
                 # The very last call may normalise in place when it covers every row (always so at W = 1).
-                final = t + 1 == size and i + 1 == len(plan) and block.q == slice(None)
+                final = not more and j + 1 == len(blocks) and block.q == slice(None)
                 fwd.step(
                     state, q, k[:, block.kv], v[:, block.kv],
-                    causal=block.causal, scale=scale, q_slice=block.q, final=final,
+                    mask=plan.mask(i, j, q.device), scale=scale, softcap=softcap,
+                    key_mask=None if km is None else km[:, block.kv], q_slice=block.q, final=final,
                 )
             if handle is not None:
-                k, v = handle.wait()
+                received = handle.wait()
+                k, v = received[0], received[1]
+                km = None if km is None else received[2].view(torch.bool)
         out, lse = fwd.finalize(state, q.dtype)
-        ctx.save_for_backward(q, k_own, v_own, out, lse)
-        ctx.comm, ctx.layout, ctx.causal, ctx.scale, ctx.bwd = comm, layout, causal, scale, bwd
+        ctx.save_for_backward(q, k_own, v_own, out, lse, key_mask)
+        ctx.comm, ctx.plan, ctx.softcap, ctx.scale, ctx.bwd = comm, plan, softcap, scale, bwd
         return out
 
     @staticmethod
@@ -119,57 +132,54 @@ class _RingFlashAttn(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        comm, layout, causal, scale, bwd = ctx.comm, ctx.layout, ctx.causal, ctx.scale, ctx.bwd
+        q, k, v, out, lse, km = ctx.saved_tensors
+        comm, plan, softcap, scale, bwd = ctx.comm, ctx.plan, ctx.softcap, ctx.scale, ctx.bwd
         dout = dout.contiguous()
-        size, rank, n = comm.size, comm.rank, q.shape[1]
+        size = comm.size
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        dq = None  # fp32 (fp64) accumulator of this rank's dQ
+        # D = rowsum(dout * out) of the global output rows, once for every block: (B, H, n).
+        delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1).transpose(1, 2).contiguous()
+        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)  # this rank's dQ, summed in the kernels
         k, v = k.contiguous(), v.contiguous()
+        shifts = _shifts(plan.steps, size)
         dk_acc = dv_acc = None  # accumulators of the block computed at the previous step
-        for t in range(size):
-            src = (rank - t) % size
-            last = t + 1 == size
-            send = (k, v) if not last else ()
-            if t > 0:
-                send += (dk_acc, dv_acc)
-            handle = comm.send_recv(*send) if send else None
+        for i, blocks in enumerate(plan.blocks):
+            last = i + 1 == len(plan.steps)
+            handles = []
+            if not last:
+                handles.append(comm.send_recv(k, v, *_as_bytes(km), shift=shifts[i]))
+            if i > 0:  # the previous block's partial sums go to the next rank that computes with it
+                handles.append(comm.send_recv(dk_acc, dv_acc, shift=shifts[i - 1]))
             grads = []  # (kv rows, dk, dv) of this step's blocks, added to the accumulators after the wait
-            for block in block_plan(layout, causal, size, rank, src, n):
+            for j, block in enumerate(blocks):
                 rows = block.q
-                dq_b, dk_b, dv_b = bwd.step(
+                _dq, dk_b, dv_b = bwd.step(
                     dout[:, rows], q[:, rows], k[:, block.kv], v[:, block.kv], out[:, rows], lse[:, :, rows],
-                    causal=block.causal, scale=scale,
+                    delta[:, :, rows], mask=plan.mask(i, j, q.device), scale=scale, softcap=softcap,
+                    key_mask=None if km is None else km[:, block.kv], dq_acc=dq[:, rows], dkv_dtype=acc_dtype,
                 )
-                if dq is None and rows == slice(None):
-                    dq = dq_b.to(acc_dtype) if size > 1 else dq_b
-                elif last and rows == slice(None):  # the complete dQ, rounded once
-                    dq = torch.add(dq, dq_b, out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
-                else:
-                    if dq is None:
-                        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-                    dq[:, rows] += dq_b
                 grads.append((block.kv, dk_b, dv_b))
-            received = handle.wait() if handle is not None else ()
-            if t + 1 < size:
-                k, v, received = received[0], received[1], received[2:]
-            if t == 0:
+            received = [t for h in handles for t in h.wait()]
+            if not last:
+                k, v = received[0], received[1]
+                km = None if km is None else received[2].view(torch.bool)
+                received = received[3 if km is not None else 2:]
+            if i == 0:
                 dk_acc, dv_acc = _start_acc(grads, k, acc_dtype, 1), _start_acc(grads, v, acc_dtype, 2)
             else:  # the received buffers are ours: accumulate in place
                 # After the last step the sums are complete: they are rounded to the input dtype before the
                 # final hop (the same bits as rounding after it, half the bytes).
                 dk_acc = _accumulate(received[0], grads, acc_dtype, 1, k.dtype if last else None)
                 dv_acc = _accumulate(received[1], grads, acc_dtype, 2, v.dtype if last else None)
-        dk_acc, dv_acc = comm.send_recv(dk_acc.to(k.dtype), dv_acc.to(v.dtype)).wait()
-        if dq is None:
-            dq = torch.zeros_like(q)
-        return dq.to(q.dtype), dk_acc, dv_acc, None, None, None, None, None, None
+        dk_acc, dv_acc = comm.send_recv(dk_acc.to(k.dtype), dv_acc.to(v.dtype), shift=shifts[-1]).wait()
+        return dq.to(q.dtype), dk_acc, dv_acc, None, None, None, None, None, None, None
 
 
-def ring_attention(q, k, v, comm: RingComm, *, layout: str, causal: bool, scale: float, fwd, bwd) -> torch.Tensor:
+def ring_attention(q, k, v, comm: RingComm, *, plan: RingPlan, key_mask: torch.Tensor | None, softcap: float,
+                   scale: float, fwd, bwd) -> torch.Tensor:
     """Run the ring loop (inputs already validated). q: (B, n, H, D); k, v: (B, n, Hkv, D) -> (B, n, H, D)."""
     with _no_autocast(q.device):
-        return _RingFlashAttn.apply(q, k, v, comm, layout, causal, scale, fwd, bwd)
+        return _RingFlashAttn.apply(q, k, v, key_mask, comm, plan, softcap, scale, fwd, bwd)
 
 
 def _ring_all_gather_impl(x: torch.Tensor, comm: RingComm, dim: int) -> torch.Tensor:

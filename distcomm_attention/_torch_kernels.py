@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from distcomm_attention._visibility import BlockMask
+
 __all__ = ["TorchForward", "TorchBackward", "TorchState"]
 
 
@@ -31,14 +33,34 @@ def _kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).permute(0, 2, 1, 3).unsqueeze(2)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """Scaled scores (B, Hkv, G, Sq, Sk), -inf above the top-left diagonal when causal."""
+def _element_mask(mask: BlockMask, key_mask: torch.Tensor | None, sq: int, sk: int, device) -> torch.Tensor | None:
+    """The block's visibility as a bool tensor broadcastable to (B, Hkv, G, Sq, Sk), or None when all visible."""
+    visible = None
+    if mask.mode == "causal":
+        visible = torch.ones(sq, sk, dtype=torch.bool, device=device).tril_()
+    elif mask.mode == "interval":
+        j = torch.arange(sk, device=device)
+        lo, hi = mask.row_lo.to(device).long(), mask.row_hi.to(device).long()
+        visible = (lo[:, None] <= j) & (j < hi[:, None])
+    elif mask.mode != "full":
+        raise ValueError(f"unknown BlockMask mode {mask.mode!r}")
+    if key_mask is not None:
+        keys = key_mask.to(device=device, dtype=torch.bool)[:, None, None, None, :]  # (B, 1, 1, 1, Sk)
+        visible = keys if visible is None else visible & keys
+    return visible
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float, visible: torch.Tensor | None):
+    """Scaled (and soft-capped) scores (B, Hkv, G, Sq, Sk), -inf where not visible; and tanh of the capped
+    scores (for the backward), or None without a softcap."""
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if causal:
-        sq, sk = s.shape[-2], s.shape[-1]
-        hidden = torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu_(1)
-        s = s.masked_fill(hidden, float("-inf"))
-    return s
+    tanh = None
+    if softcap:
+        tanh = torch.tanh(s / softcap)
+        s = tanh * softcap
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    return s, tanh
 
 
 @dataclass
@@ -73,18 +95,25 @@ class TorchForward:
         k: torch.Tensor,
         v: torch.Tensor,
         *,
-        causal: bool,
+        mask: BlockMask,
         scale: float,
+        softcap: float = 0.0,
+        key_mask: torch.Tensor | None = None,
         q_slice: slice = slice(None),
         final: bool = False,
     ) -> None:
-        """Accumulate q[:, q_slice] over (k, v) into the state rows q_slice (``final`` changes nothing here)."""
+        """Accumulate q[:, q_slice] over (k, v) into the state rows q_slice (``final`` changes nothing here).
+
+        ``mask``: the block's visibility (see distcomm_attention._visibility); ``key_mask``: bool (B, Sk),
+        True = attend; ``softcap``: scores = softcap * tanh(scores / softcap) when > 0.
+        """
         q = q[:, q_slice]
         if q.shape[1] == 0 or k.shape[1] == 0:
             return
         kv_heads = k.shape[2]
         dt = state.acc.dtype
-        s = _scores(_grouped(q, kv_heads, dt), _kv(k, dt), scale, causal)
+        visible = _element_mask(mask, key_mask, q.shape[1], k.shape[1], q.device)
+        s, _ = _scores(_grouped(q, kv_heads, dt), _kv(k, dt), scale, softcap, visible)
         # Views of the state rows this step updates, split into (B, Hkv, G, Sq[, D]).
         acc = state.acc[:, :, q_slice].unflatten(1, (kv_heads, -1))
         m = state.m[:, :, q_slice].unflatten(1, (kv_heads, -1))
@@ -126,10 +155,18 @@ class TorchBackward:
         v: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
+        delta: torch.Tensor,
         *,
-        causal: bool,
+        mask: BlockMask,
         scale: float,
+        softcap: float = 0.0,
+        key_mask: torch.Tensor | None = None,
+        dq_acc: torch.Tensor | None = None,
+        dkv_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """dout, q, out: (B, Sq, H, D); lse, delta: (B, H, Sq) (global: delta = rowsum(dout * out));
+        k, v: (B, Sk, Hkv, D). ``dq_acc``: a (B, Sq, H, D) buffer the block's dq is added into (and
+        returned); ``dkv_dtype``: dtype of the returned dk, dv (default: the compute dtype)."""
         b, sq, h, d = q.shape
         kv_heads = k.shape[2]
         dt = compute_dtype(q.dtype)
@@ -138,11 +175,20 @@ class TorchBackward:
         lse = lse.to(dt).unflatten(1, (kv_heads, -1))
         # Rows that saw no key (lse = -inf) have P = 0: shift them by +inf rather than computing inf - inf.
         lse = lse.masked_fill(lse == float("-inf"), float("inf"))
-        p = torch.exp(_scores(qg, kg, scale, causal) - lse.unsqueeze(-1))
-        delta = (dog * _grouped(out, kv_heads, dt)).sum(dim=-1, keepdim=True)
+        visible = _element_mask(mask, key_mask, sq, k.shape[1], q.device)
+        s, tanh = _scores(qg, kg, scale, softcap, visible)
+        p = torch.exp(s - lse.unsqueeze(-1))
+        delta = delta.to(dt).unflatten(1, (kv_heads, -1)).unsqueeze(-1)
         ds = p * (torch.matmul(dog, vg.transpose(-1, -2)) - delta)
+        if tanh is not None:
+            ds = ds * (1 - tanh * tanh)  # d(c tanh(x / c)) / dx
         dq = torch.matmul(ds, kg) * scale  # (B, Hkv, G, Sq, D)
         dk = torch.matmul(ds.transpose(-1, -2), qg).sum(dim=2) * scale  # (B, Hkv, Sk, D)
         dv = torch.matmul(p.transpose(-1, -2), dog).sum(dim=2)
         dq = dq.permute(0, 3, 1, 2, 4).reshape(b, sq, h, d)
-        return dq, dk.transpose(1, 2), dv.transpose(1, 2)
+        if dq_acc is not None:
+            dq = dq_acc.add_(dq)
+        dk, dv = dk.transpose(1, 2), dv.transpose(1, 2)
+        if dkv_dtype is not None:
+            dk, dv = dk.to(dkv_dtype), dv.to(dkv_dtype)
+        return dq, dk, dv

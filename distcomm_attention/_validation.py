@@ -138,3 +138,92 @@ def verify_across_ring(
     if any(r != rows[0] for r in rows):
         raise ValueError(_describe(op, list(tensors), rows, list(extra)))
     _verified.add(signature)
+
+
+def check_window(window_size) -> tuple[int, int]:
+    """``window_size`` as a pair of ints >= -1 (-1: unbounded on that side)."""
+    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(
+        isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size
+    )
+    if not ok:
+        raise ValueError(
+            f"`window_size` must be a pair (left, right) of ints >= -1 (-1: unbounded on that side), got "
+            f"{window_size!r}"
+        )
+    return int(window_size[0]), int(window_size[1])
+
+
+def check_softcap(softcap) -> float:
+    """``softcap`` as a finite float >= 0 (0: off)."""
+    is_real = isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
+    if not is_real or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"`softcap` must be a finite float >= 0 (0 disables it), got {softcap!r}")
+    return float(softcap)
+
+
+def check_attention_mask(attention_mask, q: torch.Tensor) -> None:
+    """``attention_mask``: None or a bool (batch, local_seq) tensor on q's device (True = attend)."""
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"`attention_mask` must be a torch.Tensor or None, got {type(attention_mask).__name__}")
+    if attention_mask.dtype != torch.bool:
+        raise TypeError(
+            f"`attention_mask` must have dtype torch.bool (True = attend), got {attention_mask.dtype}; "
+            "convert a 0/1 mask with `mask.bool()`"
+        )
+    expected = (q.shape[0], q.shape[1])
+    if tuple(attention_mask.shape) != expected:
+        raise ValueError(
+            f"`attention_mask` must have shape (batch, local_seq) = {expected} (this rank's shard of the key "
+            f"padding mask), got {tuple(attention_mask.shape)}"
+        )
+    if attention_mask.device != q.device:
+        raise ValueError(f"`attention_mask` is on {attention_mask.device}, but q is on {q.device}")
+
+
+def check_cu_seqlens(cu_seqlens, global_len: int) -> tuple[int, ...] | None:
+    """``cu_seqlens`` as a tuple of ints: 0, strictly increasing, ending at ``global_len``.
+
+    A CUDA tensor is read back to the host (one sync); pass a CPU tensor or a list to avoid it.
+    """
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() \
+                or cu_seqlens.dtype == torch.bool:
+            raise ValueError(
+                "`cu_seqlens` must be a 1-D integer tensor (num_docs + 1,), got "
+                f"shape {tuple(cu_seqlens.shape)} dtype {cu_seqlens.dtype}"
+            )
+        values = tuple(int(x) for x in cu_seqlens.tolist())
+    elif isinstance(cu_seqlens, (list, tuple)) and all(
+        isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens
+    ):
+        values = tuple(cu_seqlens)
+    else:
+        raise TypeError(f"`cu_seqlens` must be a 1-D integer tensor or a list of ints, got {cu_seqlens!r}")
+    if len(values) < 2 or values[0] != 0:
+        raise ValueError(f"`cu_seqlens` must start at 0 and hold at least one document, got {list(values)[:8]}")
+    bad = next((i for i in range(1, len(values)) if values[i] <= values[i - 1]), None)
+    if bad is not None:
+        raise ValueError(
+            f"`cu_seqlens` must be strictly increasing (every document at least one token), got "
+            f"{values[bad - 1]} then {values[bad]} at index {bad}"
+        )
+    if values[-1] != global_len:
+        raise ValueError(
+            f"`cu_seqlens` must end at the global sequence length {global_len} (local_seq x ring size), "
+            f"got {values[-1]}"
+        )
+    return values
+
+
+def cu_seqlens_digest(values: tuple[int, ...] | None) -> int:
+    """A 63-bit digest of the document boundaries, so ranks can check they were given the same ones."""
+    if values is None:
+        return -1
+    import hashlib
+
+    data = struct.pack(f"<{len(values)}q", *values)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1

@@ -1,4 +1,4 @@
-"""Public entry points: ``ring_flash_attn``, ``shard_sequence``, ``gather_sequence``."""
+"""Public entry points: ``ring_flash_attn``, ``which_kernels``, ``shard_sequence``, ``gather_sequence``."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import torch
 from distcomm import _check
 from distcomm.ring import RingComm
 from distcomm_attention import _kernels, _validation, layouts
+from distcomm_attention._kernels import KernelChoice
 from distcomm_attention._ring import ring_all_gather, ring_attention
+from distcomm_attention._visibility import Visibility, ring_plan
 
-__all__ = ["ring_flash_attn", "shard_sequence", "gather_sequence"]
+__all__ = ["ring_flash_attn", "which_kernels", "shard_sequence", "gather_sequence"]
 
 
 def ring_flash_attn(
@@ -23,6 +25,10 @@ def ring_flash_attn(
     ring_size: int | None = None,
     group=None,
     backend: str = "auto",
+    attention_mask: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across a ring of ranks (ring flash attention).
 
@@ -57,10 +63,28 @@ def ring_flash_attn(
             ring, batch parallel across rings).
         group: process group of the ring(s) (``None``: the default group; without an initialised process
             group, ordinary single-process attention).
-        backend: "auto" (by device and dtype: CPU and CUDA fp32/fp64 -> "torch", CUDA fp16/bf16 ->
-            "triton"), "torch" (exact PyTorch math in fp32 / fp64, any device), "triton" (Triton forward +
-            PyTorch's FlashAttention-2 backward, CUDA fp16/bf16; on CPU only under TRITON_INTERPRET=1) or
-            "flash_attn" (Triton forward + the flash-attn package's backward, CUDA fp16/bf16).
+        backend: "auto" (CPU and CUDA fp32/fp64 -> "torch"; CUDA fp16/bf16 -> the fastest backend that can
+            do the call, see ``which_kernels``), "torch" (exact PyTorch math in fp32 / fp64, any device,
+            every feature), "triton" (our Triton forward and backward, CUDA fp16/bf16, every feature; on CPU
+            only under TRITON_INTERPRET=1), "flash2" (Triton forward + PyTorch's FlashAttention-2 backward,
+            plain full/causal attention only) or "flash_attn" (like "flash2" with the flash-attn package's
+            backward).
+        attention_mask: optional bool (batch, local_seq), this rank's shard of the KEY padding mask, True =
+            attend (the Hugging Face convention; shard it with ``shard_sequence`` like any tensor). It
+            travels around the ring with its keys.
+        window_size: (left, right): key j is visible to query i iff i - left <= j <= i + right (global
+            positions; -1 = unbounded on that side; with ``causal`` the right side is 0). Blocks wholly
+            outside the window are skipped, and ring steps that no rank needs are not communicated.
+        softcap: if > 0, scores = softcap * tanh(scores / softcap) after scaling (Gemma 2); 0 = off.
+        cu_seqlens: optional int (num_docs + 1,) GLOBAL document boundaries of the packed sequence
+            (flash-attn's varlen convention: 0, ..., global length; the same on every rank; applies to every
+            batch row). Attention never crosses a boundary; documents may have any lengths (one token, or
+            spanning several ranks) with every layout. Pass a CPU tensor or a list: a CUDA tensor is read
+            back to the host (one sync). ``cu_seqlens_from_position_ids`` builds it from position ids that
+            restart at 0 for each document.
+
+    A query that sees no key at all (padding, a window or a document that leaves it nothing) outputs
+    zeros and gets zero gradients.
 
     Returns:
         (batch, local_seq, heads, head_dim), like q: the attention output for this rank's queries.
@@ -78,12 +102,19 @@ def ring_flash_attn(
     _validation.check_flag("causal", causal)
     layouts.check_layout(layout)
     _kernels.check_backend(backend)
+    window = _validation.check_window(window_size)
+    softcap = _validation.check_softcap(softcap)
     comm = RingComm(group, ring_size)
+    docs = None
 
     def local_checks():
+        nonlocal docs
         _validation.check_qkv(q, k, v)
+        _validation.check_attention_mask(attention_mask, q)
         layouts.check_local_length(layout, q.shape[1], comm.size)
-        return _kernels.select_kernels(backend, q)
+        docs = _validation.check_cu_seqlens(cu_seqlens, q.shape[1] * comm.size)
+        vis = Visibility(causal, window, docs, attention_mask is not None)
+        return vis, _kernels.select_kernels(backend, q, vis, softcap)
 
     def verify(scale: float) -> None:
         _validation.verify_across_ring(
@@ -94,6 +125,11 @@ def ring_flash_attn(
                 "layout": layouts.LAYOUTS.index(layout),
                 "causal": int(causal),
                 "softmax_scale": _validation.float_bits(scale),
+                "window_left": window[0],
+                "window_right": window[1],
+                "softcap": _validation.float_bits(softcap),
+                "attention_mask": int(attention_mask is not None),
+                "cu_seqlens": _validation.cu_seqlens_digest(docs),
                 # a rank whose inputs need no grad would skip the backward its peers wait in
                 "requires_grad": int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))),
             },
@@ -102,14 +138,58 @@ def ring_flash_attn(
     if _check.is_check_mode():
         # Cross-rank facts first: ranks whose shapes differ then all raise the same error, instead of one
         # raising a local error while its peers wait in the exchange (see Note [Verified signatures]).
+        if isinstance(q, torch.Tensor) and q.dim() == 4:  # the boundaries are part of the signature
+            try:
+                docs = _validation.check_cu_seqlens(cu_seqlens, q.shape[1] * comm.size)
+            except (TypeError, ValueError):
+                docs = None  # reported by the local checks below, on this rank
         verify(_validation.check_scale(softmax_scale, q.shape[-1] if q.dim() else 1))
-        _name, fwd, bwd = local_checks()
+        vis, (_name, fwd, bwd) = local_checks()
         scale = _validation.check_scale(softmax_scale, q.shape[3])
     else:
-        _name, fwd, bwd = local_checks()
+        vis, (_name, fwd, bwd) = local_checks()
         scale = _validation.check_scale(softmax_scale, q.shape[3])
         verify(scale)
-    return ring_attention(q, k, v, comm, layout=layout, causal=causal, scale=scale, fwd=fwd, bwd=bwd)
+    plan = ring_plan(layout, vis, comm.size, comm.rank, q.shape[1])
+    return ring_attention(
+        q, k, v, comm, plan=plan, key_mask=attention_mask, softcap=softcap, scale=scale, fwd=fwd, bwd=bwd
+    )
+
+
+def which_kernels(
+    q: torch.Tensor,
+    *,
+    causal: bool = False,
+    backend: str = "auto",
+    attention_mask: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
+) -> KernelChoice:
+    """Which backend and block kernels ``ring_flash_attn`` would use for queries like ``q`` with these
+    options, and why (no communication, nothing computed).
+
+    Args:
+        q: (batch, local_seq, heads, head_dim), or any tensor of that device, dtype and head_dim.
+        causal, backend, attention_mask, window_size, softcap, cu_seqlens: as in ``ring_flash_attn``
+            (``cu_seqlens`` is read for its presence only).
+
+    Returns:
+        ``KernelChoice(backend, forward, backward, reason)``, e.g. ``("triton", "TritonForward",
+        "TritonBackward", ...)``.
+
+    Raises:
+        What ``ring_flash_attn`` would raise for the backend: e.g. ValueError for ``backend="flash2"`` with
+        a window, ImportError when the backend's package is missing.
+    """
+    _validation.check_is_tensor("q", q)
+    _validation.check_flag("causal", causal)
+    _kernels.check_backend(backend)
+    window = _validation.check_window(window_size)
+    softcap = _validation.check_softcap(softcap)
+    docs = None if cu_seqlens is None else (0,)
+    vis = Visibility(causal, window, docs, attention_mask is not None)
+    return _kernels.choose(backend, q, vis, softcap)
 
 
 def _ring_position(layout, dim, ring_size, group, rank) -> tuple[RingComm | None, int, int]:

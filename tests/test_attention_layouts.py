@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import distcomm_attention as da
+from distcomm_attention._visibility import CAUSAL, FULL
 from distcomm_attention import _kernels, layouts
 from distcomm_attention._reference import attention_reference
 from distcomm_attention._torch_kernels import TorchBackward, TorchForward
@@ -153,19 +154,20 @@ def test_torch_kernels_multi_step_and_empty_rows():
     q, k, v, _ = _inputs(1, 6, 2, 1, 8, seed=3)
     fwd = TorchForward()
     state = fwd.init_state(q)
-    fwd.step(state, q, k[:, :2], v[:, :2], causal=False, scale=0.5)
-    fwd.step(state, q, k[:, 2:], v[:, 2:], causal=False, scale=0.5)
+    fwd.step(state, q, k[:, :2], v[:, :2], mask=FULL, scale=0.5)
+    fwd.step(state, q, k[:, 2:], v[:, 2:], mask=FULL, scale=0.5)
     out, lse = fwd.finalize(state, q.dtype)
     torch.testing.assert_close(out, attention_reference(q, k, v, softmax_scale=0.5), rtol=1e-12, atol=1e-12)
     scores = torch.einsum("bihd,bjhd->bhij", q, k.expand(-1, -1, 2, -1)) * 0.5
     torch.testing.assert_close(lse, torch.logsumexp(scores, -1), rtol=1e-12, atol=1e-12)
 
     state = fwd.init_state(q)
-    fwd.step(state, q, k[:, :3], v[:, :3], causal=True, scale=0.5, q_slice=slice(3, None))
+    fwd.step(state, q, k[:, :3], v[:, :3], mask=CAUSAL, scale=0.5, q_slice=slice(3, None))
     out, lse = fwd.finalize(state, torch.float32)
     assert torch.equal(out[:, :3], torch.zeros_like(out[:, :3])) and torch.isinf(lse[..., :3]).all()
     assert not out.isnan().any() and lse.dtype == torch.float64 and out.dtype == torch.float32
-    dq, dk, dv = TorchBackward().step(q, q, k, v, out.double(), lse, causal=False, scale=0.5)
+    delta = (q * out.double()).sum(-1).transpose(1, 2)
+    dq, dk, dv = TorchBackward().step(q, q, k, v, out.double(), lse, delta, mask=FULL, scale=0.5)
     assert not (dq.isnan().any() or dk.isnan().any() or dv.isnan().any())
     assert torch.equal(dq[:, :3], torch.zeros_like(dq[:, :3]))
 
@@ -193,7 +195,7 @@ def _qkv(h=4, hkv=2, d=16, s=4, dtype=torch.float64):
         (dict(softmax_scale=float("nan")), ValueError, r"`softmax_scale` must be a finite float or None, got nan"),
         (dict(layout="ring"), ValueError, r"Invalid layout 'ring'. Must be one of"),
         (dict(backend="cuda"), ValueError,
-         r"Invalid backend 'cuda'. Must be one of: 'auto', 'torch', 'triton', 'flash_attn'"),
+         r"Invalid backend 'cuda'. Must be one of: 'auto', 'torch', 'triton', 'flash2', 'flash_attn'"),
         (dict(layout="zigzag", q=_zeros(1, 3, 4, 16), k=_zeros(1, 3, 2, 16), v=_zeros(1, 3, 2, 16)), ValueError,
          r"layout='zigzag' needs an even local sequence length .* got 3"),
         (dict(ring_size=2), ValueError, r"`ring_size`=2 must divide the group size 1"),
@@ -234,8 +236,8 @@ def test_auto_backend_on_cpu_is_torch(monkeypatch):
     for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         name, fwd, bwd = _kernels.select_kernels("auto", torch.zeros(1, 2, 2, 64, dtype=dtype))
         assert name == "torch" and isinstance(fwd, TorchForward) and isinstance(bwd, TorchBackward)
-    assert _kernels.resolve_backend("auto", torch.device("cuda"), torch.bfloat16) == "triton"
-    assert _kernels.resolve_backend("auto", torch.device("cuda"), torch.float32) == "torch"
+    assert _kernels.resolve_backend("auto", torch.device("cuda"), torch.bfloat16)[0] == _kernels.AUTO_PREFERENCE[0]
+    assert _kernels.resolve_backend("auto", torch.device("cuda"), torch.float32)[0] == "torch"
     q, k, v = _qkv(dtype=torch.float16)
     out = da.ring_flash_attn(q, k, v, causal=True)
     ref = attention_reference(q, k, v, causal=True)

@@ -406,19 +406,19 @@ def test_cuda_only_failures_raise_before_communication(monkeypatch):
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(_kernels, "_cuda_capability", lambda device: (7, 5))
     with pytest.raises(ValueError, match=r"FlashAttention-2 backward needs sm80\+.*sm75.*backend='torch'"):
-        _kernels.check_flash_backward("triton", cuda, 2)
+        _kernels.check_flash_backward("flash2", cuda, 2)
     with pytest.raises(ValueError, match=r"backend='flash_attn' on CUDA does not support batch size 0.*backend='torch'"):
         _kernels.check_flash_backward("flash_attn", cuda, 0)
     _kernels.check_flash_backward("torch", cuda, 0)  # the exact path runs anywhere
-    _kernels.check_flash_backward("triton", torch.device("cpu"), 0)  # CPU (interpreter) uses the torch backward
+    _kernels.check_flash_backward("triton", cuda, 0)  # our Triton backward has no such limit
     monkeypatch.setattr(_kernels, "_cuda_capability", lambda device: (8, 0))
-    _kernels.check_flash_backward("triton", cuda, 2)
+    _kernels.check_flash_backward("flash2", cuda, 2)
 
     monkeypatch.setattr(_kernels, "_triton_importable", lambda: False)
     with pytest.raises(ImportError, match=r"backend='auto' on CUDA torch.bfloat16 .*pip install triton.*backend='torch'"):
         _kernels.resolve_backend("auto", cuda, torch.bfloat16)
-    assert _kernels.resolve_backend("auto", cuda, torch.float32) == "torch"
-    assert _kernels.resolve_backend("auto", torch.device("cpu"), torch.bfloat16) == "torch"
+    assert _kernels.resolve_backend("auto", cuda, torch.float32)[0] == "torch"
+    assert _kernels.resolve_backend("auto", torch.device("cpu"), torch.bfloat16)[0] == "torch"
     q = torch.zeros(1, 4, 2, 16)
     with pytest.raises(ImportError, match=r"backend='triton' needs the Triton compiler.*pip install triton"):
         da.ring_flash_attn(q, q, q, backend="triton")
