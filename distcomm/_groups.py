@@ -2,6 +2,16 @@
 
 Nothing here is cached: a rank looked up before ``init_process_group`` would otherwise stay 0 forever.
 Without an initialised default group every helper answers as a world of one process.
+
+Every public ``group=`` argument goes through :func:`resolve` or :func:`resolve_group`, which accept:
+
+- ``None``: the default group (WORLD); no group at all without an initialised default group;
+- a ``torch.distributed.ProcessGroup``;
+- a 1-D ``torch.distributed.device_mesh.DeviceMesh`` (e.g. ``mesh["cp"]``): the group of its only dim;
+- a tuple ``(mesh, dim)`` with ``dim`` a dim name or index of a mesh of any number of dims: the group of
+  that mesh dim that this process belongs to.
+
+A mesh is turned into its ProcessGroup here, once per call; nothing downstream sees a mesh.
 """
 
 from __future__ import annotations
@@ -11,6 +21,7 @@ import torch.distributed as dist
 
 __all__ = [
     "is_initialized",
+    "as_process_group",
     "resolve",
     "resolve_group",
     "group_size",
@@ -32,7 +43,13 @@ def is_initialized() -> bool:
 
 
 def resolve_group(group):
-    """Return the process group to use: ``None`` means the default (WORLD) group, or no group at all."""
+    """Return the process group to use: ``None`` means the default (WORLD) group, or no group at all.
+
+    A DeviceMesh or ``(mesh, dim)`` becomes its ProcessGroup; anything else that is not a group raises
+    (see :func:`as_process_group`).
+    """
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        group = as_process_group(group)
     world = _world()
     if world is None:
         return None
@@ -48,35 +65,94 @@ def _not_a_member() -> ValueError:
     )
 
 
+def _mesh_dims(mesh) -> str:
+    names = mesh.mesh_dim_names
+    return ", ".join(map(repr, names)) if names else ", ".join(map(str, range(mesh.ndim)))
+
+
+def _mesh_group(mesh, dim) -> dist.ProcessGroup:
+    """The ProcessGroup of ``mesh`` along ``dim`` (None: a 1-D mesh's only dim) holding this process."""
+    names = mesh.mesh_dim_names or ()
+    if dim is None and mesh.ndim != 1:
+        example = repr(names[-1]) if names else str(mesh.ndim - 1)
+        raise ValueError(
+            f"`group` is a {mesh.ndim}-D DeviceMesh with dims ({_mesh_dims(mesh)}); pick the dim to communicate "
+            f"over: `group=(mesh, {example})` or the 1-D sub-mesh `group=mesh[{example}]`"
+        )
+    if dim is not None:
+        if isinstance(dim, bool) or not isinstance(dim, (int, str)):
+            raise TypeError(
+                f"the dim in `group=(mesh, dim)` must be a dim name (str) or index (int), got "
+                f"{type(dim).__name__} {dim!r}"
+            )
+        if isinstance(dim, int) and not 0 <= dim < mesh.ndim:
+            raise ValueError(
+                f"`group=(mesh, {dim})`: dim index {dim} is out of range for a {mesh.ndim}-D DeviceMesh "
+                f"(dims: {_mesh_dims(mesh)})"
+            )
+    if mesh.get_coordinate() is None:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not part of the DeviceMesh passed as `group` "
+            f"(its ranks: {mesh.mesh.flatten().tolist()}); only members may call a collective on it"
+        )
+    if isinstance(dim, str) and dim not in names:
+        try:  # a flattened dim (mesh._flatten("dp_cp")) is known to the mesh by name only
+            return mesh.get_group(dim)
+        except (KeyError, RuntimeError, ValueError, AssertionError):
+            raise ValueError(
+                f"`group=(mesh, {dim!r})`: the DeviceMesh has no dim named {dim!r}; its dims are "
+                f"({_mesh_dims(mesh)})"
+            ) from None
+    return mesh.get_group(dim)
+
+
+def as_process_group(group) -> dist.ProcessGroup | None:
+    """``group`` as a ProcessGroup (or None, the default group), without looking up sizes or ranks.
+
+    Accepts None, a ProcessGroup, a 1-D DeviceMesh or ``(mesh, dim)`` (see the module docstring). Raises
+    TypeError for anything else, and ValueError for a multi-dimensional mesh without a dim, an unknown
+    dim, or a mesh or group this process is not a member of.
+    """
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    if dist.is_available():
+        if group is dist.GroupMember.NON_GROUP_MEMBER:
+            raise ValueError(
+                "`group` is the placeholder torch.distributed.new_group returns to processes outside the group "
+                f"(this process, global rank {dist.get_rank()}, is not a member); only its members may call a "
+                "collective on it"
+            )
+        from torch.distributed.device_mesh import DeviceMesh  # imported here: only meshes pay for it
+
+        if isinstance(group, DeviceMesh):
+            return _mesh_group(group, None)
+        if isinstance(group, tuple) and len(group) == 2 and isinstance(group[0], DeviceMesh):
+            return _mesh_group(*group)
+    raise TypeError(
+        "`group` must be a torch.distributed.ProcessGroup, a 1-D DeviceMesh, a tuple (DeviceMesh, dim name) "
+        f"or None (the default group), got {type(group).__name__} {group!r}"
+    )
+
+
 def check_group(group) -> None:
-    """Validate a user-given ``group``: None or a process group this process belongs to.
+    """Validate a user-given ``group`` (see :func:`as_process_group` for what is accepted).
 
     ``torch.distributed.new_group`` hands processes outside the new group a placeholder (an int), which
     would otherwise surface as a confusing type error; it raises the ValueError a non-member gets.
     """
-    if group is None or isinstance(group, dist.ProcessGroup):
-        return
-    if dist.is_available() and group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(
-            "`group` is the placeholder torch.distributed.new_group returns to processes outside the group "
-            f"(this process, global rank {dist.get_rank()}, is not a member); only its members may call a "
-            "collective on it"
-        )
-    raise TypeError(
-        f"`group` must be a torch.distributed.ProcessGroup or None (the default group), got "
-        f"{type(group).__name__} {group!r}"
-    )
+    as_process_group(group)
 
 
 def resolve(group) -> tuple[dist.ProcessGroup | None, int, int]:
     """(group, its size, this process's rank in it), all looked up now: one lookup per collective call.
 
     ``group=None`` is the default group; without an initialised default group the answer is
-    ``(None, 1, 0)``, a world of one process. Raises TypeError for something that is not a group and
-    ValueError if this process is not a member (:func:`check_group`).
+    ``(None, 1, 0)``, a world of one process. A DeviceMesh or ``(mesh, dim)`` resolves to its ProcessGroup.
+    Raises TypeError for something that is not a group and ValueError if this process is not a member
+    (:func:`as_process_group`).
     """
     if group is not None and not isinstance(group, dist.ProcessGroup):
-        check_group(group)
+        group = as_process_group(group)
     world = dist.group.WORLD if dist.is_available() else None
     if world is None:
         return None, 1, 0

@@ -4,6 +4,10 @@ Write ``import distcomm.functional as F`` where you had ``import torch.distribut
 names, signatures, defaults and return types are the same (``src``/``dst`` are global ranks), plus extras
 (``all_gather_variable``, ``all_gather_tensor``, ``reduce_scatter_tensor``, ``ring_pass``).
 
+``group`` is, everywhere: ``None`` (the default group), a ``ProcessGroup``, a 1-D ``DeviceMesh`` such as
+``mesh["cp"]``, or ``(mesh, dim_name)`` for one dim of a multi-dimensional mesh (resolved per call in
+``distcomm/_groups.py``).
+
 Note [Gradient convention]
     The training loss is the sum of the per-rank losses, L = sum_r L_r, and g_r = dL_r/dy_r is the grad
     that arrives on rank r. Every backward returns on rank j the exact vector-Jacobian product

@@ -37,9 +37,7 @@ are meant to be read as examples of exact distributed losses.
 
 from __future__ import annotations
 
-
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from distcomm import functional as dfunc
@@ -112,13 +110,6 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _size_and_rank(group) -> tuple[int, int]:
-    """(W, r) of ``group`` (``None``: the default group), looked up now; a world of one without a group."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # CLIP
 # ---------------------------------------------------------------------------------------------------------
@@ -148,7 +139,8 @@ def clip_loss(
             (n_r, N) products; the scalable form) and return
             ``L_r = (W/2N) sum over own i of [CE(row i) + CE(column i)]``. False: compute the full (N, N)
             matrix on every rank and return ``L_r = G``.
-        group: process group (``None``: the default group; no process group: a world of one).
+        group: process group, DeviceMesh (1-D) or ``(mesh, dim)`` (``None``: the default group; no process
+            group: a world of one).
 
     Returns:
         0-d tensor L_r, in float32 or wider (half-precision features are upcast before the logit products,
@@ -164,9 +156,10 @@ def clip_loss(
     if not isinstance(local_loss, bool):
         raise TypeError(f"{op}: `local_loss` must be a bool, got {local_loss!r}")
 
+    comm = RingComm(group)  # the group resolved once (a DeviceMesh becomes its ProcessGroup), with W and r
+    group, world, rank = comm.group, comm.size, comm.rank
     all_images, sizes = dfunc.all_gather_variable(image_features, sizes=None, group=group)
     all_texts, _ = dfunc.all_gather_variable(text_features, sizes=sizes, group=group)
-    world, rank = _size_and_rank(group)
     total = sum(sizes)
     # Half-precision operands are upcast before the products, so the logits are float32 throughout.
     dtype = _compute_dtype(image_features.dtype)
@@ -404,7 +397,8 @@ def siglip_loss(
             autograd Function saves only the local features and recomputes every block in backward, so
             memory stays O(n_r * max_r n_r), flat in W. ``"gather"``: one ``all_gather_variable`` of the
             text features and an (n_r, N) logit block, saved by autograd (memory grows with N).
-        group: process group (``None``: the default group; no process group: a world of one).
+        group: process group, DeviceMesh (1-D) or ``(mesh, dim)`` (``None``: the default group; no process
+            group: a world of one).
 
     Returns:
         0-d tensor L_r, in float32 or wider (half-precision features are upcast before the logit products).
@@ -432,8 +426,9 @@ def siglip_loss(
             sizes = _exchange_sizes(op, image_features, needs_grad, comm.group)
         return _SigLipRing.apply(image_features, text_features, logit_scale, logit_bias, comm, sizes)
 
+    comm = RingComm(group)  # the group resolved once (a DeviceMesh becomes its ProcessGroup), with W and r
+    group, world, rank = comm.group, comm.size, comm.rank
     all_texts, sizes = dfunc.all_gather_variable(text_features, sizes=None, group=group)
-    world, rank = _size_and_rank(group)
     total = sum(sizes)
     offset = sum(sizes[:rank])
     summed = _siglip_block_sum(

@@ -47,7 +47,8 @@ class RingComm:
     """Point-to-point ring over a process group, for compute/communication overlap.
 
     Args:
-        group: process group (``None``: the default group; no group at all: a ring of one).
+        group: process group, 1-D DeviceMesh or ``(mesh, dim_name)`` (``None``: the default group; no group at
+            all: a ring of one).
         ring_size: ranks per ring. ``None`` means the whole group; a smaller value that divides the group
             size makes independent rings of consecutive group ranks (see Note [Ring layout]).
 

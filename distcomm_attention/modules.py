@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distcomm_attention import _kernels, layouts
+from distcomm_attention import _kernels, _validation, layouts
 from distcomm_attention.api import ring_flash_attn
 
 __all__ = ["RingAttention"]
@@ -28,9 +28,11 @@ class RingAttention(nn.Module):
         causal: causal mask over global token positions.
         layout: how the sequence is sharded ("contiguous", "zigzag", "striped"; see ``ring_flash_attn``).
         ring_size: ranks per ring (``None``: the whole group).
-        group: process group of the ring.
+        group: process group of the ring (a 1-D DeviceMesh or ``(mesh, dim_name)`` too).
         backend: kernel backend, as in ``ring_flash_attn``.
         bias: whether the projections have biases.
+        window_size: (left, right) sliding window over global positions, as in ``ring_flash_attn``.
+        softcap: attention logit soft-capping (0: off), as in ``ring_flash_attn``.
 
     Shapes:
         input (batch, local_seq, dim), this rank's shard of the sequence -> output of the same shape.
@@ -52,6 +54,8 @@ class RingAttention(nn.Module):
         group=None,
         backend: str = "auto",
         bias: bool = False,
+        window_size: tuple[int, int] = (-1, -1),
+        softcap: float = 0.0,
     ):
         super().__init__()
         _positive_int("dim", dim)
@@ -64,11 +68,23 @@ class RingAttention(nn.Module):
         _kernels.check_backend(backend)
         self.heads, self.kv_heads, self.dim_head = heads, kv_heads, dim_head
         self.causal, self.layout, self.ring_size, self.group, self.backend = causal, layout, ring_size, group, backend
+        self.window_size = _validation.check_window(window_size)
+        self.softcap = _validation.check_softcap(softcap)
         self.to_qkv = nn.Linear(dim, (heads + 2 * kv_heads) * dim_head, bias=bias)
         self.to_out = nn.Linear(heads * dim_head, dim, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (batch, local_seq, dim) -> (batch, local_seq, dim)."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | list[int] | None = None,
+    ) -> torch.Tensor:
+        """x: (batch, local_seq, dim) -> (batch, local_seq, dim).
+
+        ``attention_mask`` (bool (batch, local_seq), True = attend: this rank's shard of the key padding
+        mask) and ``cu_seqlens`` (global document boundaries) are passed to ``ring_flash_attn``.
+        """
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"RingAttention expects a tensor (batch, local_seq, dim), got {type(x).__name__}")
         if x.dim() != 3:
@@ -86,6 +102,10 @@ class RingAttention(nn.Module):
             ring_size=self.ring_size,
             group=self.group,
             backend=self.backend,
+            attention_mask=attention_mask,
+            window_size=self.window_size,
+            softcap=self.softcap,
+            cu_seqlens=cu_seqlens,
         )
         return self.to_out(out.reshape(b, n, self.heads * self.dim_head))
 

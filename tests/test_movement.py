@@ -455,8 +455,8 @@ BAD_INPUTS = {
     "scatter_none_on_src": r"ValueError: `tensors` must hold 2 tensors on the source rank \(global rank \d\), got None",
     "scatter_src_range": r"ValueError: `src`=-1 is not a member of the group",
     "all_gather_type": r"TypeError: `tensor` must be a torch.Tensor, got float",
-    "all_gather_group": r"TypeError: `group` must be a torch.distributed.ProcessGroup or None \(the default group\), "
-                        r"got str 'world'",
+    "all_gather_group": r"TypeError: `group` must be a torch.distributed.ProcessGroup, a 1-D DeviceMesh, a tuple "
+                        r"\(DeviceMesh, dim name\) or None \(the default group\), got str 'world'",
     "agt_dim_range": r"ValueError: `dim`=2 is out of range for a tensor of 2 dims \(allowed: -2 to 1\)",
     "agt_dim_type": r"TypeError: `dim` must be an int, got 1.0",
     "agt_0d": r"ValueError: a 0-d tensor has no dim to concatenate along",

@@ -397,7 +397,7 @@ _ERRORS = [
     (TypeError, r"`op`=MAX is not defined for complex tensors",
      lambda x, xi: F.all_reduce(torch.ones(2, dtype=torch.complex64), R.MAX)),
     (TypeError, r"`tensor` must be a torch.Tensor, got list", lambda x, xi: F.all_reduce([1.0, 2.0])),
-    (TypeError, r"`group` must be a torch.distributed.ProcessGroup or None",
+    (TypeError, r"`group` must be a torch.distributed.ProcessGroup, a 1-D DeviceMesh, a tuple \(DeviceMesh, dim name\) or None",
      lambda x, xi: F.all_reduce(x, group="world")),
     (ValueError, r"`dst`=5 is not a member of the group; `dst` is a global rank and must be one of \[0, 1\]",
      lambda x, xi: F.reduce(x, 5)),
