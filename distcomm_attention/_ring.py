@@ -2,25 +2,30 @@
 ring all-gather / reduce-scatter used to gather a sharded sequence.
 
 Note [Ring attention loop]
-    W ranks in a ring; at step t rank r holds the keys/values of rank src = (r - t) mod W.
+    W ranks in a ring; at ring step t rank r holds the keys/values (and key padding mask) of rank
+    src = (r - t) mod W. The plan (distcomm_attention._visibility, Note [Ring plan]) lists the needed steps
+    t_0 = 0 < t_1 < ... < t_m (every step for plain attention; fewer with a window or documents) and this
+    rank's block calls for each.
 
-    forward, step t:   post send_recv(k, v)          (to r + 1, from r - 1: the block of step t + 1)
-                       fwd.step(...) for each Block of block_plan(src)   (fp32 state, never rounded)
-                       wait
-                       after W steps: out, lse = fwd.finalize(state)
+    forward, step t_i:  post send_recv(k, v[, mask], shift=t_{i+1} - t_i)   (the block of step t_{i+1})
+                        fwd.step(...) for each Block of the step     (fp32 state, never rounded)
+                        wait
+                        after the last step: out, lse = fwd.finalize(state)
 
-    backward, step t:  post send_recv(k, v, dk_acc, dv_acc)   (k, v: as in the forward; the
-                       accumulators of the block computed at step t - 1 travel one hop behind it)
-                       dk_t, dv_t = contributions of this rank's queries to block src
-                       wait; dk_acc = received dk_acc + dk_t   (received: the contributions of ranks
-                       src .. r - 1; added in place when it is already fp32)
-                       after W steps: one last hop takes each accumulator to its owner, with the
-                       contributions of all W ranks; being complete, it travels in the input dtype.
+    backward, step t_i: post send_recv(k, v[, mask], shift=t_{i+1} - t_i) and
+                        send_recv(dk_acc, dv_acc, shift=t_i - t_{i-1})   (the accumulators of the block
+                        computed at the previous step, to the next rank that computes with it)
+                        dk_t, dv_t = contributions of this rank's queries to block src; dQ added in place
+                        wait; dk_acc = received dk_acc + dk_t   (received: the contributions of the ranks
+                        that computed with src before; added in place when it is already fp32)
+                        after the last step: one more hop (shift W - t_m) takes each accumulator to its
+                        owner, with the contributions of all ranks; being complete, it travels in the input
+                        dtype.
 
-        rank r:   t=0: block r        t=1: block r-1 (+acc from r-1)   ...  t=W-1: block r+1
-                  then send acc(r+1) -> r+1, receive acc(r) <- r-1: the total dK, dV of r's own block
+        plain ring, rank r:  t=0: block r   t=1: block r-1 (+acc from r-1)   ...   t=W-1: block r+1
+                             then send acc(r+1) -> r+1, receive acc(r) <- r-1: the total dK, dV of r's block
 
-    dQ accumulates locally in fp32 (fp64 for fp64 input); partial dK/dV sums of two or more blocks travel in
+dQ accumulates locally in fp32 (fp64 for fp64 input); partial dK/dV sums of two or more blocks travel in
     that dtype too, while the first hop carries a single block's gradient as the kernel returned it (exact).
     Communication is posted before the compute it overlaps with and waited after it; every rank posts the
     same sequence, so there is no barrier and no deadlock (see distcomm.ring). Only q, k, v, out and lse
