@@ -2,7 +2,8 @@
 
 Used by ``python -m distcomm.demo`` and by the test suite. Design (fast and robust on a small machine):
 - ranks start from a ``forkserver`` context that preloads torch, so a rank starts in tens of ms;
-- the parent owns a ``TCPStore`` bound to port 0 and passes its port: no port races between launches;
+- the parent owns the rendezvous ``TCPStore`` on a socket it binds to 127.0.0.1, port 0, and passes the
+  port: no port races between launches, and nothing beyond this machine can reach the store;
 - children run with one thread and ``GLOO_SOCKET_IFNAME=lo``; with ``backend="nccl"`` rank r uses cuda:r;
 - tensors come back as plain data (nested lists) and are rebuilt in the parent;
 - a child's traceback is re-raised in the parent; a hang ends in a ``TimeoutError`` naming the ranks
@@ -16,6 +17,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import socket
 import time
 import traceback
 from datetime import timedelta
@@ -87,6 +89,28 @@ def _worker(rank, world_size, port, backend, fn, args, results, timeout_s):
         results.put((rank, "error", traceback.format_exc()))
 
 
+def _loopback_store(world_size: int) -> dist.TCPStore:
+    """The rendezvous store, listening on 127.0.0.1 only (an ephemeral port: ``store.port``).
+
+    TCPStore binds its own server socket to every interface whatever host it is given; handed a socket
+    already bound to the loopback (``master_listen_fd``, libuv server), it listens there alone and owns the
+    socket from then on.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(max(128, world_size))
+        store = dist.TCPStore(
+            "127.0.0.1", sock.getsockname()[1], world_size, is_master=True, wait_for_workers=False,
+            master_listen_fd=sock.fileno(), use_libuv=True,
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store closes the descriptor when it is destroyed
+    return store
+
+
 class _StartFailed(RuntimeError):
     """The world could not be formed (a transient socket failure while the ranks connect)."""
 
@@ -107,7 +131,7 @@ def run_world(fn, world_size: int, *args, backend: str = "gloo", timeout: float 
 
 def _run_once(fn, world_size: int, args, backend: str, timeout: float):
     ctx = _context()
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    store = _loopback_store(world_size)
     results = ctx.Queue()
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, store.port, backend, fn, args, results, timeout), daemon=True)
