@@ -43,7 +43,7 @@ from torch.autograd.function import once_differentiable
 from distcomm.ring import RingComm
 from distcomm_attention._visibility import RingPlan
 
-__all__ = ["ring_attention", "ring_all_gather", "ring_reduce_scatter"]
+__all__ = ["ring_attention", "ring_forward", "ring_backward", "ring_all_gather", "ring_reduce_scatter"]
 
 
 def _start_acc(grads: list, like: torch.Tensor, dtype: torch.dtype, which: int) -> torch.Tensor:
@@ -95,6 +95,73 @@ def _shifts(steps: tuple[int, ...], size: int) -> list[int]:
     return [b - a for a, b in zip(steps, steps[1:])] + [size - steps[-1]]
 
 
+def ring_forward(q, k, v, key_mask, comm: RingComm, plan: RingPlan, softcap: float, scale: float, fwd):
+    """The forward ring loop (see Note [Ring attention loop]) -> out (B, n, H, D), lse (B, H, n)."""
+    k, v = k.contiguous(), v.contiguous()
+    km = key_mask
+    shifts = _shifts(plan.steps, comm.size)
+    state = fwd.init_state(q)
+    for i, blocks in enumerate(plan.blocks):
+        more = i + 1 < len(plan.steps)
+        handle = comm.send_recv(k, v, *_as_bytes(km), shift=shifts[i]) if more else None
+        for j, block in enumerate(blocks):
+            # The very last call may normalise in place when it covers every row (always so at W = 1).
+            final = not more and j + 1 == len(blocks) and block.q == slice(None)
+            fwd.step(
+                state, q, k[:, block.kv], v[:, block.kv],
+                mask=plan.mask(i, j, q.device), scale=scale, softcap=softcap,
+                key_mask=None if km is None else km[:, block.kv], q_slice=block.q, final=final,
+            )
+        if handle is not None:
+            received = handle.wait()
+            k, v = received[0], received[1]
+            km = None if km is None else received[2].view(torch.bool)
+    return fwd.finalize(state, q.dtype)
+
+
+def ring_backward(dout, q, k, v, out, lse, km, comm: RingComm, plan: RingPlan, softcap: float, scale: float, bwd):
+    """The backward ring loop (see Note [Ring attention loop]) -> dq, dk, dv in the inputs' dtypes."""
+    dout = dout.contiguous()
+    size = comm.size
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # D = rowsum(dout * out) of the global output rows, once for every block: (B, H, n).
+    delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1).transpose(1, 2).contiguous()
+    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)  # this rank's dQ, summed in the kernels
+    k, v = k.contiguous(), v.contiguous()
+    shifts = _shifts(plan.steps, size)
+    dk_acc = dv_acc = None  # accumulators of the block computed at the previous step
+    for i, blocks in enumerate(plan.blocks):
+        last = i + 1 == len(plan.steps)
+        handles = []
+        if not last:
+            handles.append(comm.send_recv(k, v, *_as_bytes(km), shift=shifts[i]))
+        if i > 0:  # the previous block's partial sums go to the next rank that computes with it
+            handles.append(comm.send_recv(dk_acc, dv_acc, shift=shifts[i - 1]))
+        grads = []  # (kv rows, dk, dv) of this step's blocks, added to the accumulators after the wait
+        for j, block in enumerate(blocks):
+            rows = block.q
+            _dq, dk_b, dv_b = bwd.step(
+                dout[:, rows], q[:, rows], k[:, block.kv], v[:, block.kv], out[:, rows], lse[:, :, rows],
+                delta[:, :, rows], mask=plan.mask(i, j, q.device), scale=scale, softcap=softcap,
+                key_mask=None if km is None else km[:, block.kv], dq_acc=dq[:, rows], dkv_dtype=acc_dtype,
+            )
+            grads.append((block.kv, dk_b, dv_b))
+        received = [t for h in handles for t in h.wait()]
+        if not last:
+            k, v = received[0], received[1]
+            km = None if km is None else received[2].view(torch.bool)
+            received = received[3 if km is not None else 2:]
+        if i == 0:
+            dk_acc, dv_acc = _start_acc(grads, k, acc_dtype, 1), _start_acc(grads, v, acc_dtype, 2)
+        else:  # the received buffers are ours: accumulate in place
+            # After the last step the sums are complete: they are rounded to the input dtype before the
+            # final hop (the same bits as rounding after it, half the bytes).
+            dk_acc = _accumulate(received[0], grads, acc_dtype, 1, k.dtype if last else None)
+            dv_acc = _accumulate(received[1], grads, acc_dtype, 2, v.dtype if last else None)
+    dk_acc, dv_acc = comm.send_recv(dk_acc.to(k.dtype), dv_acc.to(v.dtype), shift=shifts[-1]).wait()
+    return dq.to(q.dtype), dk_acc, dv_acc
+
+
 class _RingFlashAttn(torch.autograd.Function):
     """out = softmax(mask(q k^T * scale)) v over the ring's global sequence; see Note [Ring attention loop].
 
@@ -104,80 +171,19 @@ class _RingFlashAttn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, key_mask, comm: RingComm, plan: RingPlan, softcap: float, scale: float, fwd, bwd):
-        k_own, v_own = k, v  # saved as given: the backward makes its own contiguous copies
-        k, v = k.contiguous(), v.contiguous()
-        km = key_mask
-        shifts = _shifts(plan.steps, comm.size)
-        state = fwd.init_state(q)
-        for i, blocks in enumerate(plan.blocks):
-            more = i + 1 < len(plan.steps)
-            handle = comm.send_recv(k, v, *_as_bytes(km), shift=shifts[i]) if more else None
-            for j, block in enumerate(blocks):
-                # The very last call may normalise in place when it covers every row (always so at W = 1).
-                final = not more and j + 1 == len(blocks) and block.q == slice(None)
-                fwd.step(
-                    state, q, k[:, block.kv], v[:, block.kv],
-                    mask=plan.mask(i, j, q.device), scale=scale, softcap=softcap,
-                    key_mask=None if km is None else km[:, block.kv], q_slice=block.q, final=final,
-                )
-            if handle is not None:
-                received = handle.wait()
-                k, v = received[0], received[1]
-                km = None if km is None else received[2].view(torch.bool)
-        out, lse = fwd.finalize(state, q.dtype)
-        ctx.save_for_backward(q, k_own, v_own, out, lse, key_mask)
+        out, lse = ring_forward(q, k, v, key_mask, comm, plan, softcap, scale, fwd)
+        ctx.save_for_backward(q, k, v, out, lse, key_mask)  # k, v as given: no duplicated storage
         ctx.comm, ctx.plan, ctx.softcap, ctx.scale, ctx.bwd = comm, plan, softcap, scale, bwd
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        with _no_autocast(dout.device):
-            return _RingFlashAttn._backward(ctx, dout)
-
-    @staticmethod
-    def _backward(ctx, dout):
         q, k, v, out, lse, km = ctx.saved_tensors
-        comm, plan, softcap, scale, bwd = ctx.comm, ctx.plan, ctx.softcap, ctx.scale, ctx.bwd
-        dout = dout.contiguous()
-        size = comm.size
-        acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        # D = rowsum(dout * out) of the global output rows, once for every block: (B, H, n).
-        delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1).transpose(1, 2).contiguous()
-        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)  # this rank's dQ, summed in the kernels
-        k, v = k.contiguous(), v.contiguous()
-        shifts = _shifts(plan.steps, size)
-        dk_acc = dv_acc = None  # accumulators of the block computed at the previous step
-        for i, blocks in enumerate(plan.blocks):
-            last = i + 1 == len(plan.steps)
-            handles = []
-            if not last:
-                handles.append(comm.send_recv(k, v, *_as_bytes(km), shift=shifts[i]))
-            if i > 0:  # the previous block's partial sums go to the next rank that computes with it
-                handles.append(comm.send_recv(dk_acc, dv_acc, shift=shifts[i - 1]))
-            grads = []  # (kv rows, dk, dv) of this step's blocks, added to the accumulators after the wait
-            for j, block in enumerate(blocks):
-                rows = block.q
-                _dq, dk_b, dv_b = bwd.step(
-                    dout[:, rows], q[:, rows], k[:, block.kv], v[:, block.kv], out[:, rows], lse[:, :, rows],
-                    delta[:, :, rows], mask=plan.mask(i, j, q.device), scale=scale, softcap=softcap,
-                    key_mask=None if km is None else km[:, block.kv], dq_acc=dq[:, rows], dkv_dtype=acc_dtype,
-                )
-                grads.append((block.kv, dk_b, dv_b))
-            received = [t for h in handles for t in h.wait()]
-            if not last:
-                k, v = received[0], received[1]
-                km = None if km is None else received[2].view(torch.bool)
-                received = received[3 if km is not None else 2:]
-            if i == 0:
-                dk_acc, dv_acc = _start_acc(grads, k, acc_dtype, 1), _start_acc(grads, v, acc_dtype, 2)
-            else:  # the received buffers are ours: accumulate in place
-                # After the last step the sums are complete: they are rounded to the input dtype before the
-                # final hop (the same bits as rounding after it, half the bytes).
-                dk_acc = _accumulate(received[0], grads, acc_dtype, 1, k.dtype if last else None)
-                dv_acc = _accumulate(received[1], grads, acc_dtype, 2, v.dtype if last else None)
-        dk_acc, dv_acc = comm.send_recv(dk_acc.to(k.dtype), dv_acc.to(v.dtype), shift=shifts[-1]).wait()
-        return dq.to(q.dtype), dk_acc, dv_acc, None, None, None, None, None, None, None
+        with _no_autocast(dout.device):
+            dq, dk, dv = ring_backward(dout, q, k, v, out, lse, km, ctx.comm, ctx.plan, ctx.softcap, ctx.scale,
+                                       ctx.bwd)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def ring_attention(q, k, v, comm: RingComm, *, plan: RingPlan, key_mask: torch.Tensor | None, softcap: float,
