@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 
 import distcomm.functional as F
+from distcomm._launch import run_world
+from distcomm.demo import _common
 
 # Each case: (name, make_input(rank, world) -> tensor, run(x, rank, world) -> tuple of outputs,
 #             simulate(xs: list of float64 tensors, world) -> per-rank list of tuples of outputs)
@@ -118,3 +120,9 @@ def check(results: list[dict], world: int) -> list[tuple[str, float, float]]:
         )
         rows.append((name, fwd_err, bwd_err))
     return rows
+
+
+def run(world: int, device: str, backend: str, number: int = 1) -> bool:
+    """Run every collective on ``world`` local ranks, print the table; True if every check passes."""
+    results = run_world(run_rank, world, device, backend=backend, timeout=120)
+    return _common.table(check(results, world), f"{number}. collectives vs single-process float64 simulation")

@@ -1,9 +1,15 @@
-"""Demo part 2: ring flash attention over the local ranks (zigzag layout, causal, GQA) against
-single-process float64 attention on the whole sequence."""
+"""Demo: ring flash attention over the local ranks (causal, GQA, each layout) against single-process
+float64 attention on the whole sequence."""
 
 from __future__ import annotations
 
 import torch
+
+from distcomm._launch import run_world
+from distcomm.demo import _common
+from distcomm_attention import ring_flash_attn, shard_sequence
+from distcomm_attention._reference import attention_reference
+from distcomm_attention.layouts import shard
 
 B, S, H, HKV, D = 1, 48, 4, 2, 32
 
@@ -18,8 +24,6 @@ def _inputs():
 
 
 def run_rank(rank: int, world: int, device: str, layout: str, dtype: str) -> dict:
-    from distcomm_attention import ring_flash_attn, shard_sequence
-
     dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
     dt = getattr(torch, dtype)
     q, k, v, dout = (shard_sequence(t, layout).to(dev, dt) for t in _inputs())
@@ -30,9 +34,6 @@ def run_rank(rank: int, world: int, device: str, layout: str, dtype: str) -> dic
 
 
 def check(results: list[dict], world: int, layout: str) -> list[tuple[str, float, float]]:
-    from distcomm_attention._reference import attention_reference
-    from distcomm_attention.layouts import shard
-
     q, k, v, dout = _inputs()
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = attention_reference(q, k, v, causal=True)
@@ -44,3 +45,12 @@ def check(results: list[dict], world: int, layout: str) -> list[tuple[str, float
         for name, ref in expected.items()
     }
     return [(f"ring_flash_attn({layout}, causal, GQA 4/2)", errs["out"], max(errs["dq"], errs["dk"], errs["dv"]))]
+
+
+def run(world: int, device: str, backend: str, number: int = 2) -> bool:
+    """Ring attention in every layout on ``world`` local ranks, printed as a table; True if every check passes."""
+    rows = []
+    for layout in ("contiguous", "zigzag", "striped"):
+        res = run_world(run_rank, world, device, layout, "float64", backend=backend, timeout=120)
+        rows += check(res, world, layout)
+    return _common.table(rows, f"{number}. ring attention vs single-process attention on the whole sequence")

@@ -1,0 +1,1 @@
+"""``python -m distcomm_attention.demo``: collectives, ring attention and distributed training, checked end to end."""
