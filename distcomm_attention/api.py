@@ -9,7 +9,8 @@ from distcomm.ring import RingComm
 from distcomm_attention import _kernels, _validation, layouts
 from distcomm_attention._kernels import KernelChoice
 from distcomm_attention._ring import ring_all_gather, ring_attention
-from distcomm_attention._visibility import Visibility, ring_plan
+from distcomm_attention._call import prepare
+from distcomm_attention._visibility import Visibility
 
 __all__ = ["ring_flash_attn", "which_kernels", "shard_sequence", "gather_sequence"]
 
@@ -104,53 +105,19 @@ def ring_flash_attn(
     _kernels.check_backend(backend)
     window = _validation.check_window(window_size)
     softcap = _validation.check_softcap(softcap)
-    comm = RingComm(group, ring_size)
-    docs = None
+    if torch.compiler.is_compiling():
+        from distcomm_attention._compiled import compiled_ring_flash_attn
 
-    def local_checks():
-        nonlocal docs
-        _validation.check_qkv(q, k, v)
-        _validation.check_attention_mask(attention_mask, q)
-        layouts.check_local_length(layout, q.shape[1], comm.size)
-        docs = _validation.check_cu_seqlens(cu_seqlens, q.shape[1] * comm.size)
-        vis = Visibility(causal, window, docs, attention_mask is not None)
-        return vis, _kernels.select_kernels(backend, q, vis, softcap)
-
-    def verify(scale: float) -> None:
-        _validation.verify_across_ring(
-            "ring_flash_attn",
-            comm,
-            {"q": q, "k": k, "v": v},
-            extra={
-                "layout": layouts.LAYOUTS.index(layout),
-                "causal": int(causal),
-                "softmax_scale": _validation.float_bits(scale),
-                "window_left": window[0],
-                "window_right": window[1],
-                "softcap": _validation.float_bits(softcap),
-                "attention_mask": int(attention_mask is not None),
-                "cu_seqlens": _validation.cu_seqlens_digest(docs),
-                # a rank whose inputs need no grad would skip the backward its peers wait in
-                "requires_grad": int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))),
-            },
+        return compiled_ring_flash_attn(
+            q, k, v, group=group, ring_size=ring_size, layout=layout, causal=causal, softmax_scale=softmax_scale,
+            window=window, softcap=softcap, attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
         )
-
-    if _check.is_check_mode():
-        # Cross-rank facts first: ranks whose shapes differ then all raise the same error, instead of one
-        # raising a local error while its peers wait in the exchange (see Note [Verified signatures]).
-        if isinstance(q, torch.Tensor) and q.dim() == 4:  # the boundaries are part of the signature
-            try:
-                docs = _validation.check_cu_seqlens(cu_seqlens, q.shape[1] * comm.size)
-            except (TypeError, ValueError):
-                docs = None  # reported by the local checks below, on this rank
-        verify(_validation.check_scale(softmax_scale, q.shape[-1] if q.dim() else 1))
-        vis, (_name, fwd, bwd) = local_checks()
-        scale = _validation.check_scale(softmax_scale, q.shape[3])
-    else:
-        vis, (_name, fwd, bwd) = local_checks()
-        scale = _validation.check_scale(softmax_scale, q.shape[3])
-        verify(scale)
-    plan = ring_plan(layout, vis, comm.size, comm.rank, q.shape[1])
+    comm = RingComm(group, ring_size)
+    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    plan, scale, fwd, bwd = prepare(
+        q, k, v, comm, layout=layout, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+        attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend, requires_grad=requires_grad,
+    )
     return ring_attention(
         q, k, v, comm, plan=plan, key_mask=attention_mask, softcap=softcap, scale=scale, fwd=fwd, bwd=bwd
     )

@@ -1,0 +1,84 @@
+"""One ``ring_flash_attn`` call's preparation: per-rank checks, cross-rank verification, plan and kernels.
+
+Shared by the eager entry point (api.py) and the compiled one (_compiled.py, which runs it inside its
+custom op at run time), so both validate, verify and plan identically.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from distcomm import _check
+from distcomm.ring import RingComm
+from distcomm_attention import _kernels, _validation, layouts
+from distcomm_attention._visibility import RingPlan, Visibility, ring_plan
+
+__all__ = ["Prepared", "prepare"]
+
+
+class Prepared(NamedTuple):
+    """What the ring loop needs: the plan, the softmax scale and the block kernels."""
+
+    plan: RingPlan
+    scale: float
+    fwd: object
+    bwd: object
+
+
+def prepare(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingComm, *, layout: str, causal: bool,
+    softmax_scale, window: tuple[int, int], softcap: float, attention_mask, cu_seqlens, backend: str,
+    requires_grad: bool,
+) -> Prepared:
+    """Check this rank's inputs, verify the ring agrees (see Note [Verified signatures]), plan and pick kernels.
+
+    Raises the per-rank errors on the rank that sees them and cross-rank disagreements on every rank.
+    """
+    docs = None
+
+    def local_checks():
+        nonlocal docs
+        _validation.check_qkv(q, k, v)
+        _validation.check_attention_mask(attention_mask, q)
+        layouts.check_local_length(layout, q.shape[1], comm.size)
+        docs = _validation.check_cu_seqlens(cu_seqlens, q.shape[1] * comm.size)
+        vis = Visibility(causal, window, docs, attention_mask is not None)
+        return vis, _kernels.select_kernels(backend, q, vis, softcap)
+
+    def verify(scale: float) -> None:
+        _validation.verify_across_ring(
+            "ring_flash_attn",
+            comm,
+            {"q": q, "k": k, "v": v},
+            extra={
+                "layout": layouts.LAYOUTS.index(layout),
+                "causal": int(causal),
+                "softmax_scale": _validation.float_bits(scale),
+                "window_left": window[0],
+                "window_right": window[1],
+                "softcap": _validation.float_bits(softcap),
+                "attention_mask": int(attention_mask is not None),
+                "cu_seqlens": _validation.cu_seqlens_digest(docs),
+                # a rank whose inputs need no grad would skip the backward its peers wait in
+                "requires_grad": int(requires_grad),
+            },
+        )
+
+    if _check.is_check_mode():
+        # Cross-rank facts first: ranks whose shapes differ then all raise the same error, instead of one
+        # raising a local error while its peers wait in the exchange (see Note [Verified signatures]).
+        if isinstance(q, torch.Tensor) and q.dim() == 4:  # the boundaries are part of the signature
+            try:
+                docs = _validation.check_cu_seqlens(cu_seqlens, q.shape[1] * comm.size)
+            except (TypeError, ValueError):
+                docs = None  # reported by the local checks below, on this rank
+        verify(_validation.check_scale(softmax_scale, q.shape[-1] if q.dim() else 1))
+        vis, (_name, fwd, bwd) = local_checks()
+        scale = _validation.check_scale(softmax_scale, q.shape[3])
+    else:
+        vis, (_name, fwd, bwd) = local_checks()
+        scale = _validation.check_scale(softmax_scale, q.shape[3])
+        verify(scale)
+    return Prepared(ring_plan(layout, vis, comm.size, comm.rank, q.shape[1]), scale, fwd, bwd)

@@ -1,0 +1,147 @@
+"""``ring_flash_attn`` under ``torch.compile``: the whole ring as two custom ops.
+
+Note [Compiled ring attention]
+    Dynamo cannot trace the ring itself: its plan is computed on the host from the call's options (and
+    from ``cu_seqlens``' values), and its point-to-point transfers have no functional form. So inside a
+    compiled region ``ring_flash_attn`` checks what can be checked while tracing (types, shapes, options)
+    and then calls one opaque operator:
+
+        distcomm_attention::ring_attn(q, k, v, key_mask?, cu_seqlens?, group, ...) -> (out, lse)
+        distcomm_attention::ring_attn_backward(dout, q, k, v, out, lse, ...)      -> (dq, dk, dv)
+
+    joined by ``torch.library.register_autograd``, each with a fake (meta) implementation, so a model
+    compiles whole (``fullgraph=True``) and compiled autograd sees an ordinary custom op. At run time the
+    operators do exactly what the eager path does (``_call.prepare``: per-rank checks, cross-rank
+    verification, plan, kernel choice; then ``_ring.ring_forward`` / ``ring_backward``). The process group
+    travels as its name (``ProcessGroup.group_name``, "" for the default group), resolved at run time the
+    way PyTorch's functional collectives resolve theirs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from distcomm.ring import RingComm
+from distcomm_attention import _validation, layouts
+from distcomm_attention._call import prepare
+from distcomm_attention._ring import _no_autocast, ring_backward, ring_forward
+
+__all__ = ["compiled_ring_flash_attn"]
+
+
+def _group_name(group) -> str:
+    """The name of the group (or of a 1-D DeviceMesh / (mesh, dim)'s group) that travels in the graph."""
+    if group is None:
+        return ""
+    if isinstance(group, tuple) and len(group) == 2:
+        mesh, dim = group
+        return mesh.get_group(dim).group_name
+    if isinstance(group, dist.ProcessGroup):
+        return group.group_name
+    if hasattr(group, "get_group"):  # a DeviceMesh
+        if group.ndim != 1:
+            raise ValueError(
+                f"a DeviceMesh with {group.ndim} dims needs a dim: pass group=(mesh, dim_name) with dim_name one "
+                f"of {group.mesh_dim_names}"
+            )
+        return group.get_group().group_name
+    raise TypeError(f"`group` must be a ProcessGroup, a DeviceMesh or (mesh, dim_name), got {type(group).__name__}")
+
+
+def _resolve_group(name: str):
+    if not name:
+        return None
+    resolve = getattr(dist.distributed_c10d, "_resolve_process_group", None)
+    if resolve is None:  # pragma: no cover - every supported torch has it (functional collectives use it)
+        raise RuntimeError("this torch cannot resolve process groups by name inside compiled graphs")
+    return resolve(name)
+
+
+def _prepared(q, k, v, key_mask, cu_seqlens, group_name, ring_size, layout, causal, window_left, window_right,
+              softcap, scale, backend, requires_grad):
+    comm = RingComm(_resolve_group(group_name), ring_size or None)
+    prepared = prepare(
+        q, k, v, comm, layout=layout, causal=causal, softmax_scale=scale, window=(window_left, window_right),
+        softcap=softcap, attention_mask=key_mask, cu_seqlens=cu_seqlens, backend=backend,
+        requires_grad=requires_grad,
+    )
+    return comm, prepared
+
+
+@torch.library.custom_op("distcomm_attention::ring_attn", mutates_args=())
+def _ring_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None, group_name: str, ring_size: int, layout: str, causal: bool,
+    window_left: int, window_right: int, softcap: float, scale: float, backend: str, requires_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward ring; returns out (B, n, H, D) and lse (B, H, n)."""
+    with _no_autocast(q.device):
+        comm, p = _prepared(q, k, v, key_mask, cu_seqlens, group_name, ring_size, layout, causal, window_left,
+                            window_right, softcap, scale, backend, requires_grad)
+        out, lse = ring_forward(q, k, v, key_mask, comm, p.plan, softcap, p.scale, p.fwd)
+    return out, lse.to(_lse_dtype(q))
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+@_ring_attn.register_fake
+def _ring_attn_fake(q, k, v, key_mask, cu_seqlens, group_name, ring_size, layout, causal, window_left,
+                    window_right, softcap, scale, backend, requires_grad):
+    b, n, h, _ = q.shape
+    return torch.empty_like(q), q.new_empty((b, h, n), dtype=_lse_dtype(q))
+
+
+@torch.library.custom_op("distcomm_attention::ring_attn_backward", mutates_args=())
+def _ring_attn_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    key_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None, group_name: str, ring_size: int,
+    layout: str, causal: bool, window_left: int, window_right: int, softcap: float, scale: float, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward ring; returns dq, dk, dv."""
+    with _no_autocast(q.device):
+        comm, p = _prepared(q, k, v, key_mask, cu_seqlens, group_name, ring_size, layout, causal, window_left,
+                            window_right, softcap, scale, backend, True)
+        return ring_backward(dout, q, k, v, out, lse, key_mask, comm, p.plan, softcap, p.scale, p.bwd)
+
+
+@_ring_attn_backward.register_fake
+def _ring_attn_backward_fake(dout, q, k, v, out, lse, key_mask, cu_seqlens, group_name, ring_size, layout, causal,
+                             window_left, window_right, softcap, scale, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, key_mask, cu_seqlens, *options = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, key_mask, cu_seqlens)
+    ctx.options = options[:-1]  # everything but requires_grad
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, key_mask, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = _ring_attn_backward(dout.contiguous(), q, k, v, out, lse, key_mask, cu_seqlens, *ctx.options)
+    return (dq, dk, dv) + (None,) * 12
+
+
+_ring_attn.register_autograd(_backward, setup_context=_setup_context)
+
+
+def compiled_ring_flash_attn(q, k, v, *, group, ring_size, layout, causal, softmax_scale, window, softcap,
+                             attention_mask, cu_seqlens, backend) -> torch.Tensor:
+    """``ring_flash_attn`` inside a compiled region (options already type-checked by the caller)."""
+    _validation.check_qkv(q, k, v)
+    _validation.check_attention_mask(attention_mask, q)
+    if ring_size is not None:
+        layouts.check_position(ring_size, 0)
+    scale = _validation.check_scale(softmax_scale, q.shape[3])
+    if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
+    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    out, _lse = _ring_attn(
+        q, k, v, attention_mask, cu_seqlens, _group_name(group), ring_size or 0, layout, causal, window[0],
+        window[1], softcap, scale, backend, requires_grad,
+    )
+    return out
