@@ -1,0 +1,311 @@
+"""Ring flash attention as a Hugging Face ``transformers`` attention implementation (context parallelism).
+
+Example (every rank runs the same code on its shard of each sequence)::
+
+    from distcomm_attention.integrations import huggingface as ring_hf
+
+    ring = ring_hf.register(layout="zigzag", group=(mesh, "cp"))      # after init_process_group
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ring.name)
+    inputs = ring.shard_inputs(input_ids=ids, labels=labels)          # the FULL batch, same on every rank
+    loss = model(**inputs).loss                                       # sum over the ring = the batch's loss
+    loss.backward()                                                   # then sum parameter grads over the ring
+
+Note [Hugging Face integration]
+    Each rank runs the whole model on its shard of the sequence. Everything but attention is per token, so
+    only attention needs the other ranks: transformers calls the function registered here with this
+    rank's q/k/v (rotary embeddings already applied with the position ids the model was given), and it
+    runs ``ring_flash_attn`` over the ring. What the model must be given, per rank (``shard_inputs``
+    prepares all of it from the full batch):
+
+        full batch (B, S)            this rank's model kwargs (S/W tokens each)
+        input_ids               ->   input_ids       shard_sequence(input_ids)
+        position_ids (or arange)->   position_ids    the GLOBAL positions of the shard (rotary angles)
+        attention_mask          ->   attention_mask  the shard's key padding mask (bool)
+        labels                  ->   labels, shift_labels   shifted by one on the FULL sequence, then
+                                                     sharded (the model's own shift would cross shards)
+                                     num_items_in_batch     the batch's number of targets: each rank's
+                                                     loss is its summed token losses / that count
+        packed documents        ->   cu_seq_lens_q/k the GLOBAL document boundaries (same on every rank)
+                                     use_cache=False (no KV cache: keys are spread over the ring)
+
+    - Masks: the mask function registered under the same name hands the attention function the 2-D
+      padding mask as given (this rank's keys), never a 4-D one; causality, sliding windows and document
+      boundaries are applied by the ring over global positions.
+    - Packed documents: position ids restart at 0 for each document and ``cu_seq_lens_q`` (transformers'
+      keyword; ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` on the full batch produces it)
+      holds the boundaries of the WHOLE sequence. Without it, attention would cross documents: position ids
+      alone cannot tell this rank where the other ranks' documents start. In distcomm's check mode
+      (``DISTCOMM_CHECK=1``) every call verifies that the position ids are the global ones of this layout
+      (restarting at each boundary) and raises on every rank if not.
+    - Gradients: distcomm's convention (the total loss is the sum of the per-rank losses). Rank r's loss
+      is its share of the batch's mean, so the parameters' gradient is the SUM of the ranks' gradients
+      over the ring: ``all_reduce(p.grad)`` over the ring's group, or, under DDP/FSDP averaging over
+      dp x cp ranks, multiply the loss by the ring size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import distcomm
+from distcomm.ring import RingComm
+from distcomm_attention import (
+    BACKENDS,
+    cu_seqlens_from_position_ids,
+    layouts,
+    position_ids,
+    ring_flash_attn,
+    shard_sequence,
+)
+
+try:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "distcomm_attention.integrations.huggingface needs transformers: pip install 'distcomm[hf]'"
+    ) from e
+
+__all__ = ["RingAttentionHF", "register"]
+
+IGNORE_INDEX = -100  # transformers' label for "no target"
+
+
+def register(
+    name: str = "ring_attention",
+    *,
+    layout: str = "zigzag",
+    ring_size: int | None = None,
+    group=None,
+    backend: str = "auto",
+) -> RingAttentionHF:
+    """Register ring attention with transformers under ``name``; load models with ``attn_implementation=name``.
+
+    Args:
+        name: the attention implementation's name (``AttentionInterface`` and ``AttentionMaskInterface``).
+            Registering the same name again replaces the options. It may not contain "flash": transformers
+            takes any such name for a flash-attn kernel to load.
+        layout: how sequences are sharded: "contiguous", "zigzag" (default; balanced causal work) or
+            "striped". ``shard_inputs`` shards with the same layout.
+        ring_size: ranks per ring (``None``: the whole group); smaller rings are data parallel.
+        group: the ring's group: a ProcessGroup, 1-D DeviceMesh or ``(mesh, "cp")`` (``None``: default group).
+        backend: ``ring_flash_attn``'s backend.
+
+    Returns:
+        The registered :class:`RingAttentionHF` (its ``name`` and ``shard_inputs``).
+    """
+    impl = RingAttentionHF(name, layout=layout, ring_size=ring_size, group=group, backend=backend)
+    AttentionInterface.register(name, impl)
+    AttentionMaskInterface.register(name, impl.mask)
+    return impl
+
+
+@dataclass(frozen=True)
+class RingAttentionHF:
+    """A transformers attention function running ``ring_flash_attn``, and the input sharding it expects.
+
+    See Note [Hugging Face integration] (module docstring). Create it with :func:`register`.
+    """
+
+    name: str
+    layout: str = "zigzag"
+    ring_size: int | None = None
+    group: Any = None
+    backend: str = "auto"
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name or "flash" in self.name:
+            raise ValueError(
+                f"`name` must be a non-empty str without 'flash' (transformers loads a flash-attn kernel for "
+                f"any attn_implementation containing 'flash'), got {self.name!r}"
+            )
+        layouts.check_layout(self.layout)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"Invalid backend {self.backend!r}. Must be one of: {', '.join(map(repr, BACKENDS))}")
+
+    # -- the attention function transformers calls ---------------------------------------------------
+
+    def __call__(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        """transformers' attention signature: q (B, H, S_local, D), k/v (B, H_kv, S_local, D) -> out
+        (B, S_local, H, D), no attention weights. ``attention_mask``: this rank's 2-D key padding mask or None.
+        Reads ``is_causal``, ``sliding_window``, ``softcap`` and ``cu_seq_lens_q/k`` from the keywords."""
+        if dropout:
+            raise ValueError(
+                f"ring attention has no attention dropout, got dropout={dropout}: set the config's "
+                "`attention_dropout` to 0.0"
+            )
+        if query.shape[2] != key.shape[2]:
+            raise ValueError(
+                f"ring attention needs as many keys as queries on each rank (self-attention without a KV "
+                f"cache), got {query.shape[2]} queries and {key.shape[2]} keys: call the model with use_cache=False"
+            )
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError(
+                f"ring attention takes a 2-D (batch, local_seq) padding mask, got a {attention_mask.dim()}-D "
+                f"mask of shape {tuple(attention_mask.shape)}: pass the model the 2-D mask of this rank's tokens"
+            )
+        causal = kwargs.get("is_causal")
+        if causal is None:
+            causal = getattr(module, "is_causal", True)
+        window = _window(kwargs.get("sliding_window"), causal)
+        cu_seqlens = _boundaries(kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
+        if distcomm.is_check_mode():
+            self._verify_positions(kwargs.get("position_ids"), cu_seqlens, query)
+        out = ring_flash_attn(
+            query.transpose(1, 2),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            causal=bool(causal),
+            softmax_scale=scaling,
+            layout=self.layout,
+            ring_size=self.ring_size,
+            group=self.group,
+            backend=self.backend,
+            attention_mask=attention_mask,
+            window_size=window,
+            softcap=float(kwargs.get("softcap") or 0.0),
+            cu_seqlens=cu_seqlens,
+        )
+        return out, None
+
+    def mask(self, batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+             attention_mask=None, **kwargs) -> torch.Tensor | None:
+        """transformers' mask hook (AttentionMaskInterface): the 2-D padding mask as given, or None.
+
+        The causal, sliding-window and packed-document patterns transformers would build here are over
+        LOCAL indices; the ring applies them over global positions instead.
+        """
+        return attention_mask
+
+    # -- inputs ---------------------------------------------------------------------------------------
+
+    def shard_inputs(
+        self,
+        input_ids: torch.Tensor | None = None,
+        *,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> dict[str, Any]:
+        """This rank's model keywords from the FULL batch (identical on every rank of the ring).
+
+        Args:
+            input_ids: (batch, seq) token ids, or ``inputs_embeds`` (batch, seq, hidden).
+            labels: (batch, seq) causal-LM labels as transformers takes them (unshifted; -100 = no target).
+            position_ids: (batch or 1, seq), restarting at 0 for each packed document; ``None``: 0..seq-1.
+                Packed rows must share their boundaries (``cu_seqlens`` applies to every row).
+            attention_mask: (batch, seq) padding mask, 1/True = a real token.
+
+        Returns:
+            Keywords for ``model(**inputs)``: ``input_ids``/``inputs_embeds``, ``position_ids`` (global
+            positions of this rank's tokens), ``attention_mask`` (bool, if given), ``labels`` and
+            ``shift_labels`` (shifted on the full sequence, the last token of each document without a
+            target) with ``num_items_in_batch`` (the batch's target count), ``cu_seq_lens_q/k`` (packed
+            documents only) and ``use_cache=False``.
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of `input_ids` and `inputs_embeds` (the full batch)")
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        if tokens.dim() < 2:
+            raise ValueError(f"`input_ids`/`inputs_embeds` must be (batch, seq, ...), got shape {tuple(tokens.shape)}")
+        batch, seq = tokens.shape[:2]
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0)
+        _check_2d("position_ids", position_ids, seq, batch)
+        cu_seqlens = _packed_boundaries(position_ids)
+
+        def shard(t: torch.Tensor) -> torch.Tensor:  # contiguous: transformers views labels with .view(-1)
+            return shard_sequence(t, self.layout, ring_size=self.ring_size, group=self.group).contiguous()
+
+        inputs: dict[str, Any] = {"input_ids" if input_ids is not None else "inputs_embeds": shard(tokens)}
+        inputs["position_ids"] = shard(position_ids)
+        if attention_mask is not None:
+            _check_2d("attention_mask", attention_mask, seq, batch)
+            inputs["attention_mask"] = shard(attention_mask.bool())
+        if labels is not None:
+            _check_2d("labels", labels, seq, batch)
+            shifted = torch.full_like(labels, IGNORE_INDEX)
+            shifted[:, :-1] = labels[:, 1:]
+            if cu_seqlens is not None:  # a document's last token has no next token in its document
+                shifted[:, cu_seqlens[1:].long() - 1] = IGNORE_INDEX
+            local = shard(shifted)
+            inputs.update(labels=local, shift_labels=local, num_items_in_batch=(shifted != IGNORE_INDEX).sum())
+        if cu_seqlens is not None:
+            inputs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens)
+        inputs["use_cache"] = False
+        return inputs
+
+    def _verify_positions(self, given: torch.Tensor | None, cu_seqlens, query: torch.Tensor) -> None:
+        """Check mode: the model's position ids are this layout's global positions (restarting at each
+        document boundary); raised on every rank of the group, since the ring would otherwise hang."""
+        if given is None:
+            return
+        comm = RingComm(self.group, self.ring_size)
+        local = query.shape[2]
+        expected = position_ids(local, self.layout, ring_size=comm.size, group=self.group).to(given.device)
+        if cu_seqlens is not None:
+            bounds = torch.as_tensor(cu_seqlens, device=given.device).long()
+            expected = expected - bounds[torch.searchsorted(bounds, expected, right=True) - 1]
+        bad = torch.tensor(
+            [int(given.shape[-1] != local or not bool((given == expected).all()))], device=query.device
+        )
+        if comm.group is not None:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=comm.group)
+        if bad.item():
+            raise ValueError(
+                f"position_ids given to the model are not the global positions of the ranks' tokens under "
+                f"layout={self.layout!r}{' restarting at each document of cu_seq_lens_q' if cu_seqlens is not None else ''} "
+                "(on at least one rank): build the inputs with `shard_inputs`, or pass "
+                "`position_ids=distcomm_attention.position_ids(local_seq, layout)` (and, for packed documents, "
+                "the global `cu_seq_lens_q`)"
+            )
+
+
+def _window(sliding_window, causal: bool) -> tuple[int, int]:
+    """transformers' ``sliding_window`` (key j visible to query i iff i - j < w, causal; |i - j| <= w,
+    bidirectional) as ring_flash_attn's (left, right)."""
+    if sliding_window is None:
+        return (-1, -1)
+    return (sliding_window - 1, 0) if causal else (sliding_window, sliding_window)
+
+
+def _boundaries(cu_q, cu_k):
+    if cu_k is not None and cu_k is not cu_q and (cu_q is None or not torch.equal(torch.as_tensor(cu_q), torch.as_tensor(cu_k))):
+        raise ValueError(
+            "ring attention is self-attention: `cu_seq_lens_k` must equal `cu_seq_lens_q` (the global document "
+            f"boundaries), got {cu_q!r} and {cu_k!r}"
+        )
+    return cu_q
+
+
+def _check_2d(name: str, t, seq: int, batch: int) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != seq or t.shape[0] not in (1, batch):
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"`{name}` must be a ({batch} or 1, {seq}) tensor over the full sequence, got {shape}")
+
+
+def _packed_boundaries(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Global document boundaries where position ids restart at 0 (None: one document per row)."""
+    if position_ids.shape[1] < 2 or not bool((position_ids[:, 1:] == 0).any()):
+        return None
+    if position_ids.shape[0] > 1 and not bool((position_ids == position_ids[:1]).all()):
+        raise ValueError(
+            "packed documents must have the same boundaries in every batch row (cu_seqlens applies to every "
+            "row): pack each batch row's documents at the same positions, or use one row (batch 1)"
+        )
+    return cu_seqlens_from_position_ids(position_ids[:1])

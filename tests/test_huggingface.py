@@ -1,0 +1,237 @@
+"""The Hugging Face transformers integration (skipped without transformers), cheapest first.
+
+1. in-process: argument errors, ``shard_inputs`` on one process (label shift, packed boundaries, target
+   count), the attention function's refusals, and the ring model on one process == the model with
+   transformers' own ``sdpa`` attention (float64 on CPU: exact; ``eager`` runs its softmax in float32);
+2. gloo world of 2 ranks: a tiny randomly initialised Llama (no downloads) with ``attn_implementation`` set
+   to the ring, each rank given its shard of the batch, against the same weights run on the whole batch in
+   one process with ``sdpa``: logits at each rank's positions, the per-rank losses adding up to the batch's
+   loss, and parameter gradients summed over ranks equal to the single-process ones; contiguous and zigzag
+   layouts, a padding mask (left and right padding), packed documents (position ids restarting per document
+   vs transformers' own packed-sequence mask), and check mode catching local position ids on every rank.
+"""
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as torch_F
+
+pytest.importorskip("transformers")
+
+import distcomm  # noqa: E402
+from distcomm_attention import layouts  # noqa: E402
+from distcomm_attention.integrations import huggingface as ring_hf  # noqa: E402
+from tests.dist_harness import run_world  # noqa: E402
+
+FP64 = dict(rtol=1e-10, atol=1e-12)
+VOCAB, SEQ = 128, 16
+
+
+def _config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+        intermediate_size=96, max_position_embeddings=256, attention_dropout=0.0,
+    )
+
+
+def _model(attn_implementation: str):
+    """The same randomly initialised weights for every implementation (seeded), float64."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM._from_config(_config(), attn_implementation=attn_implementation, dtype=torch.float64)
+
+
+def _ids(batch: int = 2, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _summed_loss(logits: torch.Tensor, targets: torch.Tensor, count) -> torch.Tensor:
+    """Float64 cross-entropy summed over targets (-100 skipped), over ``count`` (the batch's target count)."""
+    return torch_F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum") / count
+
+
+# ------------------------------------------------------------------------------------------------------
+# 1. in-process
+# ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(name="ring_flash_attn"), r"`name` must be a non-empty str without 'flash' .*got 'ring_flash_attn'"),
+        (dict(layout="spiral"), r"Invalid layout 'spiral'. Must be one of: 'contiguous', 'zigzag', 'striped'"),
+        (dict(backend="cuda"), r"Invalid backend 'cuda'. Must be one of: 'auto'"),
+    ],
+)
+def test_register_argument_errors(kwargs, match):
+    """Bad options are refused at registration, naming the value and what is allowed."""
+    with pytest.raises(ValueError, match=match):
+        ring_hf.register(**kwargs)
+
+
+def test_shard_inputs_on_one_process():
+    """On one process the shard is the batch: labels shifted by one (last target dropped), the target count
+    of the batch, position ids 0..S-1, a bool mask, no KV cache, no boundaries for unpacked rows."""
+    ring = ring_hf.register("ring_attention_test_one", layout="zigzag")
+    ids = _ids()
+    labels = ids.clone()
+    labels[1, :4] = -100
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    got = ring.shard_inputs(input_ids=ids, labels=labels, attention_mask=mask)
+    assert torch.equal(got["input_ids"], ids)
+    assert torch.equal(got["position_ids"], torch.arange(SEQ)[None])
+    assert got["attention_mask"].dtype == torch.bool and bool(got["attention_mask"].all())
+    assert torch.equal(got["shift_labels"][:, :-1], labels[:, 1:]) and bool((got["shift_labels"][:, -1] == -100).all())
+    assert got["labels"] is got["shift_labels"]
+    assert int(got["num_items_in_batch"]) == 2 * (SEQ - 1) - 3
+    assert got["use_cache"] is False and "cu_seq_lens_q" not in got
+
+
+def test_shard_inputs_packed_documents():
+    """Position ids restarting at 0 give the global boundaries, and no token is trained to predict the next
+    document's first token."""
+    ring = ring_hf.register("ring_attention_test_packed", layout="contiguous")
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 8]])
+    got = ring.shard_inputs(input_ids=_ids(1), labels=_ids(1), position_ids=pos)
+    assert got["cu_seq_lens_q"].tolist() == [0, 3, 7, 16] and got["cu_seq_lens_k"] is got["cu_seq_lens_q"]
+    assert got["shift_labels"][0, [2, 6, 15]].tolist() == [-100, -100, -100]
+    assert int(got["num_items_in_batch"]) == SEQ - 3
+    with pytest.raises(ValueError, match=r"packed documents must have the same boundaries in every batch row"):
+        ring.shard_inputs(input_ids=_ids(2), position_ids=torch.cat([pos, torch.arange(SEQ)[None]]))
+    with pytest.raises(ValueError, match=r"`labels` must be a \(2 or 1, 16\) tensor over the full sequence, got \(2, 8\)"):
+        ring.shard_inputs(input_ids=_ids(2), labels=_ids(2)[:, :8])
+    with pytest.raises(ValueError, match=r"pass exactly one of `input_ids` and `inputs_embeds`"):
+        ring.shard_inputs()
+
+
+def test_attention_function_refusals():
+    """What the ring cannot do is refused with the fix named: dropout, a KV cache, a 4-D mask."""
+    ring = ring_hf.register("ring_attention_test_refusals")
+    module = torch.nn.Module()
+    q = torch.randn(1, 4, 8, 16, dtype=torch.float64)
+    kv = torch.randn(1, 2, 8, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"ring attention has no attention dropout, got dropout=0.1"):
+        ring(module, q, kv, kv, None, dropout=0.1)
+    with pytest.raises(ValueError, match=r"got 8 queries and 12 keys: call the model with use_cache=False"):
+        ring(module, q, torch.randn(1, 2, 12, 16), torch.randn(1, 2, 12, 16), None)
+    with pytest.raises(ValueError, match=r"takes a 2-D \(batch, local_seq\) padding mask, got a 4-D mask"):
+        ring(module, q, kv, kv, torch.ones(1, 1, 8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"`cu_seq_lens_k` must equal `cu_seq_lens_q`"):
+        ring(module, q, kv, kv, None, cu_seq_lens_q=torch.tensor([0, 8]), cu_seq_lens_k=torch.tensor([0, 4, 8]))
+    out, weights = ring(module, q, kv, kv, None)
+    assert out.shape == (1, 8, 4, 16) and weights is None
+
+
+def test_one_process_equals_sdpa():
+    """Without a process group the ring model is the model: logits equal transformers' sdpa in float64."""
+    ring = ring_hf.register("ring_attention_test_sdpa", layout="zigzag")
+    ids = _ids()
+    got = _model(ring.name)(**ring.shard_inputs(input_ids=ids)).logits
+    want = _model("sdpa")(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, **FP64)
+
+
+# ------------------------------------------------------------------------------------------------------
+# 2. gloo world of 2 ranks
+# ------------------------------------------------------------------------------------------------------
+
+
+def _padding_mask() -> torch.Tensor:
+    mask = torch.ones(2, SEQ, dtype=torch.bool)
+    mask[0, :3] = False  # left padding
+    mask[1, -5:] = False  # right padding
+    return mask
+
+
+def _packed_position_ids() -> torch.Tensor:
+    lengths = (5, 7, 4)
+    return torch.cat([torch.arange(n) for n in lengths])[None]
+
+
+def _cases():
+    """(name, layout, shard_inputs keywords) of every world-2 case, built identically in the parent."""
+    ids = _ids()
+    padded_labels = ids.masked_fill(~_padding_mask(), -100)
+    return [
+        ("contiguous", "contiguous", dict(input_ids=ids, labels=ids)),
+        ("zigzag", "zigzag", dict(input_ids=ids, labels=ids)),
+        ("padding", "zigzag", dict(input_ids=ids, labels=padded_labels, attention_mask=_padding_mask())),
+        ("packed", "zigzag", dict(input_ids=_ids(1, seed=2), labels=_ids(1, seed=2), position_ids=_packed_position_ids())),
+    ]
+
+
+def _hf_rank(rank, world):
+    out = {}
+    for name, layout, full in _cases():
+        ring = ring_hf.register(f"ring_attention_{name}", layout=layout)
+        model = _model(ring.name)
+        inputs = ring.shard_inputs(**full)
+        with distcomm.check_mode(name == "packed"):  # check mode verifies the restarting positions
+            res = model(**inputs)
+        loss = _summed_loss(res.logits, inputs["shift_labels"], inputs["num_items_in_batch"])
+        loss.backward()
+        out[name] = {
+            "logits": res.logits.detach(), "loss": loss.detach(), "hf_loss": res.loss.detach(),
+            "grads": {n: p.grad for n, p in model.named_parameters()},
+        }
+    # Local position ids (the model's default) are caught in check mode, on every rank (rank 0's
+    # contiguous shard happens to start at 0, so only rank 1's ids are wrong).
+    ring = ring_hf.register("ring_attention_check", layout="contiguous")
+    local = ring.shard_inputs(input_ids=_ids())["input_ids"]
+    try:
+        with distcomm.check_mode():
+            _model(ring.name)(input_ids=local, use_cache=False)
+        out["check_error"] = None
+    except ValueError as e:
+        out["check_error"] = str(e)
+    return out
+
+
+def _reference(name, full):
+    """The whole batch on one process with transformers' sdpa attention (its own padding and packed-sequence
+    masks), float64 loss with targets written here from the unshifted labels."""
+    model = _model("sdpa")
+    kwargs = {k: v for k, v in full.items() if k in ("input_ids", "attention_mask", "position_ids")}
+    logits = model(**kwargs, use_cache=False).logits
+    labels = full["labels"]
+    targets = torch.full_like(labels, -100)
+    targets[:, :-1] = labels[:, 1:]
+    if "position_ids" in full:  # packed: the next token must be in the same document
+        pos = full["position_ids"].expand_as(labels)
+        targets[:, :-1][pos[:, 1:] == 0] = -100
+        # the documents matter: with a mask given, transformers does not split them, and logits change
+        crossing = _model("sdpa")(**kwargs, attention_mask=torch.ones_like(labels), use_cache=False).logits
+        assert (crossing - logits).abs().max() > 1e-3
+    count = int((targets != -100).sum())
+    loss = _summed_loss(logits, targets, count)
+    loss.backward()
+    return logits.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters()}, targets
+
+
+def test_llama_ring_equals_single_process():
+    """A Llama model with ring attention on 2 ranks == the same weights on the whole batch in one process:
+    logits, losses (summed over ranks) and parameter gradients (summed over ranks), for contiguous and zigzag
+    shards, padded batches and packed documents; local position ids are refused in check mode on every rank."""
+    world = 2
+    results = run_world(_hf_rank, world, timeout=180)
+    for name, layout, full in _cases():
+        logits, loss, grads, targets = _reference(name, full)
+        got = [results[r][name] for r in range(world)]
+        for rank, res in enumerate(got):
+            want = layouts.shard(logits, layout, world, rank)
+            if name == "padding":  # padded queries attend to nothing real: compare real tokens only
+                real = layouts.shard(_padding_mask(), layout, world, rank)
+                res["logits"], want = res["logits"][real], want[real]
+            torch.testing.assert_close(res["logits"], want, **FP64, msg=f"{name} logits rank {rank}")
+        torch.testing.assert_close(sum(r["loss"] for r in got), loss, **FP64, msg=f"{name} loss")
+        # transformers' own loss (it upcasts logits to float32) follows the same convention
+        torch.testing.assert_close(sum(r["hf_loss"] for r in got), loss.float(), rtol=1e-5, atol=1e-6)
+        for pname, g in grads.items():
+            torch.testing.assert_close(sum(r["grads"][pname] for r in got), g, **FP64, msg=f"{name} grad {pname}")
+    for rank in range(world):
+        assert re.match(r"position_ids given to the model are not the global positions of the ranks' tokens "
+                        r"under layout='contiguous' \(on at least one rank\)", results[rank]["check_error"] or "")
