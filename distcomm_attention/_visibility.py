@@ -161,51 +161,72 @@ def _doc_ids(cu: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cu, pos, right=True) - 1
 
 
-def _row_intervals(vis: Visibility, pq: torch.Tensor, pk: torch.Tensor, cu: torch.Tensor | None):
-    """[row_lo, row_hi) of visible local key rows for each query (positions increasing, int64)."""
-    big = torch.iinfo(torch.int64).max // 4
-    lo_pos = pq - vis.left if vis.left is not None else torch.full_like(pq, -big)
-    hi_pos = pq + vis.right if vis.right is not None else torch.full_like(pq, big)
-    row_lo = torch.searchsorted(pk, lo_pos, right=False)
-    row_hi = torch.searchsorted(pk, hi_pos, right=True)
+_BIG = 1 << 40  # "unbounded" in position arithmetic (int64, no overflow)
+
+
+def _count_below(layout: str, ring_size: int, local_len: int, src: torch.Tensor, bound: torch.Tensor):
+    """How many of ring position ``src``'s tokens have a global position < ``bound`` (broadcasting).
+
+    Because every layout stores its tokens in increasing global order, this is also the local index of the
+    first of src's tokens at or after ``bound``.
+    """
+    n = local_len
+    if layout == "contiguous":
+        return (bound - src * n).clamp(0, n)
+    if layout == "zigzag":
+        h = n // 2
+        far = 2 * ring_size - 1 - src
+        return (bound - src * h).clamp(0, h) + (bound - far * h).clamp(0, h)
+    return (-((src - bound) // ring_size)).clamp(0, n)  # striped: ceil((bound - src) / W) tokens
+
+
+def _query_bounds(vis: Visibility, pq: torch.Tensor, cu: torch.Tensor | None):
+    """The global positions [first, last + 1) a query at each of ``pq`` may see (band and document)."""
+    first = pq - vis.left if vis.left is not None else torch.full_like(pq, -_BIG)
+    stop = pq + vis.right + 1 if vis.right is not None else torch.full_like(pq, _BIG)
     if cu is not None:
-        dq, dk = _doc_ids(cu, pq), _doc_ids(cu, pk)
-        row_lo = torch.maximum(row_lo, torch.searchsorted(dk, dq, right=False))
-        row_hi = torch.minimum(row_hi, torch.searchsorted(dk, dq, right=True))
-    return row_lo, torch.maximum(row_hi, row_lo)  # empty rows: hi == lo (keeps both nondecreasing)
+        doc = _doc_ids(cu, pq)
+        first = torch.maximum(first, cu[doc])
+        stop = torch.minimum(stop, cu[doc + 1])
+    return first, stop
 
 
-def _block(vis: Visibility, pq: torch.Tensor, pk: torch.Tensor, cu: torch.Tensor | None) -> Block | None:
+def _block(row_lo: torch.Tensor, row_hi: torch.Tensor) -> Block | None:
     """The single kernel call covering every visible pair of two shards, or None if there is none."""
-    row_lo, row_hi = _row_intervals(vis, pq, pk, cu)
     seen = (row_hi > row_lo).nonzero().flatten()
     if seen.numel() == 0:
         return None
     q0, q1 = int(seen[0]), int(seen[-1]) + 1
-    k0, k1 = int(row_lo[q0:q1].min()), int(row_hi[q0:q1].max())
-    row_lo, row_hi = row_lo[q0:q1] - k0, row_hi[q0:q1] - k0
+    row_lo, row_hi = row_lo[q0:q1], row_hi[q0:q1]
+    k0, k1 = int(row_lo.min()), int(row_hi.max())
+    row_lo, row_hi = row_lo - k0, row_hi - k0
     nq, nk = q1 - q0, k1 - k0
     if bool((row_lo == 0).all()) and bool((row_hi == nk).all()):
         return Block(slice(q0, q1), slice(k0, k1), "full")
     if nq == nk and bool((row_lo == 0).all()) and bool((row_hi == torch.arange(1, nq + 1)).all()):
         return Block(slice(q0, q1), slice(k0, k1), "causal")
-    j = torch.arange(nk)
-    col_lo = torch.searchsorted(row_hi, j, right=True)  # first row with row_hi > j
-    col_hi = torch.searchsorted(row_lo, j, right=True)  # rows with row_lo <= j
+    # Rows seeing key j: those with row_lo <= j < row_hi; both bounds are nondecreasing, so they are the
+    # rows from (number of rows with row_hi <= j) to (number of rows with row_lo <= j).
+    col_lo = torch.bincount(row_hi.clamp(max=nk), minlength=nk + 1).cumsum(0)[:nk]
+    col_hi = torch.bincount(row_lo, minlength=nk + 1).cumsum(0)[:nk]
     arrays = tuple(a.to(torch.int32) for a in (row_lo, row_hi, col_lo, torch.maximum(col_hi, col_lo)))
     return Block(slice(q0, q1), slice(k0, k1), "interval", arrays)
 
 
 @functools.lru_cache(maxsize=64)
-def _all_pairs(layout: str, vis: Visibility, ring_size: int, local_len: int):
-    """blocks[r][t] for every ring position r and step t (None: nothing visible)."""
+def _needed_steps(layout: str, vis: Visibility, ring_size: int, local_len: int) -> tuple[int, ...]:
+    """The ring steps at which some rank sees some key of the block it holds (always including 0)."""
     seq_len = local_len * ring_size
-    pos = [layouts.positions(layout, seq_len, ring_size, r) for r in range(ring_size)]
     cu = None if vis.cu_seqlens is None else torch.tensor(vis.cu_seqlens, dtype=torch.int64)
-    return tuple(
-        tuple(_block(vis, pos[r], pos[(r - t) % ring_size], cu) for t in range(ring_size))
-        for r in range(ring_size)
-    )
+    srcs = torch.arange(ring_size)[:, None]
+    needed = {0}
+    for r in range(ring_size):
+        first, stop = _query_bounds(vis, layouts.positions(layout, seq_len, ring_size, r), cu)
+        lo = _count_below(layout, ring_size, local_len, srcs, first[None, :])
+        hi = _count_below(layout, ring_size, local_len, srcs, stop[None, :])
+        for src in (hi > lo).any(dim=1).nonzero().flatten().tolist():
+            needed.add((r - src) % ring_size)
+    return tuple(sorted(needed))
 
 
 @functools.lru_cache(maxsize=256)
@@ -213,10 +234,17 @@ def ring_plan(layout: str, vis: Visibility, ring_size: int, rank: int, local_len
     """The blocks ``rank`` computes at each needed ring step (see Note [Ring plan]); cached per signature."""
     if local_len == 0:
         return RingPlan((0,), ((),))
-    pairs = _all_pairs(layout, vis, ring_size, local_len)
-    steps = tuple(t for t in range(ring_size) if t == 0 or any(pairs[r][t] is not None for r in range(ring_size)))
-    blocks = tuple(() if pairs[rank][t] is None else (pairs[rank][t],) for t in steps)
-    return RingPlan(steps, blocks)
+    steps = _needed_steps(layout, vis, ring_size, local_len)
+    cu = None if vis.cu_seqlens is None else torch.tensor(vis.cu_seqlens, dtype=torch.int64)
+    first, stop = _query_bounds(vis, layouts.positions(layout, local_len * ring_size, ring_size, rank), cu)
+    blocks = []
+    for t in steps:
+        src = torch.tensor((rank - t) % ring_size)
+        lo = _count_below(layout, ring_size, local_len, src, first)
+        hi = torch.maximum(_count_below(layout, ring_size, local_len, src, stop), lo)
+        block = _block(lo, hi)
+        blocks.append(() if block is None else (block,))
+    return RingPlan(steps, tuple(blocks))
 
 
 def visible_mask(vis: Visibility, pq: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:
