@@ -8,7 +8,8 @@
    one process with ``sdpa``: logits at each rank's positions, the per-rank losses adding up to the batch's
    loss, and parameter gradients summed over ranks equal to the single-process ones; contiguous and zigzag
    layouts, a padding mask (left and right padding), packed documents (position ids restarting per document
-   vs transformers' own packed-sequence mask), and check mode catching local position ids on every rank.
+   vs transformers' own packed-sequence mask), a Mistral sliding window, and check mode catching local
+   position ids on every rank.
 """
 
 import re
@@ -135,6 +136,41 @@ def test_one_process_equals_sdpa():
     torch.testing.assert_close(got, want, **FP64)
 
 
+def _mistral(attn_implementation: str, sliding_window: int | None = 5):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+        intermediate_size=96, max_position_embeddings=256, sliding_window=sliding_window,
+    )
+    torch.manual_seed(0)
+    return MistralForCausalLM._from_config(config, attn_implementation=attn_implementation, dtype=torch.float64)
+
+
+def test_gemma2_softcap_and_window_pass_through():
+    """Gemma 2's logit soft-capping and sliding window reach the ring: logits equal transformers' eager
+    attention (float32 softmax, hence 1e-6), and differ from the same model without soft-capping."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    ring = ring_hf.register("ring_attention_test_gemma2", layout="zigzag")
+
+    def gemma2(impl, softcap):
+        config = Gemma2Config(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            vocab_size=VOCAB, intermediate_size=96, max_position_embeddings=256, sliding_window=5,
+            attn_logit_softcapping=softcap, initializer_range=0.5,  # scores large enough to be capped
+        )
+        torch.manual_seed(0)
+        return Gemma2ForCausalLM._from_config(config, attn_implementation=impl, dtype=torch.float64)
+
+    ids = _ids()
+    got = gemma2(ring.name, 2.0)(**ring.shard_inputs(input_ids=ids)).logits
+    want = gemma2("eager", 2.0)(input_ids=ids, use_cache=False).logits
+    uncapped = gemma2("eager", None)(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert (uncapped - want).abs().max() > 1e-3
+
+
 # ------------------------------------------------------------------------------------------------------
 # 2. gloo world of 2 ranks
 # ------------------------------------------------------------------------------------------------------
@@ -178,6 +214,11 @@ def _hf_rank(rank, world):
             "logits": res.logits.detach(), "loss": loss.detach(), "hf_loss": res.loss.detach(),
             "grads": {n: p.grad for n, p in model.named_parameters()},
         }
+    ring = ring_hf.register("ring_attention_window", layout="zigzag")  # Mistral: sliding window of 5
+    model = _mistral(ring.name)
+    res = model(**ring.shard_inputs(input_ids=_ids()))
+    res.logits.sum().backward()
+    out["window"] = {"logits": res.logits.detach(), "grads": {n: p.grad for n, p in model.named_parameters()}}
     # Local position ids (the model's default) are caught in check mode, on every rank (rank 0's
     # contiguous shard happens to start at 0, so only rank 1's ids are wrong).
     ring = ring_hf.register("ring_attention_check", layout="contiguous")
@@ -215,7 +256,8 @@ def _reference(name, full):
 def test_llama_ring_equals_single_process():
     """A Llama model with ring attention on 2 ranks == the same weights on the whole batch in one process:
     logits, losses (summed over ranks) and parameter gradients (summed over ranks), for contiguous and zigzag
-    shards, padded batches and packed documents; local position ids are refused in check mode on every rank."""
+    shards, padded batches and packed documents (and a Mistral sliding window across shards); local position
+    ids are refused in check mode on every rank."""
     world = 2
     results = run_world(_hf_rank, world, timeout=180)
     for name, layout, full in _cases():
@@ -232,6 +274,14 @@ def test_llama_ring_equals_single_process():
         torch.testing.assert_close(sum(r["hf_loss"] for r in got), loss.float(), rtol=1e-5, atol=1e-6)
         for pname, g in grads.items():
             torch.testing.assert_close(sum(r["grads"][pname] for r in got), g, **FP64, msg=f"{name} grad {pname}")
+    model = _mistral("sdpa")  # the sliding window crosses shards: checked against transformers' own mask
+    logits = model(input_ids=_ids(), use_cache=False).logits
+    logits.sum().backward()
+    for rank in range(world):
+        torch.testing.assert_close(results[rank]["window"]["logits"], layouts.shard(logits.detach(), "zigzag", world, rank), **FP64)
+    for pname, p in model.named_parameters():
+        torch.testing.assert_close(sum(results[r]["window"]["grads"][pname] for r in range(world)), p.grad, **FP64)
+    assert (_mistral("sdpa", sliding_window=None)(input_ids=_ids(), use_cache=False).logits - logits).abs().max() > 1e-3
     for rank in range(world):
         assert re.match(r"position_ids given to the model are not the global positions of the ranks' tokens "
                         r"under layout='contiguous' \(on at least one rank\)", results[rank]["check_error"] or "")
