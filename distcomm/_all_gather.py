@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from distcomm import _check
+from distcomm import _check, _compiled
 from distcomm._all_to_all import _raw_all_to_all
 from distcomm._movement_args import _needs_graph, _require_tensor, _require_writable, _setup, _written
 from distcomm._reduce import _adjoint
@@ -231,6 +231,8 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     """
     _require_tensor("tensor", tensor)
     group, n, rank = _setup(group)
+    if torch.compiler.is_compiling():
+        return _compiled.all_gather(tensor, group)
     if n > 1 and _check.is_check_mode():
         _check.check_same("all_gather", tensor, group, requires_grad=_needs_graph(tensor))
     return _AllGather.apply(group, n, rank, tensor)
@@ -253,6 +255,8 @@ def all_gather_tensor(tensor: torch.Tensor, dim: int = 0, group: dist.ProcessGro
     _require_tensor("tensor", tensor)
     dim = _normalize_dim(dim, tensor)
     group, n, _ = _setup(group)
+    if torch.compiler.is_compiling():
+        return _compiled.all_gather_tensor(tensor, dim, group)
     if n > 1 and _check.is_check_mode():
         _check.check_same("all_gather_tensor", tensor, group, requires_grad=_needs_graph(tensor))
     return _AllGatherTensor.apply(tensor, dim, group, n)
@@ -313,6 +317,10 @@ def all_gather_variable(
     _require_tensor("tensor", tensor)
     dim = _normalize_dim(dim, tensor)
     group, n, rank = _setup(group)
+    compiling = torch.compiler.is_compiling()
+    if sizes is None and n > 1 and compiling:
+        return _all_gather_variable_eagerly(tensor, dim, None, group)
+    checking = n > 1 and _check.is_check_mode() and not compiling
     if sizes is not None:
         if type(sizes) is not list and (isinstance(sizes, torch.Tensor) or not isinstance(sizes, Sequence)):
             raise TypeError(f"`sizes` must be a list of ints or None, got {type(sizes).__name__}")
@@ -324,15 +332,23 @@ def all_gather_variable(
             raise ValueError(f"`sizes`={sizes} must hold {n} non-negative ints (one per group rank)")
         # In check mode the exchange below compares every rank's size on every rank: a rank raising here
         # alone would leave its peers waiting in that exchange.
-        if sizes[rank] != tensor.shape[dim] and not (n > 1 and _check.is_check_mode()):
+        if sizes[rank] != tensor.shape[dim] and not checking:
             raise ValueError(
                 f"`sizes`[{rank}]={sizes[rank]} but this rank's tensor has size {tensor.shape[dim]} along dim {dim}"
             )
     if n == 1:
         sizes = [tensor.shape[dim]]
-    elif sizes is None or _check.is_check_mode():
+    elif sizes is None or checking:
         sizes = _learn_sizes(tensor, dim, sizes, _needs_graph(tensor), group, n)
+    if compiling:
+        return _compiled.all_gather_variable(tensor, dim, sizes, group), sizes
     return _AllGatherVariable.apply(tensor, dim, tuple(sizes), group, rank), sizes
+
+
+@torch.compiler.disable(reason="all_gather_variable without `sizes` learns them with a host sync; pass `sizes`")
+def _all_gather_variable_eagerly(tensor, dim, sizes, group):
+    """all_gather_variable outside the compiled graph (Note [Compiled collectives] in distcomm._compile_ops)."""
+    return all_gather_variable(tensor, dim, sizes, group)
 
 
 class _AllGatherBaseWrite(Function):
@@ -379,6 +395,8 @@ def _all_gather_base(
             f"`output_tensor` has shape {tuple(output_tensor.shape)}; for an input of shape "
             f"{tuple(input_tensor.shape)} on {n} ranks it must be one of {allowed}"
         )
+    if torch.compiler.is_compiling():
+        return _compiled.all_gather_base(output_tensor, input_tensor, group)
     needs_grad = _needs_graph(input_tensor)
     if n > 1 and _check.is_check_mode():
         _check.check_same("_all_gather_base", input_tensor, group, requires_grad=needs_grad)

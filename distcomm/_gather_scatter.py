@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from distcomm import _check, _groups
+from distcomm import _check, _compiled, _groups
 from distcomm._movement_args import _needs_graph, _require_tensor, _require_tensor_list, _setup
 from distcomm._reduce import _adjoint
 
@@ -113,6 +113,8 @@ def gather(tensor: torch.Tensor, dst: int = 0, group: dist.ProcessGroup | None =
     _require_tensor("tensor", tensor)
     group, n, rank = _setup(group)
     dst_rank = _groups.check_rank_in_group("dst", dst, group)
+    if torch.compiler.is_compiling():
+        return _compiled.gather(tensor, dst_rank, group)
     if n > 1 and _check.is_check_mode():
         _check.check_same("gather", tensor, group, requires_grad=_needs_graph(tensor))
     return _Gather.apply(dst_rank, group, n, rank, tensor)
@@ -136,6 +138,12 @@ def scatter(
         every rank. Receivers that pass ``None`` get their output on the CUDA device for NCCL, else CPU.
         The backward gathers every rank's grad to ``src``: ``tensors[r]`` there receives g_r; the other
         ranks' placeholders get no grad.
+
+    Under ``torch.compile`` every rank passes W tensors (placeholders off the source, of the output's
+    shape and dtype, requiring grad when the source's tensors do: a compiled output requires grad when this
+    rank's tensors do); the exchange checks them and raises the same ValueError on every rank if they
+    disagree with the source's. ``None`` off the source runs the call eagerly (a graph break; an error under
+    ``fullgraph=True``).
     """
     group, n, rank = _setup(group)
     src_rank = _groups.check_rank_in_group("src", src, group)
@@ -143,31 +151,71 @@ def scatter(
     if tensors is None or (not is_src and isinstance(tensors, (list, tuple)) and len(tensors) == 0):
         if is_src:
             raise ValueError(f"`tensors` must hold {n} tensors on the source rank (global rank {src}), got None")
+        if n > 1 and torch.compiler.is_compiling():
+            return _scatter_eagerly(None, src, group)
         tensors = []
     else:
         tensors = _require_tensor_list("tensors", tensors, n)
-    ok = 1
-    differentiable = 0
-    if is_src:
-        first = tensors[0]
-        ok = int(all(t.shape == first.shape and t.dtype == first.dtype and t.device == first.device for t in tensors))
-        differentiable = int(_needs_graph(*tensors))
+    if torch.compiler.is_compiling():
+        return _compiled.scatter(tensors, src_rank, _needs_graph(*tensors), group)
     if n == 1:
+        if not _same_kind(tensors):
+            raise _differing_source_tensors(src)
         like = (tensors[0].shape, tensors[0].dtype, tensors[0].device)
+        differentiable = _needs_graph(*tensors)
     else:
-        metas, extras = _check.gather_meta(tensors[0] if is_src else None, group, extra=[ok, differentiable])
-        ok, differentiable = extras[src_rank]
-        if not ok:
-            raise ValueError(
-                f"scatter: the tensors passed on the source rank (global rank {src}) differ in shape, dtype or "
-                "device; all of them must match"
-            )
-        meta = metas[src_rank]
-        if meta.dtype is None:
-            raise ValueError("scatter: the source rank's dtype is not supported by the shape exchange")
+        meta, differentiable = _exchange(tensors, is_src, src_rank, group, is_src and _needs_graph(*tensors))
         device = tensors[0].device if tensors else _groups.comm_device(None, group)
         like = (torch.Size(meta.shape), meta.dtype, device)
     inputs = tensors
     if differentiable and not _needs_graph(*inputs):
         inputs = [*inputs, torch.zeros((), requires_grad=True)]  # makes this rank's output require grad
     return _Scatter.apply(src_rank, group, n, rank, like, bool(differentiable), *inputs)
+
+
+def _same_kind(tensors) -> bool:
+    first = tensors[0]
+    return all(t.shape == first.shape and t.dtype == first.dtype and t.device == first.device for t in tensors)
+
+
+def _exchange(tensors, is_src: bool, src_rank: int, group, requires_grad: bool, *, placeholders: bool = False):
+    """scatter's small exchange: every rank learns the source's (shape, dtype) and whether its tensors
+    require grad, and raises the same ValueError when they are malformed. With ``placeholders`` (the
+    compiled op) this rank also sends its placeholders' (shape, dtype) and ``requires_grad``, which every
+    rank checks against the source's. Returns (the source's TensorMeta, whether its tensors require grad).
+    """
+    sent = tensors[0] if is_src or placeholders else None
+    ok = int(_same_kind(tensors)) if is_src else 1
+    metas, extras = _check.gather_meta(sent, group, extra=[ok, int(requires_grad)])
+    ok, differentiable = extras[src_rank]
+    src = _groups.to_global_rank(group, src_rank)
+    if not ok:
+        raise _differing_source_tensors(src)
+    meta = metas[src_rank]
+    if meta.dtype is None:
+        raise ValueError("scatter: the source rank's dtype is not supported by the shape exchange")
+    for r, (m, extra) in enumerate(zip(metas, extras)):
+        if r != src_rank and m is not None and (m != meta or extra[1] != differentiable):
+            raise ValueError(
+                f"scatter: the placeholders of group rank {r} have shape {tuple(m.shape)}, dtype {m.dtype} and "
+                f"requires_grad={bool(extra[1])}, but the source's tensors (global rank {src}) have shape "
+                f"{tuple(meta.shape)}, dtype {meta.dtype} and requires_grad={bool(differentiable)}; under "
+                "torch.compile a rank's output takes its placeholders' shape and requires grad when they do, so "
+                "they must match"
+            )
+    return meta, bool(differentiable)
+
+
+def _differing_source_tensors(src: int) -> ValueError:
+    return ValueError(
+        f"scatter: the tensors passed on the source rank (global rank {src}) differ in shape, dtype or device; "
+        "all of them must match"
+    )
+
+
+
+@torch.compiler.disable(reason="scatter without tensors off the source learns their shape with a host sync; pass "
+                        "placeholder tensors")
+def _scatter_eagerly(tensors, src, group):
+    """scatter outside the compiled graph (Note [Compiled collectives] in distcomm._compile_ops)."""
+    return scatter(tensors, src, group)

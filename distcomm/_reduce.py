@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from distcomm import _check, _groups
+from distcomm import _check, _compiled, _groups
 from distcomm._reduce_ops import (
     _AVG,
     _DIFFERENTIABLE_OPS,
@@ -219,10 +219,12 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: dist.ProcessGroup |
         A new contiguous tensor of ``tensor``'s shape, identical on every rank.
     """
     _require_tensor("tensor", tensor)
-    op = _parse_op(op)
+    op = _compiled.parse_op(op) if torch.compiler.is_compiling() else _parse_op(op)
     group, size, _ = _groups.resolve(group)
     needs_grad = _needs_grad(tensor)
     _check_op("all_reduce", op, tensor, needs_grad, group)
+    if torch.compiler.is_compiling():
+        return _compiled.all_reduce(tensor, op, group)
     if size > 1 and _check.is_check_mode():
         _agree("all_reduce", tensor, group, op=op.kind.value, requires_grad=needs_grad)
     return _AllReduce.apply(tensor, op, group, size)
@@ -245,11 +247,13 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: dist.ProcessG
         (it requires grad whenever the input does, so every rank takes part in the backward).
     """
     _require_tensor("tensor", tensor)
-    op = _parse_op(op)
+    op = _compiled.parse_op(op) if torch.compiler.is_compiling() else _parse_op(op)
     group, size, rank = _groups.resolve(group)
     dst_rank = _groups.check_rank_in_group("dst", dst, group)
     needs_grad = _needs_grad(tensor)
     _check_op("reduce", op, tensor, needs_grad, group)
+    if torch.compiler.is_compiling():
+        return _compiled.reduce(tensor, dst_rank, op, group)
     if size > 1 and _check.is_check_mode():
         _agree("reduce", tensor, group, op=op.kind.value, dst=dst, requires_grad=needs_grad)
     return _Reduce.apply(tensor, dst, op, group, size, rank == dst_rank)
@@ -272,6 +276,8 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = 
     _require_tensor("tensor", tensor)
     group, size, rank = _groups.resolve(group)
     src_rank = _groups.check_rank_in_group("src", src, group)
+    if torch.compiler.is_compiling():
+        return _compiled.broadcast(tensor, src_rank, group)
     if size > 1 and _check.is_check_mode():
         _agree("broadcast", tensor, group, src=src, requires_grad=_needs_grad(tensor))
     return _Broadcast.apply(tensor, src, group, size, rank == src_rank)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distcomm import _check, _groups
+from distcomm import _check, _compiled, _groups
 
 __all__ = ["RingComm", "RingHandle", "ring_pass"]
 
@@ -41,6 +41,20 @@ class RingHandle:
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self._works)
+
+
+def _ring_size(ring_size, group_size: int) -> int:
+    """The validated ranks per ring (``None``: the whole group)."""
+    if ring_size is None:
+        return group_size
+    if isinstance(ring_size, bool) or not isinstance(ring_size, int) or ring_size < 1:
+        raise ValueError(f"`ring_size` must be a positive int or None, got {ring_size!r}")
+    if group_size % ring_size:
+        raise ValueError(
+            f"`ring_size`={ring_size} must divide the group size {group_size} "
+            f"(allowed: {[d for d in range(1, group_size + 1) if group_size % d == 0]})"
+        )
+    return ring_size
 
 
 class RingComm:
@@ -73,15 +87,7 @@ class RingComm:
         self.group = _groups.resolve_group(group)
         group_size = _groups.group_size(self.group)
         group_rank = _groups.group_rank(self.group)
-        if ring_size is None:
-            ring_size = group_size
-        if isinstance(ring_size, bool) or not isinstance(ring_size, int) or ring_size < 1:
-            raise ValueError(f"`ring_size` must be a positive int or None, got {ring_size!r}")
-        if group_size % ring_size:
-            raise ValueError(
-                f"`ring_size`={ring_size} must divide the group size {group_size} "
-                f"(allowed: {[d for d in range(1, group_size + 1) if group_size % d == 0]})"
-            )
+        ring_size = _ring_size(ring_size, group_size)
         self.size = ring_size
         self.rank = group_rank % ring_size
         first = group_rank - self.rank
@@ -191,12 +197,21 @@ def ring_pass(
     ``recv_shape`` gives the incoming shape, one small exchange among the ring's members learns every
     member's shape and dtype (and raises the same error on every member if the dtypes differ); other rings
     are not involved. Pass ``recv_shape`` to skip it (it costs a host sync). The backward sends the grad the other way.
-    No barrier. Without a process group, or in a ring of one, returns ``tensor`` itself.
+    No barrier. Without a process group, or in a ring of one, returns ``tensor`` itself. Under ``torch.compile``
+    pass ``recv_shape``: without it the call runs eagerly (a graph break; an error under ``fullgraph=True``).
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"`tensor` must be a torch.Tensor, got {type(tensor).__name__}")
     if isinstance(shift, bool) or not isinstance(shift, int):
         raise TypeError(f"`shift` must be an int, got {shift!r}")
+    if torch.compiler.is_compiling():
+        group, group_size, _ = _groups.resolve(group)
+        size = _ring_size(ring_size, group_size)
+        if size == 1 or shift % size == 0:
+            return tensor
+        if recv_shape is None:
+            return _ring_pass_eagerly(tensor, shift, group, ring_size)
+        return _compiled.ring_pass(tensor, shift, size, recv_shape, group)
     comm = RingComm(group, ring_size)
     if comm.size == 1 or shift % comm.size == 0:
         return tensor
@@ -207,3 +222,10 @@ def ring_pass(
             _check.raise_mismatch("ring_pass", "dtypes or numbers of dims", ring_metas)
         recv_shape = ring_metas[(comm.rank - shift) % comm.size].shape
     return _RingPass.apply(tensor, shift, comm, tuple(recv_shape))
+
+
+@torch.compiler.disable(reason="ring_pass without `recv_shape` learns the incoming shape with a host sync; pass "
+                        "`recv_shape`")
+def _ring_pass_eagerly(tensor, shift, group, ring_size):
+    """ring_pass outside the compiled graph (Note [Compiled collectives] in distcomm._compile_ops)."""
+    return ring_pass(tensor, shift, group, ring_size)
