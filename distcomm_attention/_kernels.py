@@ -15,11 +15,19 @@ Backends (``backend=`` of ``ring_flash_attn``):
     "flash2"     TritonForward    AtenFlashBackward     CUDA fp16/bf16; plain full/causal attention only
                                                         (PyTorch's built-in FlashAttention-2 backward)
     "flash_attn" TritonForward    FlashAttnBackward     like "flash2" with the flash-attn package's backward
-    "auto"       CPU, CUDA fp32/fp64 -> "torch"; CUDA fp16/bf16 -> the fastest that can do the call
-                 (``AUTO_PREFERENCE``, from the measurements in docs/bench/block_kernels.md)
+    "cudnn"      CudnnForward     CudnnBackward         CUDA fp16/bf16, sm80+; plain full/causal attention, GQA
+                                                        (PyTorch's cuDNN attention ops; distcomm_attention._cudnn)
+    "fa4"        FA4Forward       FA4Backward           CUDA fp16/bf16, sm90/sm100; full/causal, softcap, GQA
+                                                        (flash-attn-4, optional; distcomm_attention._fa4)
+    "auto"       CPU, CUDA fp32/fp64 -> "torch"; CUDA fp16/bf16 -> the first backend of ``AUTO_PREFERENCE``
+                 that can do the call (measured order, see docs/bench/backends.md)
 
-``which_kernels`` (public) answers which backend and kernels a call would use, and why. Kernel modules are
-imported here, lazily, so ``import distcomm_attention`` needs neither triton nor flash_attn.
+Every backend answers one question, "can you run this call, and if not, why?" (``backend_problem``: None
+or the ImportError / ValueError to raise). A forced backend raises its answer before any communication,
+"auto" walks ``AUTO_PREFERENCE`` and takes the first backend with none, and ``which_kernels`` (public)
+reports the choice and what was skipped. The block backends "cudnn" and "fa4" compute one (query block,
+key block) pair at a time and are merged by distcomm_attention._merge. Kernel modules are imported here,
+lazily, so ``import distcomm_attention`` needs neither triton nor flash_attn.
 """
 
 from __future__ import annotations
@@ -30,17 +38,23 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from distcomm_attention import _cudnn, _fa4
+from distcomm_attention._merge import call_features
 from distcomm_attention._visibility import BlockMask, Visibility
 
 __all__ = [
-    "BACKENDS", "AUTO_PREFERENCE", "ForwardKernel", "BackwardKernel", "KernelChoice", "check_backend",
-    "check_flash_backward", "resolve_backend", "select_kernels", "unsupported_feature",
+    "BACKENDS", "AUTO_PREFERENCE", "ForwardKernel", "BackwardKernel", "KernelChoice", "backend_problem",
+    "check_backend", "check_flash_backward", "resolve_backend", "select_kernels", "unsupported_feature",
 ]
 
-BACKENDS = ("auto", "torch", "triton", "flash2", "flash_attn")
-# The order in which "auto" tries the CUDA fp16/bf16 backends; the first that can do a call wins.
-AUTO_PREFERENCE = ("flash2", "triton")
+BACKENDS = ("auto", "torch", "triton", "flash2", "flash_attn", "cudnn", "fa4")
+# The order in which "auto" tries the CUDA fp16/bf16 backends; the first that can do a call wins. Measured
+# (docs/bench/backends.md, one H100, bf16, d=128, S = 8k-32k, causal and full, heads 32/32 and 32/8):
+# ring_flash_attn at world 1, fwd+bwd TFLOP/s: fa4 428-608, cudnn 347-547, triton 274-357, flash2 250-343
+# (triton above flash2 in all 12 rows); direct kernels: FA4 602-682, cuDNN 536-605, SDPA FA2 291-335.
+AUTO_PREFERENCE = ("fa4", "cudnn", "triton", "flash2")
 _PLAIN_ONLY = ("flash2", "flash_attn")
+_BLOCK_BACKENDS = {"cudnn": _cudnn, "fa4": _fa4}
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -78,7 +92,14 @@ class ForwardKernel(Protocol):
 
 
 class BackwardKernel(Protocol):
-    """The FlashAttention-2 backward of one block, recomputing P from the global lse."""
+    """The FlashAttention-2 backward of one block, recomputing P from the global lse.
+
+    ``uses_delta``: whether ``step`` reads ``delta``; False (the block backends, which compute
+    rowsum(dout * out) inside their kernels) lets a caller pass ``delta=None``. Kernels without the
+    attribute read it.
+    """
+
+    uses_delta: bool
 
     def step(
         self,
@@ -147,27 +168,28 @@ def check_flash_backward(name: str, device: torch.device, batch: int) -> None:
 
 def unsupported_feature(name: str, vis: Visibility, softcap: float) -> str | None:
     """Why backend ``name`` cannot execute a call with this visibility and softcap, or None if it can."""
+    if name in _BLOCK_BACKENDS:
+        return _BLOCK_BACKENDS[name].unsupported_feature(vis, softcap)
     if name not in _PLAIN_ONLY:
         return None
-    features = []
-    if vis.key_mask:
-        features.append("attention_mask")
-    if vis.window != (-1, -1) and not (vis.causal and vis.left is None):
-        features.append(f"window_size={vis.window}")
-    if vis.cu_seqlens is not None:
-        features.append("cu_seqlens (packed documents)")
-    if softcap:
-        features.append(f"softcap={softcap}")
+    features = call_features(vis, softcap)
     if not features:
         return None
     return (
         f"backend={name!r} runs plain full or causal attention only (FlashAttention-2 backward), but this call "
-        f"uses {', '.join(features)}; use backend='triton' or backend='auto'"
+        f"uses {', '.join(features.values())}; use backend='triton' or backend='auto'"
     )
 
 
+def _module_available(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a parent package that is missing or broken
+        return False
+
+
 def _check_package(name: str) -> None:
-    if name == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
+    if name == "flash_attn" and not _module_available("flash_attn.flash_attn_interface"):
         raise ImportError(
             "backend='flash_attn' needs the flash-attn package (CUDA only, built from source): "
             "pip install flash-attn --no-build-isolation; or use backend='flash2' (same kernels, PyTorch's "
@@ -180,58 +202,101 @@ def _check_package(name: str) -> None:
         )
 
 
-def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype,
-                    vis: Visibility = Visibility(), softcap: float = 0.0) -> tuple[str, str]:
-    """The concrete backend for ``backend`` on tensors of ``device``/``dtype`` for a call with visibility
-    ``vis`` and ``softcap``, and the reason for the choice.
-
-    "auto" takes "torch" for CPU tensors and CUDA fp32/fp64 (the exact path), else the first backend of
-    ``AUTO_PREFERENCE`` that can do the call. An explicit backend is checked for the device and dtype
-    (ValueError), its features (ValueError naming the unsupported ones) and its package (ImportError naming
-    what to install).
-    """
-    check_backend(backend)
-    if backend == "auto":
-        if device.type != "cuda" or dtype not in _HALF:
-            return "torch", f"{device.type} {dtype}: the exact PyTorch path"
-        if not _triton_importable():
-            raise ImportError(
-                f"backend='auto' on CUDA {dtype} tensors uses Triton kernels, but triton cannot be imported: "
-                "pip install triton, or use backend='torch'"
-            )
-        for name in AUTO_PREFERENCE:
-            if name != "flash_attn" or importlib.util.find_spec("flash_attn") is not None:
-                if unsupported_feature(name, vis, softcap) is None:
-                    return name, f"the first of AUTO_PREFERENCE={AUTO_PREFERENCE} that can do this call"
-        raise AssertionError("'triton' supports every call")  # pragma: no cover
-    if backend == "torch":
-        return backend, "requested"
-    _check_package(backend)
-    reason = unsupported_feature(backend, vis, softcap)
+def _triton_family_problem(name: str, device: torch.device, dtype: torch.dtype, vis: Visibility,
+                           softcap: float, head_dim: int | None, batch: int | None) -> Exception | None:
+    """The capability check of "triton", "flash2" and "flash_attn" (our Triton forward, and our Triton or a
+    FlashAttention-2 backward)."""
+    try:
+        _check_package(name)
+    except ImportError as exc:
+        return exc
+    reason = unsupported_feature(name, vis, softcap)
     if reason is not None:
-        raise ValueError(reason)
+        return ValueError(reason)
     if device.type == "cuda":
         if dtype not in _HALF:
-            raise ValueError(
-                f"backend={backend!r} supports CUDA tensors of dtype float16 or bfloat16, got {dtype}; "
+            return ValueError(
+                f"backend={name!r} supports CUDA tensors of dtype float16 or bfloat16, got {dtype}; "
                 "use backend='torch' (exact, any dtype) or backend='auto'"
             )
-        return backend, "requested"
-    if backend == "triton" and device.type == "cpu":
+        if batch is not None:
+            try:
+                check_flash_backward(name, device, batch)
+            except ValueError as exc:
+                return exc
+    elif name == "triton" and device.type == "cpu":
         if not _interpreting():
-            raise ValueError(
+            return ValueError(
                 "backend='triton' on CPU tensors runs only in the Triton interpreter: set TRITON_INTERPRET=1 "
                 "before distcomm_attention's Triton kernels are first imported, or use backend='torch'"
             )
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(
+            return ValueError(
                 f"backend='triton' on CPU (interpreter) supports float16, bfloat16 and float32, got {dtype}; "
                 "use backend='torch'"
             )
+    else:
+        where = "CUDA tensors (and CPU ones under TRITON_INTERPRET=1)" if name == "triton" else "CUDA tensors"
+        return ValueError(
+            f"backend={name!r} supports {where}, got a tensor on {device.type}; use backend='torch' or "
+            "backend='auto'"
+        )
+    if head_dim is not None and not (isinstance(head_dim, int) and 16 <= head_dim <= 256 and head_dim % 8 == 0):
+        return ValueError(
+            f"backend={name!r}: head_dim={head_dim} is not supported by the Triton kernels "
+            "(allowed: multiples of 8 from 16 to 256); use backend='torch'"
+        )
+    return None
+
+
+def backend_problem(name: str, device: torch.device, dtype: torch.dtype, vis: Visibility = Visibility(),
+                    softcap: float = 0.0, *, head_dim: int | None = None,
+                    batch: int | None = None) -> Exception | None:
+    """None if backend ``name`` (not "auto") can run a call on tensors of ``device``/``dtype`` with this
+    visibility, softcap, head_dim and batch size, else the error that says why: ImportError (a package to
+    install) or ValueError (a feature, device, dtype, GPU or shape it does not support). ``head_dim`` /
+    ``batch`` None: not checked."""
+    if name == "torch":
+        return None
+    if name in _BLOCK_BACKENDS:
+        return _BLOCK_BACKENDS[name].can_use(device, dtype, head_dim, vis, softcap)
+    return _triton_family_problem(name, device, dtype, vis, softcap, head_dim, batch)
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype,
+                    vis: Visibility = Visibility(), softcap: float = 0.0, *, head_dim: int | None = None,
+                    batch: int | None = None) -> tuple[str, str]:
+    """The concrete backend for ``backend`` on tensors of ``device``/``dtype`` for a call with visibility
+    ``vis``, ``softcap``, ``head_dim`` and ``batch`` size (None: not checked), and the reason for the choice.
+
+    "auto" takes "torch" for CPU tensors and CUDA fp32/fp64 (the exact path), else the first backend of
+    ``AUTO_PREFERENCE`` whose ``backend_problem`` is None. An explicit backend raises its problem:
+    ValueError (feature, device, dtype, GPU, head_dim) or ImportError (what to install).
+    """
+    check_backend(backend)
+    if backend != "auto":
+        problem = backend_problem(backend, device, dtype, vis, softcap, head_dim=head_dim, batch=batch)
+        if problem is not None:
+            raise problem
         return backend, "requested"
-    where = "CUDA tensors (and CPU ones under TRITON_INTERPRET=1)" if backend == "triton" else "CUDA tensors"
+    if device.type != "cuda" or dtype not in _HALF:
+        return "torch", f"{device.type} {dtype}: the exact PyTorch path"
+    skipped = []
+    for name in AUTO_PREFERENCE:
+        problem = backend_problem(name, device, dtype, vis, softcap, head_dim=head_dim, batch=batch)
+        if problem is None:
+            reason = f"the first of AUTO_PREFERENCE={AUTO_PREFERENCE} that can do this call"
+            return name, reason + (f" (skipped: {'; '.join(skipped)})" if skipped else "")
+        skipped.append(f"{name}: {problem}")
+    if not _triton_importable():
+        raise ImportError(
+            f"backend='auto' on CUDA {dtype} tensors found no backend for this call, and the Triton kernels that "
+            f"run every call need triton, which cannot be imported: pip install triton "
+            f"(skipped: {'; '.join(skipped)}); or use backend='torch'"
+        )
     raise ValueError(
-        f"backend={backend!r} supports {where}, got a tensor on {device.type}; use backend='torch' or backend='auto'"
+        f"backend='auto' found no backend for this call on CUDA {dtype} tensors (skipped: {'; '.join(skipped)}); "
+        "use backend='torch'"
     )
 
 
@@ -249,6 +314,8 @@ _KERNEL_NAMES = {
     "triton": ("TritonForward", "TritonBackward"),
     "flash2": ("TritonForward", "AtenFlashBackward"),
     "flash_attn": ("TritonForward", "FlashAttnBackward"),
+    "cudnn": ("CudnnForward", "CudnnBackward"),
+    "fa4": ("FA4Forward", "FA4Backward"),
 }
 
 
@@ -257,15 +324,8 @@ def choose(backend: str, q: torch.Tensor, vis: Visibility, softcap: float) -> Ke
     if backend == "auto" and q.shape[0] == 0:
         name, reason = "torch", "empty batch: nothing to compute"
     else:
-        name, reason = resolve_backend(backend, q.device, q.dtype, vis, softcap)
-    check_flash_backward(name, q.device, q.shape[0])
-    if name != "torch":
-        head_dim = q.shape[-1]
-        if not (isinstance(head_dim, int) and 16 <= head_dim <= 256 and head_dim % 8 == 0):
-            raise ValueError(
-                f"backend={name!r}: head_dim={head_dim} is not supported by the Triton kernels "
-                "(allowed: multiples of 8 from 16 to 256); use backend='torch'"
-            )
+        name, reason = resolve_backend(backend, q.device, q.dtype, vis, softcap, head_dim=q.shape[-1],
+                                       batch=q.shape[0])
     return KernelChoice(name, *_KERNEL_NAMES[name], reason)
 
 
@@ -275,16 +335,21 @@ def select_kernels(backend: str, q: torch.Tensor, vis: Visibility = Visibility()
     Everything the kernels would reject is checked here, before any communication.
 
     Raises:
-        ValueError / TypeError: unknown backend, a backend that does not run on this device/dtype or cannot
-            do this call's features, a head_dim its kernels do not support, or (CUDA FlashAttention-2
-            backward) batch size 0 or a GPU older than sm80.
-        ImportError: the backend's package is not installed (for "auto": triton, on CUDA fp16/bf16).
+        ValueError / TypeError: unknown backend, a backend that does not run on this device/dtype/GPU or
+            cannot do this call's features, a head_dim its kernels do not support, or (CUDA
+            FlashAttention-2 backward) batch size 0 or a GPU older than sm80.
+        ImportError: the backend's package is not installed (for "auto": no backend can run the call and
+            triton, which runs every call, is missing).
     """
     name = choose(backend, q, vis, softcap).backend
     if name == "torch":
         from distcomm_attention._torch_kernels import TorchBackward, TorchForward
 
         return name, TorchForward(), TorchBackward()
+    if name == "cudnn":
+        return name, _cudnn.CudnnForward(), _cudnn.CudnnBackward()
+    if name == "fa4":
+        return name, _fa4.FA4Forward(), _fa4.FA4Backward()
     from distcomm_attention._triton_fwd import TritonForward
 
     TritonForward.check_tensor("q", q)  # e.g. a kernel module imported before TRITON_INTERPRET was set

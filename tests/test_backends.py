@@ -1,0 +1,321 @@
+"""The block backends ("cudnn", "fa4") on CPU, cheapest first; no GPU and no flash-attn-4 needed.
+
+1. Pure functions: merging block outputs by logsumexp (distcomm_attention._merge) against one-shot
+   attention, and the adapters' contract (a ring of one is the kernel's own result; dQ accumulates into the
+   given buffer; dK/dV in the asked dtype).
+2. The adapters on every block a ring of 1, 2 and 4 issues (tests/ring_sim.py), with exact float64 block
+   kernels standing in for the GPU ones, against the float64 reference.
+3. Backend selection with the environment simulated by monkeypatching (flash-attn-4 installed or not, the
+   GPU's compute capability, cuDNN present or not): "auto" walks AUTO_PREFERENCE, a forced backend raises
+   the reason it cannot run a call, and importing the package never imports flash_attn.
+GPU runs of the real kernels: tests/test_gpu_backends.py.
+"""
+
+import importlib.metadata
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import distcomm_attention as da
+from distcomm_attention import _cudnn, _fa4, _kernels
+from distcomm_attention._merge import BlockBackward, BlockForward, MergeState, call_features, merge_block
+from distcomm_attention._reference import attention_reference
+from distcomm_attention._torch_kernels import TorchBackward, TorchForward
+from distcomm_attention._visibility import CAUSAL, FULL, BlockMask, Visibility
+from tests.ring_sim import simulate_ring
+
+CUDA = torch.device("cuda")
+BF16 = torch.bfloat16
+
+
+# ------------------------------------------------------------------------------------- exact block kernels
+class ExactBlockForward(BlockForward):
+    """A block backend computed by the exact torch kernels (float64 for float64 input)."""
+
+    def block(self, q, k, v, *, causal, scale, softcap):
+        kernel = TorchForward()
+        state = kernel.init_state(q)
+        kernel.step(state, q, k, v, mask=CAUSAL if causal else FULL, scale=scale, softcap=softcap)
+        return kernel.finalize(state, q.dtype)
+
+
+class ExactBlockBackward(BlockBackward):
+    def block(self, dout, q, k, v, out, lse, *, causal, scale, softcap):
+        delta = (dout.double() * out.double()).sum(-1).transpose(1, 2)
+        return TorchBackward().step(dout, q, k, v, out, lse, delta, mask=CAUSAL if causal else FULL, scale=scale,
+                                    softcap=softcap)
+
+
+def _qkv(b=2, s=32, h=4, hkv=2, d=16, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda n: torch.randn(b, s, n, d, generator=g, dtype=dtype)  # noqa: E731
+    return make(h), make(hkv), make(hkv), make(h)
+
+
+# ------------------------------------------------------------------------------------------- 1. merging
+def test_merge_of_key_blocks_equals_one_shot_attention():
+    """Blocks of keys merged by logsumexp give the one-shot output and lse (fp64 blocks: to rounding)."""
+    q, k, v, _ = _qkv()
+    kernel = ExactBlockForward()
+    whole_out, whole_lse = kernel.block(q, k, v, causal=False, scale=0.3, softcap=0.0)
+    state = kernel.init_state(q)
+    for keys in (slice(0, 5), slice(5, 20), slice(20, 32)):
+        kernel.step(state, q, k[:, keys], v[:, keys], mask=FULL, scale=0.3)
+    out, lse = kernel.finalize(state, q.dtype)
+    torch.testing.assert_close(out, whole_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, whole_lse, rtol=0, atol=1e-12)
+
+
+def test_single_block_is_returned_as_the_kernel_made_it():
+    """A block covering every row of a fresh state is adopted without a copy or a merge (a ring of one is one
+    kernel call), with or without ``final``."""
+    q, k, v, _ = _qkv(dtype=torch.float32)
+    out_b, lse_b = torch.randn(q.shape), torch.randn(2, 4, 32)
+
+    class Fixed(BlockForward):
+        def block(self, q, k, v, *, causal, scale, softcap):
+            return out_b, lse_b
+
+    for final in (False, True):
+        kernel = Fixed()
+        state = kernel.init_state(q)
+        kernel.step(state, q, k, v, mask=CAUSAL, scale=1.0, final=final, q_slice=slice(0, 32))
+        out, lse = kernel.finalize(state, q.dtype)
+        assert out is out_b and lse is lse_b and not state.merged
+
+
+def test_rows_never_reached_finalize_to_zero_and_minus_inf():
+    """Rows no block touched come out as 0 with lse -inf (the contract of every forward kernel); a partial
+    first block starts an fp32 state."""
+    q, k, v, _ = _qkv(dtype=torch.bfloat16)
+    state = MergeState(q.shape, q.device)
+    merge_block(state, torch.ones(2, 10, 4, 16, dtype=torch.bfloat16), torch.zeros(2, 4, 10), slice(3, 13))
+    out, lse = ExactBlockForward().finalize(state, torch.bfloat16)
+    assert state.out.dtype == torch.float32 and out.dtype == torch.bfloat16
+    assert (out[:, :3] == 0).all() and (out[:, 13:] == 0).all() and (out[:, 3:13] == 1).all()
+    assert torch.isinf(lse[:, :, :3]).all() and (lse[:, :, 3:13] == 0).all()
+    empty = ExactBlockForward().finalize(MergeState(q.shape, q.device), torch.bfloat16)
+    assert (empty[0] == 0).all() and (empty[1] == float("-inf")).all()
+
+
+def test_merging_two_empty_rows_stays_finite():
+    """Two blocks that both leave a row empty (lse -inf) merge to out 0, lse -inf, without NaN."""
+    state = MergeState(torch.Size((1, 2, 1, 4)), torch.device("cpu"))
+    lse = torch.tensor([[[float("-inf"), 0.0]]])
+    merge_block(state, torch.zeros(1, 2, 1, 4), lse.clone(), slice(0, 2))
+    merge_block(state, torch.zeros(1, 2, 1, 4), lse.clone(), slice(0, 2))
+    merge_block(state, torch.ones(1, 2, 1, 4), lse.clone(), slice(0, 2))
+    assert not state.out.isnan().any() and state.lse[0, 0, 0] == float("-inf")
+
+
+def test_block_backward_honours_the_contract():
+    """dQ is added into ``dq_acc`` (and returned), dK/dV come in ``dkv_dtype``; empty blocks give zeros."""
+    q, k, v, dout = _qkv(dtype=torch.float32)
+    out, lse = ExactBlockForward().block(q, k, v, causal=True, scale=0.25, softcap=0.0)
+    kernel = ExactBlockBackward()
+    dq, dk, dv = kernel.step(dout, q, k, v, out, lse, mask=CAUSAL, scale=0.25)
+    acc = torch.ones(q.shape, dtype=torch.float64)
+    dq2, dk2, dv2 = kernel.step(dout, q, k, v, out, lse, mask=CAUSAL, scale=0.25, dq_acc=acc,
+                                dkv_dtype=torch.float64)
+    assert dq2 is acc and dk2.dtype == dv2.dtype == torch.float64
+    torch.testing.assert_close(acc, 1 + dq.double())
+    _, dk0, dv0 = kernel.step(dout, q, k[:, :0], v[:, :0], out, lse, mask=FULL, scale=0.25)
+    assert dk0.shape == (2, 0, 2, 16) and dv0.shape == (2, 0, 2, 16)
+
+
+def test_block_adapters_refuse_blocks_they_cannot_express():
+    """Interval blocks and key masks are a ValueError naming the kernel (the selection never sends them)."""
+    q, k, v, dout = _qkv()
+    interval = BlockMask("interval", *(torch.zeros(32, dtype=torch.int32),) * 4)
+    with pytest.raises(ValueError, match=r"ExactBlockForward: only full or causal blocks.*'interval'"):
+        ExactBlockForward().step(ExactBlockForward().init_state(q), q, k, v, mask=interval, scale=1.0)
+    with pytest.raises(ValueError, match=r"ExactBlockBackward: .*key mask given"):
+        ExactBlockBackward().step(dout, q, k, v, q, torch.zeros(2, 4, 32), mask=FULL, scale=1.0,
+                                  key_mask=torch.ones(2, 32, dtype=torch.bool))
+
+
+# ------------------------------------------------------------------------------- 2. rings of exact blocks
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("ring_size", [1, 2, 4])
+@pytest.mark.parametrize("case", [dict(causal=True), dict(causal=False), dict(causal=True, softcap=5.0)], ids=str)
+def test_adapters_on_every_block_of_a_ring(case, ring_size, layout):
+    """Forward merged block by block and backward from the merged out/lse, on the blocks a ring issues, equal
+    float64 attention (GQA 2:1): the merge and the backward's use of global statistics are exact."""
+    q, k, v, dout = _qkv(s=48, seed=ring_size)
+    softcap = case.get("softcap", 0.0)
+    out, dq, dk, dv = simulate_ring(q, k, v, dout, None, layout=layout, ring_size=ring_size,
+                                    vis=Visibility(case["causal"]), scale=0.3, softcap=softcap,
+                                    fwd=ExactBlockForward(), bwd=ExactBlockBackward())
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    ref = attention_reference(qr, kr, vr, causal=case["causal"], softmax_scale=0.3, softcap=softcap)
+    grads = torch.autograd.grad(ref, (qr, kr, vr), dout)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (ref, *grads)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=name)
+
+
+# --------------------------------------------------------------------------------------------- 3. selection
+@pytest.fixture
+def hopper(monkeypatch):
+    """A simulated machine: flash-attn-4 installed, cuDNN 9.1, an sm90 GPU, triton importable."""
+    monkeypatch.setattr(_fa4, "_package_problem", lambda: None)
+    monkeypatch.setattr(_fa4, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(_cudnn, "_cudnn_version", lambda: 90100)
+    monkeypatch.setattr(_cudnn, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(_kernels, "_cuda_capability", lambda device: (9, 0))
+    monkeypatch.setattr(_kernels, "_triton_importable", lambda: True)
+    return monkeypatch
+
+
+def _auto(vis=Visibility(True), softcap=0.0, dtype=BF16, head_dim=128):
+    return _kernels.resolve_backend("auto", CUDA, dtype, vis, softcap, head_dim=head_dim, batch=1)[0]
+
+
+def test_auto_walks_the_preference(hopper):
+    """auto takes the first backend of AUTO_PREFERENCE that can run the call; features and GPUs a backend
+    cannot take move the call down the list."""
+    assert _auto() == "fa4"
+    assert _auto(softcap=20.0) == "fa4"
+    assert _auto(Visibility(True, window=(64, 0))) == "triton"
+    assert _auto(Visibility(False, key_mask=True)) == "triton"
+    assert _auto(dtype=torch.float32) == "torch"
+    hopper.setattr(_fa4, "_package_problem", lambda: "backend='fa4' needs flash-attn-4")
+    assert _auto() == "cudnn"
+    assert _auto(softcap=20.0) == "triton"
+    hopper.setattr(_cudnn, "_capability", lambda device: (7, 5))
+    hopper.setattr(_kernels, "_cuda_capability", lambda device: (7, 5))
+    assert _auto() == "triton"
+    reason = _kernels.resolve_backend("auto", CUDA, BF16, Visibility(True), head_dim=128, batch=1)[1]
+    assert "skipped: fa4: backend='fa4' needs flash-attn-4; cudnn:" in reason and "sm75" in reason
+
+
+def test_auto_follows_the_measured_order(hopper):
+    """The committed AUTO_PREFERENCE is the measured order (docs/bench/backends.md): fa4, cudnn, triton."""
+    assert _kernels.AUTO_PREFERENCE[:3] == ("fa4", "cudnn", "triton")
+    assert _auto() == "fa4"
+    assert set(_kernels.AUTO_PREFERENCE) <= set(_kernels.BACKENDS) - {"auto"}
+
+
+def test_which_kernels_names_the_block_kernels(hopper):
+    """The choice reports the backend, its kernel classes and why (choose: the function which_kernels runs)."""
+    q = SimpleNamespace(shape=(1, 256, 8, 128), device=CUDA, dtype=BF16)
+    choice = _kernels.choose("auto", q, Visibility(True), 0.0)
+    assert choice[:3] == ("fa4", "FA4Forward", "FA4Backward") and "AUTO_PREFERENCE" in choice.reason
+    assert _kernels.choose("cudnn", q, Visibility(False), 0.0)[:3] == ("cudnn", "CudnnForward", "CudnnBackward")
+
+
+def test_missing_flash_attn_4_is_an_import_error(monkeypatch):
+    """Without flash-attn-4, backend='fa4' raises ImportError saying what to install (on any machine)."""
+    monkeypatch.setattr(_fa4, "_module_available", lambda name: False)
+    monkeypatch.setattr(_fa4, "_package_problem", _fa4._package_problem.__wrapped__)
+    q = torch.zeros(1, 8, 2, 64, dtype=BF16)
+    with pytest.raises(ImportError, match=r'backend=\'fa4\' needs flash-attn-4.*pip install "distcomm\[fa4\]"'):
+        da.ring_flash_attn(q, q, q, causal=True, backend="fa4")
+    with pytest.raises(ImportError, match=r"needs flash-attn-4"):
+        _fa4.FA4Forward()
+
+
+def test_unverified_flash_attn_4_release_is_refused(monkeypatch):
+    """A flash-attn-4 release outside the verified range is an ImportError naming the installed version."""
+    monkeypatch.setattr(_fa4, "_module_available", lambda name: True)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "4.0.0b20")
+    with pytest.raises(ImportError, match=r"flash-attn-4 4.0.0b20 is installed.*>= 4.0.0b36, < 4.1"):
+        raise ImportError(_fa4._package_problem.__wrapped__())
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "4.0.0b36")
+    assert _fa4._package_problem.__wrapped__() is None
+
+
+def test_forced_fa4_names_what_is_missing(hopper):
+    """Forcing fa4 where it cannot run raises the reason: CPU tensors, no GPU, an older GPU, fp32, head_dim."""
+    def forced(device=CUDA, dtype=BF16, head_dim=128, vis=Visibility(True), softcap=0.0):
+        return _kernels.resolve_backend("fa4", device, dtype, vis, softcap, head_dim=head_dim, batch=1)
+
+    assert forced() == ("fa4", "requested")
+    assert forced(softcap=30.0)[0] == "fa4"
+    with pytest.raises(ValueError, match=r"backend='fa4' supports CUDA tensors, got a tensor on cpu"):
+        forced(device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"backend='fa4' supports .* float16 or bfloat16, got torch.float32"):
+        forced(dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"backend='fa4': head_dim=264 is not supported on sm90"):
+        forced(head_dim=264)
+    hopper.setattr(_fa4, "_capability", lambda device: None)
+    with pytest.raises(ValueError, match=r"backend='fa4' needs a CUDA GPU, but CUDA is not available"):
+        forced()
+    hopper.setattr(_fa4, "_capability", lambda device: (8, 0))
+    with pytest.raises(ValueError, match=r"needs a Hopper \(sm90\) or Blackwell \(sm100\) GPU, got sm80"):
+        forced()
+    hopper.setattr(_fa4, "_capability", lambda device: (10, 0))
+    assert forced()[0] == "fa4"
+    with pytest.raises(ValueError, match=r"head_dim=256 is not supported on sm100 .*up to 128"):
+        forced(head_dim=256)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(window_size=(16, 0)), r"window_size=\(16, 0\)"),
+    (dict(attention_mask=torch.ones(1, 8, dtype=torch.bool)), r"attention_mask"),
+    (dict(cu_seqlens=[0, 3, 8]), r"cu_seqlens \(packed documents\)"),
+])
+def test_forced_block_backends_refuse_unsupported_features(kwargs, match):
+    """fa4 and cudnn forced with a window, padding or documents raise a ValueError naming the feature, on any
+    machine (the feature check comes first), and point to triton."""
+    q = torch.zeros(1, 8, 2, 64, dtype=BF16)
+    for backend in ("fa4", "cudnn"):
+        with pytest.raises(ValueError, match=rf"backend='{backend}' runs .*{match}.*backend='triton'"):
+            da.ring_flash_attn(q, q, q, causal=True, backend=backend, **kwargs)
+
+
+def test_cudnn_takes_no_softcap_and_fa4_does():
+    """Softcap: fa4 computes it, cudnn (plain attention only) refuses it."""
+    assert _fa4.unsupported_feature(Visibility(True), 30.0) is None
+    assert "softcap=30.0" in _cudnn.unsupported_feature(Visibility(True), 30.0)
+    assert call_features(Visibility(True, window=(-1, 0)), 0.0) == {}  # a causal "window" is plain causal
+
+
+def test_forced_cudnn_names_what_is_missing(hopper):
+    """cudnn without cuDNN is an ImportError; before sm80, or head_dim above 128, a ValueError."""
+    def forced(head_dim=128):
+        return _kernels.resolve_backend("cudnn", CUDA, BF16, Visibility(True), head_dim=head_dim, batch=1)
+
+    assert forced() == ("cudnn", "requested")
+    with pytest.raises(ValueError, match=r"backend='cudnn': head_dim=256 is not supported"):
+        forced(head_dim=256)
+    hopper.setattr(_cudnn, "_capability", lambda device: (7, 5))
+    with pytest.raises(ValueError, match=r"cuDNN attention needs sm80\+.*got sm75"):
+        forced()
+    hopper.setattr(_cudnn, "_cudnn_version", lambda: None)
+    with pytest.raises(ImportError, match=r"backend='cudnn' needs PyTorch built with cuDNN >= 9.0.*found no cuDNN"):
+        forced()
+
+
+def test_auto_without_any_usable_backend_says_so(monkeypatch):
+    """With no block backend usable and triton missing, auto raises ImportError naming triton and each
+    skipped backend's reason."""
+    monkeypatch.setattr(_fa4, "_package_problem", lambda: "backend='fa4' needs flash-attn-4")
+    monkeypatch.setattr(_kernels, "_triton_importable", lambda: False)
+    with pytest.raises(ImportError, match=r"backend='auto' on CUDA torch.bfloat16 .*pip install triton.*"
+                                          r"fa4: backend='fa4' needs flash-attn-4.*backend='torch'"):
+        _auto()
+
+
+def test_backend_names():
+    """The new backends are valid names; an unknown one lists them all."""
+    assert {"cudnn", "fa4"} <= set(_kernels.BACKENDS)
+    q = torch.zeros(1, 4, 2, 16)
+    with pytest.raises(ValueError, match=r"Invalid backend 'fa5'. Must be one of: .*'cudnn', 'fa4'"):
+        da.ring_flash_attn(q, q, q, backend="fa5")
+
+
+def test_importing_the_package_never_imports_flash_attn():
+    """flash-attn-4 is imported only when its kernels are built, never by importing the package or by a
+    capability check."""
+    code = (
+        "import sys, torch\n"
+        "from distcomm_attention import _fa4, _kernels\n"
+        "from distcomm_attention._visibility import Visibility\n"
+        "_fa4.can_use(torch.device('cuda'), torch.bfloat16, 128, Visibility(True), 0.0)\n"
+        "cute = [m for m in sys.modules if m == 'flash_attn.cute' or m.startswith('flash_attn.cute.')]\n"
+        "assert not cute, cute\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

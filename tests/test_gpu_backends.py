@@ -1,0 +1,92 @@
+"""Layer 4 (one GPU, marked ``gpu``): the block backends "fa4" and "cudnn" against the float64 reference.
+
+Two views, as in test_gpu_ring_features.py: ``ring_flash_attn(backend=...)`` on one GPU (a ring of one: the
+backend selection and the direct kernel call), and simulated rings of 2 and 4 ranks (tests/ring_sim.py:
+the planner's real blocks, merged by logsumexp in the forward and differentiated from the merged out/lse
+in the backward). Plain full and causal attention, GQA, softcap (fa4), bf16 and fp16. A backend this
+machine cannot run (flash-attn-4 not installed, a GPU it does not support) is skipped with its reason.
+
+Criterion (FlashAttention's own): the maximum error against the float64 reference is at most twice that of
+plain PyTorch attention in the same low precision, plus a small floor; outputs and the q/k/v gradients.
+"""
+
+import pytest
+import torch
+
+import distcomm_attention as da
+from distcomm_attention import _kernels
+from distcomm_attention._visibility import Visibility
+from tests.test_gpu_ring_features import _assert_criterion, _references
+
+pytestmark = pytest.mark.gpu
+
+LOW = [torch.bfloat16, torch.float16]
+CASES = [dict(causal=True), dict(causal=False), dict(causal=True, softcap=30.0)]
+# (backend, case): cudnn runs plain attention only, so its softcap case would only skip.
+BACKEND_CASES = [pytest.param(b, c, id=f"{b}-{c}") for b in ("fa4", "cudnn") for c in CASES
+                 if b == "fa4" or "softcap" not in c]
+
+
+def _usable(backend, dtype, case):
+    """Skip unless ``backend`` can run this case here (the reason is the backend's own check)."""
+    vis = Visibility(case["causal"])
+    problem = _kernels.backend_problem(backend, torch.device("cuda"), dtype, vis, case.get("softcap", 0.0),
+                                       head_dim=128, batch=2)
+    if problem is not None:
+        pytest.skip(f"{backend}: {problem}")
+
+
+def _inputs(dtype, seq, heads, kv_heads, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    make = lambda h: torch.randn(2, seq, h, 128, device="cuda", generator=g).to(dtype)  # noqa: E731
+    return make(heads), make(kv_heads), make(kv_heads), make(heads)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("hkv", [4, 1])
+@pytest.mark.parametrize("backend, case", BACKEND_CASES)
+def test_ring_of_one(backend, case, hkv, dtype):
+    """ring_flash_attn(backend=...) on one GPU is one block-kernel call and meets the flash-attn criterion."""
+    _usable(backend, dtype, case)
+    q, k, v, dout = _inputs(dtype, 1024, 4, hkv, seed=1)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    out = da.ring_flash_attn(qg, kg, vg, causal=case["causal"], softcap=case.get("softcap", 0.0), backend=backend)
+    out.backward(dout)
+    refs, lows = _references(case, q, k, v, dout, None)
+    _assert_criterion(case, (out, qg.grad, kg.grad, vg.grad), refs, lows)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("ring_size", [2, 4])
+@pytest.mark.parametrize("backend, case", BACKEND_CASES)
+def test_simulated_ring(backend, case, ring_size, layout, dtype):
+    """Every block a ring of 2 / 4 issues, merged by logsumexp, meets the criterion (GQA 4:1)."""
+    from tests.ring_sim import simulate_ring
+
+    _usable(backend, dtype, case)
+    _name, fwd, bwd = _kernels.select_kernels(backend, torch.zeros(2, 8, 4, 128, device="cuda", dtype=dtype),
+                                              Visibility(case["causal"]), case.get("softcap", 0.0))
+    q, k, v, dout = _inputs(dtype, 2048, 4, 1, seed=2)
+    ours = simulate_ring(q, k, v, dout, None, layout=layout, ring_size=ring_size, vis=Visibility(case["causal"]),
+                         scale=q.shape[-1] ** -0.5, softcap=case.get("softcap", 0.0), fwd=fwd, bwd=bwd)
+    refs, lows = _references(case, q, k, v, dout, None)
+    _assert_criterion(case, ours, refs, lows)
+
+
+def test_auto_takes_the_first_usable_backend():
+    """which_kernels on CUDA bf16: auto picks the first backend of AUTO_PREFERENCE whose check passes, and
+    calls with a window go to a backend that runs windows."""
+    q = torch.zeros(1, 128, 4, 128, device="cuda", dtype=torch.bfloat16)
+    usable = [b for b in _kernels.AUTO_PREFERENCE
+              if _kernels.backend_problem(b, q.device, q.dtype, Visibility(True), head_dim=128, batch=1) is None]
+    assert da.which_kernels(q, causal=True).backend == usable[0]
+    assert da.which_kernels(q, causal=True, window_size=(64, 0)).backend not in ("fa4", "cudnn", "flash2")
+
+
+@pytest.mark.parametrize("backend", ["fa4", "cudnn"])
+def test_forced_backend_refuses_a_window(backend):
+    """A forced block backend with a sliding window raises a ValueError naming the feature."""
+    q = torch.zeros(1, 128, 4, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"backend='{backend}'.*window_size=\(64, 0\)"):
+        da.ring_flash_attn(q, q, q, causal=True, window_size=(64, 0), backend=backend)
