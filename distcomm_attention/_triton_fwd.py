@@ -6,7 +6,7 @@ lives in memory between steps, so no low-precision output is ever produced mid-r
 Note [Ring forward state]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
 Per query row the state holds three fp32 quantities, all in the base-2 domain of the scaled scores
-``s = (q . k) * scale * log2(e)``::
+``s = (q . k) * scale * log2(e)`` (with a softcap: ``softcap * tanh((q . k) * scale / softcap) * log2(e)``)::
 
     m    running max of s over every key seen so far                         (B, H, Sq)
     l    running sum of 2^(s - m)                                            (B, H, Sq)
@@ -25,12 +25,16 @@ A step may be marked ``final``: the kernel then normalises in registers and writ
 and ``lse`` directly, skipping the fp32 store/load round trip (with a single step this is ordinary flash
 attention). Rows that never saw a key keep l == 0 and finalise to out = 0, lse = -inf (no NaN).
 
-Masking (``causal=True`` is top-left aligned: query row i sees key columns 0..i)::
+Visibility: each step gets a ``BlockMask`` (Note [Visibility]: "full", top-left "causal", or "interval"
+arrays), an optional key padding mask and a softcap, selected in the kernel by the constexprs MODE,
+HAS_KEY_MASK and SOFTCAP. A query tile visits only the key tiles its rows can see, and skips every mask on
+the interior tiles that all its rows see whole (Note [Kernel tiles] in distcomm_attention._triton_mask,
+shared with the backward)::
 
-             key blocks ->
-    q block  [ full ][ full ][ diag ]  .  .     full blocks: no mask, loop bound at the diagonal;
-    m        [ full ][ full ][ full ][ diag ] . diagonal/tail blocks: causal + key-length mask;
-                                              blocks right of the diagonal are never visited.
+             key tiles ->                         causal                     interval (window, documents)
+    q tile   [ intr ][ intr ][ edge ]  .  .       [ intr ][ edge ]  .  .      .  [ edge ][ intr ][ edge ]  .
+    m        [ intr ][ intr ][ intr ][ edge ] .   interior: no mask;          tiles outside the rows'
+                                                  edge: rule + key bounds     intervals are never visited
 
 Sequence lengths need not be multiples of the block sizes (tails are masked), the query and key lengths
 may differ, any strides are accepted (the last dimension need not be contiguous), and GQA/MQA map query
@@ -55,6 +59,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from distcomm_attention._triton_mask import (
+    _key_range,
+    _load_bounds,
+    _load_key_mask,
+    _split,
+    _tanh,
+    _visible_qk,
+    interval_args,
+    key_mask_arg,
+    mode_code,
+)
+from distcomm_attention._visibility import BlockMask
+
 __all__ = ["TritonConfig", "TritonForward", "TritonForwardState", "default_config"]
 
 _LOG2E = 1.4426950408889634  # log2(e): scores are scaled into the base-2 domain for exp2
@@ -72,28 +89,30 @@ _MIN_HEAD_DIM, _MAX_HEAD_DIM = 16, 256
 @triton.jit
 def _attend_block(
     acc, l_i, m_i, q, start_n,
-    # pointers (already offset to this batch and kv head)
-    k_base, v_base,
+    # pointers (already offset to this batch and kv head / batch row of the key mask)
+    k_base, v_base, km_base,
     # strides
-    stride_kn, stride_kd, stride_vn, stride_vd,
+    stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn,
     # sizes and runtime values
-    offs_m, offs_d, seqlen_k, qk_scale,
+    offs_m, offs_d, row_lo, row_hi, seqlen_k, qk_scale, softcap,
     # meta
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, EDGE: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Online-softmax update of (acc, l_i, m_i) with the key block starting at ``start_n``.
+    """Online-softmax update of (acc, l_i, m_i) with the key tile starting at ``start_n``.
 
-    A MASKED block applies the key-length mask (and the causal mask when CAUSAL); an unmasked block is
-    known to be fully visible and in range, so it skips every mask.
+    An EDGE tile applies the visibility rule and the key-length bound (see Note [Kernel tiles]); an
+    interior tile is fully visible and in range and skips both. The key padding mask, when there is one,
+    applies to every tile.
     """
+    MASKED: tl.constexpr = EDGE or HAS_KEY_MASK
     offs_n = start_n + tl.arange(0, BLOCK_N)
     d_ok = offs_d < HEAD_DIM
     rows_n = offs_n[:, None].to(tl.int64)
     k_ptrs = k_base + rows_n * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = v_base + rows_n * stride_vn + offs_d[None, :] * stride_vd
-    if MASKED:
+    if EDGE:
         n_ok = offs_n < seqlen_k
         if EVEN_D:
             k = tl.load(k_ptrs, mask=n_ok[:, None], other=0.0)
@@ -110,11 +129,17 @@ def _attend_block(
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k))
-    qk = qk * qk_scale
+    if SOFTCAP:
+        qk = _tanh(qk * qk_scale) * softcap  # qk_scale = scale / cap, softcap = cap * log2(e)
+    else:
+        qk = qk * qk_scale
     if MASKED:
-        visible = n_ok[None, :]
-        if CAUSAL:
-            visible = visible & (offs_m[:, None] >= offs_n[None, :])
+        if EDGE:
+            visible = _visible_qk(offs_m, offs_n, row_lo, row_hi, seqlen_k, MODE)
+            if HAS_KEY_MASK:
+                visible = visible & _load_key_mask(km_base, offs_n, stride_kmn, seqlen_k)[None, :]
+        else:
+            visible = _load_key_mask(km_base, offs_n, stride_kmn, seqlen_k)[None, :]
         qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # A row with no visible key so far keeps m = -inf; subtract 0 instead to avoid inf - inf.
@@ -126,7 +151,7 @@ def _attend_block(
     p = tl.math.exp2(qk - m_sub[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    if MASKED:
+    if EDGE:
         if EVEN_D:
             v = tl.load(v_ptrs, mask=n_ok[:, None], other=0.0)
         else:
@@ -148,28 +173,32 @@ def _attend_block(
 @triton.jit
 def _attend_range(
     acc, l_i, m_i, q, lo, hi,
-    k_base, v_base,
-    stride_kn, stride_kd, stride_vn, stride_vd,
-    offs_m, offs_d, seqlen_k, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
+    k_base, v_base, km_base,
+    stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn,
+    offs_m, offs_d, row_lo, row_hi, seqlen_k, qk_scale, softcap,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, EDGE: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Key blocks [lo, hi) in steps of BLOCK_N."""
+    """Key tiles [lo, hi) in steps of BLOCK_N."""
     if INTERPRET:
         # The interpreter cannot use runtime scalars as range() bounds (they are 1-element arrays).
         start_n = lo
         while start_n < hi:
             acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, start_n, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                offs_m, offs_d, seqlen_k, qk_scale, HEAD_DIM, BLOCK_N, MASKED, CAUSAL, EVEN_D, UPCAST, IEEE,
+                acc, l_i, m_i, q, start_n, k_base, v_base, km_base,
+                stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn,
+                offs_m, offs_d, row_lo, row_hi, seqlen_k, qk_scale, softcap,
+                HEAD_DIM, BLOCK_N, MODE, EDGE, HAS_KEY_MASK, SOFTCAP, EVEN_D, UPCAST, IEEE,
             )
             start_n += BLOCK_N
     else:
         for start_n in range(lo, hi, BLOCK_N):
             acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, start_n, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-                offs_m, offs_d, seqlen_k, qk_scale, HEAD_DIM, BLOCK_N, MASKED, CAUSAL, EVEN_D, UPCAST, IEEE,
+                acc, l_i, m_i, q, start_n, k_base, v_base, km_base,
+                stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn,
+                offs_m, offs_d, row_lo, row_hi, seqlen_k, qk_scale, softcap,
+                HEAD_DIM, BLOCK_N, MODE, EDGE, HAS_KEY_MASK, SOFTCAP, EVEN_D, UPCAST, IEEE,
             )
     return acc, l_i, m_i
 
@@ -177,8 +206,8 @@ def _attend_range(
 @triton.jit
 def _ring_fwd_kernel(
     # pointers
-    Q, K, V, Acc, M, L, Out, Lse,
-    # strides: q, k, v, out are (B, S, H, D); acc is (B, Sq, H, D); m, l, lse are (B, H, Sq)
+    Q, K, V, Acc, M, L, Out, Lse, RowLo, RowHi, KeyMask,
+    # strides: q, k, v, out are (B, S, H, D); acc is (B, Sq, H, D); m, l, lse are (B, H, Sq); key mask (B, Sk)
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -186,27 +215,31 @@ def _ring_fwd_kernel(
     stride_mb, stride_mh, stride_mm,
     stride_ob, stride_om, stride_oh, stride_od,
     stride_lb, stride_lh, stride_lm,
+    stride_kmb, stride_kmn,
     # sizes and runtime values
-    num_heads, kv_group, seqlen_q, seqlen_k, qk_scale,
+    num_heads, kv_group, seqlen_q, seqlen_k, qk_scale, softcap,
     # meta
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, LOAD_STATE: tl.constexpr, FINAL: tl.constexpr,
+    MODE: tl.constexpr, HAS_KEY_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+    LOAD_STATE: tl.constexpr, FINAL: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M % BLOCK_N == 0, "BLOCK_M must be a multiple of BLOCK_N")
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
+    tl.static_assert(MODE >= 0 and MODE <= 2, "MODE: 0 full, 1 causal, 2 interval")
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
 
     pid_m = tl.program_id(0)
-    if CAUSAL:
-        # Causal q blocks near the end of the sequence do the most work: schedule them first.
+    if MODE != 0:
+        # Query tiles near the end of a causal (or causal-like) block do the most work: schedule them first.
         pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // num_heads).to(tl.int64)
     off_h = (pid_bh % num_heads).to(tl.int64)
     off_hk = off_h // kv_group
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     rows_m = offs_m.to(tl.int64)
     m_ok = offs_m < seqlen_q
@@ -229,24 +262,32 @@ def _ring_fwd_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Key blocks [0, split) are fully visible and in range; [split, hi) need masks; >= hi are skipped.
-    full_k = (seqlen_k // BLOCK_N) * BLOCK_N
-    if CAUSAL:
-        hi = tl.minimum((pid_m + 1) * BLOCK_M, seqlen_k)
-        split = tl.minimum(pid_m * BLOCK_M, full_k)
-    else:
-        hi = seqlen_k
-        split = full_k
+    # Key tiles [start, u0) and [u1, hi) are edge tiles, [u0, u1) interior; see Note [Kernel tiles].
+    lo, mid_lo, mid_hi, hi = _key_range(RowLo, RowHi, start_m, seqlen_q, seqlen_k, MODE, BLOCK_M)
+    start, u0, u1 = _split(lo, mid_lo, mid_hi, hi, BLOCK_N)
+    row_lo, row_hi = _load_bounds(RowLo, RowHi, offs_m, seqlen_q, MODE)
 
     k_base = K + off_b * stride_kb + off_hk * stride_kh
     v_base = V + off_b * stride_vb + off_hk * stride_vh
+    km_base = KeyMask + off_b * stride_kmb
+    if MODE == 2:  # full and causal tiles have no leading edge (start == u0 == 0)
+        acc, l_i, m_i = _attend_range(
+            acc, l_i, m_i, q, start, u0, k_base, v_base, km_base,
+            stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn,
+            offs_m, offs_d, row_lo, row_hi, seqlen_k, qk_scale, softcap,
+            HEAD_DIM, BLOCK_N, MODE, True, HAS_KEY_MASK, SOFTCAP, EVEN_D, UPCAST, IEEE, INTERPRET,
+        )
     acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q, 0, split, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_d, seqlen_k, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, EVEN_D, UPCAST, IEEE, INTERPRET,
+        acc, l_i, m_i, q, u0, u1, k_base, v_base, km_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn,
+        offs_m, offs_d, row_lo, row_hi, seqlen_k, qk_scale, softcap,
+        HEAD_DIM, BLOCK_N, MODE, False, HAS_KEY_MASK, SOFTCAP, EVEN_D, UPCAST, IEEE, INTERPRET,
     )
     acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q, split, hi, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
-        offs_m, offs_d, seqlen_k, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, EVEN_D, UPCAST, IEEE, INTERPRET,
+        acc, l_i, m_i, q, u1, hi, k_base, v_base, km_base,
+        stride_kn, stride_kd, stride_vn, stride_vd, stride_kmn,
+        offs_m, offs_d, row_lo, row_hi, seqlen_k, qk_scale, softcap,
+        HEAD_DIM, BLOCK_N, MODE, True, HAS_KEY_MASK, SOFTCAP, EVEN_D, UPCAST, IEEE, INTERPRET,
     )
 
     if FINAL:
@@ -333,26 +374,44 @@ def default_config(head_dim: int, *, interpret: bool | None = None) -> TritonCon
 # --------------------------------------------------------------------------------------------------------
 
 
+def _score_args(scale: float, softcap: float) -> tuple[float, float]:
+    """(qk_scale, softcap) kernel arguments: scores reach the kernels' base-2 domain as
+    ``qk * qk_scale`` without a softcap, or ``tanh(qk * qk_scale) * softcap`` with one."""
+    if softcap > 0:
+        return scale / softcap, softcap * _LOG2E
+    return scale * _LOG2E, 0.0
+
+
 def _launch(
     q: Tensor, k: Tensor, v: Tensor, acc: Tensor, m: Tensor, l: Tensor, out: Tensor, lse: Tensor,
-    *, causal: bool, scale: float, load_state: bool, final: bool, cfg: TritonConfig,
+    row_lo: Tensor | None, row_hi: Tensor | None, key_mask: Tensor | None,
+    *, mode: int, scale: float, softcap: float, load_state: bool, final: bool, cfg: TritonConfig,
 ) -> None:
-    """One kernel launch over the queries ``q`` (a view of the rows to update) and all of ``k``/``v``."""
+    """One kernel launch over the queries ``q`` (a view of the rows to update) and all of ``k``/``v``.
+
+    ``row_lo``/``row_hi``: int32 (Sq,) for mode 2 (interval); ``key_mask``: uint8 (B, Sk) view or None.
+    """
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
     if batch == 0 or seqlen_q == 0 or heads == 0:
         return
     interpret = _interpreting()
     upcast = q.dtype == torch.bfloat16 and interpret
+    qk_scale, cap = _score_args(scale, softcap)
+    # Absent optional arrays are never read (their constexpr flag is off): pass any tensor.
+    row_lo = q if row_lo is None else row_lo
+    row_hi = q if row_hi is None else row_hi
+    km, km_strides = (q, (0, 0)) if key_mask is None else (key_mask, key_mask.stride())
     grid = (triton.cdiv(seqlen_q, cfg.block_m), batch * heads)
     _ring_fwd_kernel[grid](
-        q, k, v, acc, m, l, out, lse,
+        q, k, v, acc, m, l, out, lse, row_lo, row_hi, km,
         *q.stride(), *k.stride(), *v.stride(), *acc.stride(),
-        *m.stride(), *out.stride(), *lse.stride(),
-        heads, heads // kv_heads, seqlen_q, seqlen_k, scale * _LOG2E,
+        *m.stride(), *out.stride(), *lse.stride(), *km_strides,
+        heads, heads // kv_heads, seqlen_q, seqlen_k, qk_scale, cap,
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        CAUSAL=causal, LOAD_STATE=load_state, FINAL=final,
+        MODE=mode, HAS_KEY_MASK=key_mask is not None, SOFTCAP=softcap > 0,
+        LOAD_STATE=load_state, FINAL=final,
         UPCAST=upcast, IEEE=q.dtype == torch.float32 or upcast, INTERPRET=interpret,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -360,14 +419,16 @@ def _launch(
 
 def _fwd_step_impl(
     q: Tensor, k: Tensor, v: Tensor, acc: Tensor, m: Tensor, l: Tensor,
-    q_start: int, q_stop: int, causal: bool, scale: float, load_state: bool,
+    row_lo: Tensor | None, row_hi: Tensor | None, key_mask: Tensor | None,
+    q_start: int, q_stop: int, mode: int, scale: float, softcap: float, load_state: bool,
     block_m: int, block_n: int, num_warps: int, num_stages: int,
 ) -> None:
-    """Accumulate rows [q_start, q_stop) of the fp32 state (acc, m, l) in place."""
+    """Accumulate rows [q_start, q_stop) of the fp32 state (acc, m, l) in place (``key_mask``: bool)."""
     rows = slice(q_start, q_stop)
     _launch(
         q[:, rows], k, v, acc[:, rows], m[:, :, rows], l[:, :, rows], acc, m,
-        causal=causal, scale=scale, load_state=load_state, final=False,
+        row_lo, row_hi, None if key_mask is None else key_mask.view(torch.uint8),
+        mode=mode, scale=scale, softcap=softcap, load_state=load_state, final=False,
         cfg=TritonConfig(block_m, block_n, num_warps, num_stages),
     )
 
@@ -375,9 +436,9 @@ def _fwd_step_impl(
 # Eager calls on plain tensors go straight to the implementations (no dispatcher on the host's critical
 # path); under torch.compile, a dispatch mode (FakeTensorMode, make_fx) or tensor subclasses, the same
 # functions run as opaque custom ops with fake (meta) implementations.
-def _plain_eager(*tensors: Tensor) -> bool:
+def _plain_eager(*tensors: Tensor | None) -> bool:
     """Whether a direct kernel launch is safe: eager mode, plain tensors, no Python dispatch mode active."""
-    if torch.compiler.is_compiling() or any(type(t) is not Tensor for t in tensors):
+    if torch.compiler.is_compiling() or any(t is not None and type(t) is not Tensor for t in tensors):
         return False
     current_mode = getattr(getattr(torch.utils, "_python_dispatch", None), "_get_current_dispatch_mode", None)
     return current_mode is not None and current_mode() is None
@@ -388,14 +449,15 @@ _fwd_step_op = torch.library.custom_op("distcomm_attention::triton_fwd_step", _f
 
 
 @_fwd_step_op.register_fake
-def _fwd_step_fake(q, k, v, acc, m, l, q_start, q_stop, causal, scale, load_state, block_m, block_n,
-                   num_warps, num_stages) -> None:
+def _fwd_step_fake(q, k, v, acc, m, l, row_lo, row_hi, key_mask, q_start, q_stop, mode, scale, softcap,
+                   load_state, block_m, block_n, num_warps, num_stages) -> None:
     return None
 
 
 def _fwd_last_impl(
     q: Tensor, k: Tensor, v: Tensor, acc: Tensor, m: Tensor, l: Tensor,
-    causal: bool, scale: float, load_state: bool,
+    row_lo: Tensor | None, row_hi: Tensor | None, key_mask: Tensor | None,
+    mode: int, scale: float, softcap: float, load_state: bool,
     block_m: int, block_n: int, num_warps: int, num_stages: int,
 ) -> tuple[Tensor, Tensor]:
     """The last step for every row: returns out (B, Sq, H, D) in q's dtype and lse (B, H, Sq) fp32."""
@@ -406,7 +468,8 @@ def _fwd_last_impl(
         acc, m, l = out, lse, lse  # never read: the kernel starts from a fresh state
     _launch(
         q, k, v, acc, m, l, out, lse,
-        causal=causal, scale=scale, load_state=load_state, final=True,
+        row_lo, row_hi, None if key_mask is None else key_mask.view(torch.uint8),
+        mode=mode, scale=scale, softcap=softcap, load_state=load_state, final=True,
         cfg=TritonConfig(block_m, block_n, num_warps, num_stages),
     )
     return out, lse
@@ -416,7 +479,8 @@ _fwd_last_op = torch.library.custom_op("distcomm_attention::triton_fwd_last", _f
 
 
 @_fwd_last_op.register_fake
-def _fwd_last_fake(q, k, v, acc, m, l, causal, scale, load_state, block_m, block_n, num_warps, num_stages):
+def _fwd_last_fake(q, k, v, acc, m, l, row_lo, row_hi, key_mask, mode, scale, softcap, load_state, block_m,
+                   block_n, num_warps, num_stages):
     batch, seqlen_q, heads, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
 
@@ -508,17 +572,22 @@ class TritonForward:
         self.check_tensor("q", q)
         return TritonForwardState(tuple(q.shape), q.dtype, q.device)
 
-    def step(self, state: TritonForwardState, q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
-             scale: float, q_slice: slice = slice(None), final: bool = False) -> None:
+    def step(self, state: TritonForwardState, q: Tensor, k: Tensor, v: Tensor, *, mask: BlockMask,
+             scale: float, softcap: float = 0.0, key_mask: Tensor | None = None, q_slice: slice = slice(None),
+             final: bool = False) -> None:
         """Accumulate the attention of ``q[:, q_slice]`` over (``k``, ``v``) into ``state``, in place.
 
         Args:
             state: from ``init_state(q)``.
             q: (B, Sq, H, D), this rank's full local queries (any strides).
-            k, v: (B, Sk, Hkv, D) with H % Hkv == 0 (any strides).
-            causal: top-left causal mask (query row i of the slice sees key columns 0..i); otherwise the
-                block is fully visible.
+            k, v: (B, Sk, Hkv, D) with H % Hkv == 0, the block's keys (any strides).
+            mask: the block's visibility (``BlockMask``, Note [Visibility]), relative to the first row of
+                ``q_slice`` and the first key: "full"; "causal" (top-left: row i of the slice sees keys
+                0..i); or "interval": row i sees keys [row_lo[i], row_hi[i]) (int32, one per row of the
+                slice, nondecreasing; the col_* arrays are not needed by the forward).
             scale: softmax scale applied to q . k.
+            softcap: > 0 caps the scaled scores, ``s = softcap * tanh(s / softcap)``; 0 = off.
+            key_mask: bool (B, Sk), True = attend (any strides), applied on top of ``mask``.
             q_slice: the query rows (a contiguous slice of 0..Sq) this block contributes to.
             final: this is the last step for every row: normalise in the kernel and write out/lse
                 directly (requires ``q_slice`` to cover all rows); ``finalize`` then only returns them.
@@ -535,6 +604,10 @@ class TritonForward:
         start, stop = _slice_bounds(q_slice, seqlen_q)
         if final and (start, stop) != (0, seqlen_q):
             raise ValueError(f"`final`=True needs `q_slice` to cover all {seqlen_q} rows; got {q_slice}")
+        mode = mode_code(mask)
+        softcap = _check_softcap(softcap)
+        row_lo, row_hi, _, _ = interval_args(mask, stop - start, k.shape[1], q.device, cols=False)
+        key_mask = key_mask_arg(key_mask, batch, k.shape[1], q.device)
         cfg = self.config(head_dim)
         meta = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
         if final:
@@ -546,8 +619,9 @@ class TritonForward:
                 acc = m = l = empty
             else:
                 acc, m, l = state.acc, state.m, state.l
-            last = _fwd_last_impl if _plain_eager(q, k, v) else _fwd_last_op
-            state.out, state.lse = last(q, k, v, acc, m, l, bool(causal), float(scale), not state.fresh, *meta)
+            last = _fwd_last_impl if _plain_eager(q, k, v, key_mask, row_lo) else _fwd_last_op
+            state.out, state.lse = last(q, k, v, acc, m, l, row_lo, row_hi, key_mask, mode, float(scale),
+                                        softcap, not state.fresh, *meta)
             state.fresh = False
             return
         if stop <= start or k.shape[1] == 0:
@@ -555,8 +629,9 @@ class TritonForward:
         load_state = not state.fresh
         if state.acc is None:
             self._allocate(state, fill=(start, stop) != (0, seqlen_q))
-        step = _fwd_step_impl if _plain_eager(q, k, v) else _fwd_step_op
-        step(q, k, v, state.acc, state.m, state.l, start, stop, bool(causal), float(scale), load_state, *meta)
+        step = _fwd_step_impl if _plain_eager(q, k, v, key_mask, row_lo) else _fwd_step_op
+        step(q, k, v, state.acc, state.m, state.l, row_lo, row_hi, key_mask, start, stop, mode, float(scale),
+             softcap, load_state, *meta)
         state.fresh = False
 
     def finalize(self, state: TritonForwardState, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -610,6 +685,13 @@ class TritonForward:
         lse = torch.where(seen, (state.m + torch.log2(l_safe)) * _LN2, torch.full_like(state.l, -math.inf))
         out = (state.acc * (1.0 / l_safe).transpose(1, 2).unsqueeze(-1)).to(dtype)
         return out, lse
+
+
+def _check_softcap(softcap) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0 \
+            or softcap == math.inf:
+        raise ValueError(f"`softcap` must be a finite float >= 0 (0 = off); got {softcap!r}")
+    return float(softcap)
 
 
 def _slice_bounds(q_slice: slice, length: int) -> tuple[int, int]:
