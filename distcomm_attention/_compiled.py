@@ -80,7 +80,8 @@ def _ring_attn(
         comm, p = _prepared(q, k, v, key_mask, cu_seqlens, group_name, ring_size, layout, causal, window_left,
                             window_right, softcap, scale, backend, requires_grad)
         out, lse = ring_forward(q, k, v, key_mask, comm, p.plan, softcap, p.scale, p.fwd)
-    return out, lse.to(_lse_dtype(q))
+    # the fake implementation promises contiguous outputs
+    return out.contiguous(), lse.to(_lse_dtype(q)).contiguous()
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -104,7 +105,8 @@ def _ring_attn_backward(
     with _no_autocast(q.device):
         comm, p = _prepared(q, k, v, key_mask, cu_seqlens, group_name, ring_size, layout, causal, window_left,
                             window_right, softcap, scale, backend, True)
-        return ring_backward(dout, q, k, v, out, lse, key_mask, comm, p.plan, softcap, p.scale, p.bwd)
+        grads = ring_backward(dout, q, k, v, out, lse, key_mask, comm, p.plan, softcap, p.scale, p.bwd)
+    return tuple(g.contiguous() for g in grads)  # as the fake implementation promises
 
 
 @_ring_attn_backward.register_fake

@@ -46,13 +46,19 @@ from distcomm_attention._visibility import RingPlan
 __all__ = ["ring_attention", "ring_forward", "ring_backward", "ring_all_gather", "ring_reduce_scatter"]
 
 
+def _whole(rows: slice, n: int) -> bool:
+    """Whether the slice covers all n rows (the planner writes full ranges as slice(0, n))."""
+    start, stop, _ = rows.indices(n)
+    return start == 0 and stop == n
+
+
 def _start_acc(grads: list, like: torch.Tensor, dtype: torch.dtype, which: int) -> torch.Tensor:
     """The accumulator of step 0: the sum of ``grads[i][which]`` over their kv rows, shaped like ``like``.
 
     A single block covering every row is one term, exact in the dtype the kernel returned: it travels as is
     (a bf16 block gradient crosses its first hop in bf16, not widened to fp32).
     """
-    if len(grads) == 1 and grads[0][0] == slice(None):
+    if len(grads) == 1 and _whole(grads[0][0], like.shape[1]):
         return grads[0][which]
     acc = torch.zeros(like.shape, dtype=dtype, device=like.device)
     for g in grads:
@@ -68,7 +74,7 @@ def _accumulate(received: torch.Tensor, grads: list, dtype: torch.dtype, which: 
     covering every row does it in one kernel: ``torch.add`` computes in the promoted dtype (fp32 opmath for
     two half-precision operands) and rounds on store, the same bits as summing in ``dtype`` and casting.
     """
-    if out_dtype is not None and len(grads) == 1 and grads[0][0] == slice(None):
+    if out_dtype is not None and len(grads) == 1 and _whole(grads[0][0], received.shape[1]):
         out = torch.empty(received.shape, dtype=out_dtype, device=received.device)
         return torch.add(received, grads[0][which], out=out)
     acc = received if received.dtype == dtype else received.to(dtype)
@@ -106,7 +112,7 @@ def ring_forward(q, k, v, key_mask, comm: RingComm, plan: RingPlan, softcap: flo
         handle = comm.send_recv(k, v, *_as_bytes(km), shift=shifts[i]) if more else None
         for j, block in enumerate(blocks):
             # The very last call may normalise in place when it covers every row (always so at W = 1).
-            final = not more and j + 1 == len(blocks) and block.q == slice(None)
+            final = not more and j + 1 == len(blocks) and _whole(block.q, q.shape[1])
             fwd.step(
                 state, q, k[:, block.kv], v[:, block.kv],
                 mask=plan.mask(i, j, q.device), scale=scale, softcap=softcap,
@@ -124,6 +130,16 @@ def ring_backward(dout, q, k, v, out, lse, km, comm: RingComm, plan: RingPlan, s
     dout = dout.contiguous()
     size = comm.size
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    n = q.shape[1]
+    if size == 1 and len(plan.blocks[0]) == 1 and _whole(plan.blocks[0][0].q, n) and _whole(plan.blocks[0][0].kv, n):
+        # A ring of one whole block: the kernel's gradients are the result (no accumulators), and kernels
+        # that compute rowsum(dout * out) themselves get no delta.
+        delta = None
+        if getattr(bwd, "uses_delta", True):
+            delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1).transpose(1, 2).contiguous()
+        dq, dk, dv = bwd.step(dout, q, k.contiguous(), v.contiguous(), out, lse, delta,
+                              mask=plan.mask(0, 0, q.device), scale=scale, softcap=softcap, key_mask=km)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     # D = rowsum(dout * out) of the global output rows, once for every block: (B, H, n).
     delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1).transpose(1, 2).contiguous()
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)  # this rank's dQ, summed in the kernels

@@ -455,3 +455,30 @@ def test_backward_accumulators_round_once():
         want = recv.float().clone()
         want[:, rows] += g2[:, rows].float()
         assert out.dtype == torch.bfloat16 and torch.equal(out, want.bfloat16())
+
+
+def test_single_whole_block_takes_the_fused_paths(monkeypatch):
+    """The planner writes full ranges as slice(0, n): a ring of one still marks its only forward call final
+    (the fused normalisation) and runs its backward as one kernel call without accumulators."""
+    from distcomm_attention import _torch_kernels
+
+    finals, backward_calls = [], []
+    step_fwd, step_bwd = _torch_kernels.TorchForward.step, _torch_kernels.TorchBackward.step
+
+    def recording_fwd(self, state, q, k, v, **kw):
+        finals.append(kw.get("final", False))
+        return step_fwd(self, state, q, k, v, **kw)
+
+    def recording_bwd(self, *args, **kw):
+        backward_calls.append(kw.get("dq_acc") is None)
+        return step_bwd(self, *args, **kw)
+
+    monkeypatch.setattr(_torch_kernels.TorchForward, "step", recording_fwd)
+    monkeypatch.setattr(_torch_kernels.TorchBackward, "step", recording_bwd)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 6, 2, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = da.ring_flash_attn(q, k, v, causal=True)
+    out.sum().backward()
+    assert finals == [True] and backward_calls == [True]
+    ref = attention_reference(q, k, v, causal=True)
+    torch.testing.assert_close(out, ref, **FP64)
