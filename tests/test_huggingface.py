@@ -76,16 +76,19 @@ def test_register_argument_errors(kwargs, match):
 
 def test_shard_inputs_on_one_process():
     """On one process the shard is the batch: labels shifted by one (last target dropped), the target count
-    of the batch, position ids 0..S-1, a bool mask, no KV cache, no boundaries for unpacked rows."""
+    of the batch, position ids 0..S-1, a bool mask (none when nothing is padded), no KV cache, no boundaries
+    for unpacked rows."""
     ring = ring_hf.register("ring_attention_test_one", layout="zigzag")
     ids = _ids()
     labels = ids.clone()
     labels[1, :4] = -100
     mask = torch.ones(2, SEQ, dtype=torch.long)
+    assert "attention_mask" not in ring.shard_inputs(input_ids=ids, attention_mask=mask)
+    mask[1, -2:] = 0
     got = ring.shard_inputs(input_ids=ids, labels=labels, attention_mask=mask)
     assert torch.equal(got["input_ids"], ids)
     assert torch.equal(got["position_ids"], torch.arange(SEQ)[None])
-    assert got["attention_mask"].dtype == torch.bool and bool(got["attention_mask"].all())
+    assert torch.equal(got["attention_mask"], mask.bool())
     assert torch.equal(got["shift_labels"][:, :-1], labels[:, 1:]) and bool((got["shift_labels"][:, -1] == -100).all())
     assert got["labels"] is got["shift_labels"]
     assert int(got["num_items_in_batch"]) == 2 * (SEQ - 1) - 3

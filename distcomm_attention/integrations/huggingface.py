@@ -213,7 +213,8 @@ class RingAttentionHF:
 
         Returns:
             Keywords for ``model(**inputs)``: ``input_ids``/``inputs_embeds``, ``position_ids`` (global
-            positions of this rank's tokens), ``attention_mask`` (bool, if given), ``labels`` and
+            positions of this rank's tokens), ``attention_mask`` (bool; left out when nothing is padded, so
+            the ring runs its unmasked kernels), ``labels`` and
             ``shift_labels`` (shifted on the full sequence, the last token of each document without a
             target) with ``num_items_in_batch`` (the batch's target count), ``cu_seq_lens_q/k`` (packed
             documents only) and ``use_cache=False``.
@@ -236,7 +237,8 @@ class RingAttentionHF:
         inputs["position_ids"] = shard(position_ids)
         if attention_mask is not None:
             _check_2d("attention_mask", attention_mask, seq, batch)
-            inputs["attention_mask"] = shard(attention_mask.bool())
+            if not bool(attention_mask.all()):  # decided on the full batch: the same on every rank
+                inputs["attention_mask"] = shard(attention_mask.bool())
         if labels is not None:
             _check_2d("labels", labels, seq, batch)
             shifted = torch.full_like(labels, IGNORE_INDEX)
