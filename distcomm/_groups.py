@@ -74,10 +74,13 @@ def _mesh_group(mesh, dim) -> dist.ProcessGroup:
     """The ProcessGroup of ``mesh`` along ``dim`` (None: a 1-D mesh's only dim) holding this process."""
     names = mesh.mesh_dim_names or ()
     if dim is None and mesh.ndim != 1:
-        example = repr(names[-1]) if names else str(mesh.ndim - 1)
+        if names:
+            how = f"`group=(mesh, {names[-1]!r})` or the 1-D sub-mesh `group=mesh[{names[-1]!r}]`"
+        else:
+            how = f"`group=(mesh, {mesh.ndim - 1})` (a dim index; name the dims to use names)"
         raise ValueError(
             f"`group` is a {mesh.ndim}-D DeviceMesh with dims ({_mesh_dims(mesh)}); pick the dim to communicate "
-            f"over: `group=(mesh, {example})` or the 1-D sub-mesh `group=mesh[{example}]`"
+            f"over: {how}"
         )
     if dim is not None:
         if isinstance(dim, bool) or not isinstance(dim, (int, str)):
