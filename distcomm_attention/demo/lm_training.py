@@ -1,11 +1,15 @@
 """Demo: train a long-context causal language model whose attention is ``RingAttention`` over a
-zigzag-sharded sequence, and check it against a single-process run of the same steps.
+zigzag-sharded sequence of PACKED DOCUMENTS with a padding mask, and check it against a single-process run
+of the same steps with plain dense-mask attention.
 
-The task: at every position, name the sequence's FIRST token. Only the first rank holds it, so every other
-rank's queries must find it through the ring. Each rank gets its shard of the tokens and targets and the
-global positions of its tokens (``position_ids``); its loss is the sum of its tokens' losses over the global
-token count, so the per-rank losses add up to the global mean and parameter gradients are summed over
-ranks. Everything runs in float64, so "distributed == single process" holds to round-off.
+Each step packs documents of uneven random lengths (one token to a third of the sequence, spanning ranks)
+into the sequence, pads the tail of some rows, and asks at every position for the FIRST token of that
+position's document: a query must find its document's first token through the ring, and attending
+across a document boundary or to padding would mislead it. Position ids restart at 0 for each document
+(they feed the position embedding and give ``cu_seqlens``). Each rank gets its shard of the tokens,
+targets, position ids and padding mask; its loss is the sum of its real tokens' losses over the global
+count of real tokens, so the per-rank losses add up to the global mean and parameter gradients are summed
+over ranks. Everything runs in float64, so "distributed == single process" holds to round-off.
 """
 
 from __future__ import annotations
@@ -17,16 +21,17 @@ import torch.nn.functional as torch_F
 
 from distcomm._launch import run_world
 from distcomm.demo.clip_training import compare
-from distcomm_attention import RingAttention, position_ids, shard_sequence
+from distcomm_attention import RingAttention, cu_seqlens_from_position_ids, shard_sequence
 
 DTYPE = torch.float64
 VOCAB, SEQ, BATCH = 12, 48, 8  # SEQ: divisible by 2W for W = 1..4 (zigzag)
 LAYOUT = "zigzag"
-TITLE = "ring-attention LM loss"
+TITLE = "ring-attention LM loss (packed documents, padding)"
+IGNORE = -100  # target of padded positions
 
 
 class TinyLM(nn.Module):
-    """Embedding + learned positions + one ring-attention block + head."""
+    """Embedding + position-in-document embedding + one ring-attention block + head."""
 
     def __init__(self, **ring_kwargs):
         super().__init__()
@@ -35,17 +40,46 @@ class TinyLM(nn.Module):
         self.attn = RingAttention(32, heads=4, dim_head=8, kv_heads=2, causal=True, **ring_kwargs)
         self.head = nn.Linear(32, VOCAB)
 
-    def forward(self, tokens, positions):
-        """tokens (batch, local_seq), positions (local_seq,) global -> logits (batch, local_seq, VOCAB)."""
+    def forward(self, tokens, positions, attention_mask, cu_seqlens):
+        """tokens (batch, local_seq), positions (local_seq,) within documents, attention_mask (batch,
+        local_seq) True = real token -> logits (batch, local_seq, VOCAB)."""
         h = self.tok(tokens) + self.pos(positions)
-        return self.head(h + self.attn(h))
+        return self.head(h + self.attn(h, attention_mask=attention_mask, cu_seqlens=cu_seqlens))
+
+    def forward_dense(self, tokens, positions, visible):
+        """The same model on the whole sequence with plain softmax attention under a dense (batch, SEQ, SEQ)
+        visibility, written independently of the ring (the single-process reference)."""
+        h = self.tok(tokens) + self.pos(positions)
+        a = self.attn
+        b, s, _ = h.shape
+        q, k, v = a.to_qkv(h).split([a.heads * a.dim_head, a.kv_heads * a.dim_head, a.kv_heads * a.dim_head], -1)
+        q = q.view(b, s, a.heads, a.dim_head).transpose(1, 2)
+        k, v = (t.view(b, s, a.kv_heads, a.dim_head).transpose(1, 2).repeat_interleave(a.heads // a.kv_heads, 1)
+                for t in (k, v))
+        scores = (q @ k.transpose(-1, -2)) * a.dim_head**-0.5
+        empty = ~visible.any(-1, keepdim=True)[:, None]  # queries with no visible key attend to nothing
+        scores = scores.masked_fill(~(visible[:, None] | empty), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).masked_fill(empty, 0.0)
+        out = (probs @ v).transpose(1, 2).reshape(b, s, a.heads * a.dim_head)
+        return self.head(h + a.to_out(out))
 
 
 def lm_data(step: int):
-    """Tokens and targets of the whole sequence (batch, SEQ)."""
+    """One step's batch over the whole sequence: tokens, targets (IGNORE where padded), position ids
+    restarting per document (SEQ,), padding mask (BATCH, SEQ) True = real token."""
     g = torch.Generator().manual_seed(20_000 + step)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    return tokens, tokens[:, :1].expand(BATCH, SEQ).clone()
+    lengths = []
+    while sum(lengths) < SEQ:
+        lengths.append(min(int(torch.randint(1, SEQ // 3 + 1, (1,), generator=g)), SEQ - sum(lengths)))
+    starts = torch.repeat_interleave(torch.tensor([sum(lengths[:i]) for i in range(len(lengths))]),
+                                     torch.tensor(lengths))
+    positions = torch.arange(SEQ) - starts
+    targets = tokens[:, starts].clone()  # the first token of each position's document
+    pad = torch.randint(0, SEQ // 4, (BATCH,), generator=g) * (torch.arange(BATCH) % 2)  # odd rows padded
+    mask = torch.arange(SEQ)[None, :] < (SEQ - pad)[:, None]
+    targets[~mask] = IGNORE
+    return tokens, targets, positions, mask
 
 
 def _model() -> TinyLM:
@@ -58,14 +92,16 @@ def train_rank(rank: int, world: int, device: str, steps: int) -> dict:
     dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
     lm = _model().to(dev)
     opt = torch.optim.Adam(lm.parameters(), lr=1e-2)
-    positions = position_ids(SEQ // world, LAYOUT, device=dev)
     history = []
     for step in range(steps):
-        tokens, targets = lm_data(step)
-        n_targets = targets.numel()  # the GLOBAL count
-        logits = lm(shard_sequence(tokens, LAYOUT).to(dev), positions)
-        local_targets = shard_sequence(targets, LAYOUT).to(dev)
-        loss = torch_F.cross_entropy(logits.flatten(0, 1), local_targets.flatten(), reduction="sum") / n_targets
+        tokens, targets, positions, mask = lm_data(step)
+        n_targets = int((targets != IGNORE).sum())  # the GLOBAL count of real tokens
+        cu_seqlens = cu_seqlens_from_position_ids(positions)  # CPU: no host sync inside the ring
+        local = [shard_sequence(t, LAYOUT).to(dev) for t in (tokens, targets, mask)]
+        local_positions = shard_sequence(positions, LAYOUT, dim=0).to(dev)
+        logits = lm(local[0], local_positions, local[2], cu_seqlens)
+        loss = torch_F.cross_entropy(logits.flatten(0, 1), local[1].flatten(), reduction="sum",
+                                     ignore_index=IGNORE) / n_targets
         opt.zero_grad()
         loss.backward()
         for p in lm.parameters():  # per-rank losses add up to the global loss: sum the gradients
@@ -80,14 +116,18 @@ def train_rank(rank: int, world: int, device: str, steps: int) -> dict:
 
 
 def train_single(steps: int) -> dict:
-    """The same steps in one process, on the whole sequence."""
+    """The same steps in one process, on the whole sequence, with dense-mask attention."""
     lm = _model()
     opt = torch.optim.Adam(lm.parameters(), lr=1e-2)
-    positions = torch.arange(SEQ)
     history = []
+    i = torch.arange(SEQ)
     for step in range(steps):
-        tokens, targets = lm_data(step)
-        loss = torch_F.cross_entropy(lm(tokens, positions).flatten(0, 1), targets.flatten())
+        tokens, targets, positions, mask = lm_data(step)
+        doc = torch.cumsum(positions == 0, 0)
+        visible = (i[None, :] <= i[:, None]) & (doc[None, :] == doc[:, None])  # causal, same document
+        visible = visible[None] & mask[:, None, :]  # keys that are real tokens
+        logits = lm.forward_dense(tokens, positions, visible)
+        loss = torch_F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -99,5 +139,5 @@ def run(world: int, device: str, backend: str, steps: int) -> tuple[bool, tuple[
     """Train distributed and in one process; (parameters match, (title, single losses, distributed losses))."""
     dist_results = run_world(train_rank, world, device, steps, backend=backend, timeout=300)
     single = train_single(steps)
-    ok = compare(dist_results, single, f"ring-attention LM ({LAYOUT}, seq {SEQ})")
+    ok = compare(dist_results, single, f"ring-attention LM ({LAYOUT}, seq {SEQ}, packed documents, padding)")
     return ok, (TITLE, single["history"], dist_results[0]["history"])
