@@ -145,3 +145,23 @@ def test_auto_picks_a_backend_that_can_do_the_call():
     assert da.which_kernels(q, causal=True, window_size=(64, 0)).backend == "triton"
     assert da.which_kernels(q, softcap=10.0).backend == "triton"
     assert da.which_kernels(q, causal=True).backend in ("triton", "flash2")
+
+
+def test_compiled_ring_on_gpu_equals_eager():
+    """torch.compile(fullgraph=True) with inductor around ring_flash_attn (Triton backend, features) on CUDA
+    gives eager's output and gradients."""
+    case = dict(causal=True, window=(100, -1), docs=[0, 333, 1024], softcap=20.0, pad=(1000, 1024))
+    q, k, v, dout, key_mask = _inputs(case, torch.bfloat16, 2, seed=3)
+
+    def attend(q, k, v):
+        return da.ring_flash_attn(q, k, v, causal=True, window_size=case["window"], softcap=case["softcap"],
+                                  cu_seqlens=case["docs"], attention_mask=key_mask) * 2
+
+    results = []
+    for fn in (attend, torch.compile(attend, fullgraph=True)):
+        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+        out = fn(qg, kg, vg)
+        out.backward(dout)
+        results.append((out, qg.grad, kg.grad, vg.grad))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
