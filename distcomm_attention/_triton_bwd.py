@@ -531,19 +531,26 @@ _GPU_DEFAULTS = {
     16: (64, 128, 8, 2, 128, 64, 8, 2),
     32: (64, 128, 8, 2, 128, 64, 8, 2),
     64: (64, 128, 8, 2, 128, 64, 8, 2),
-    128: (64, 128, 8, 2, 128, 64, 8, 2),
-    256: (32, 64, 4, 2, 64, 32, 4, 2),
+    128: (32, 128, 8, 2, 128, 64, 8, 2),
+    256: (32, 64, 8, 2, 128, 32, 8, 2),
 }
+# fp32 inputs use IEEE fp32 dot products (FMA, no tensor cores): small tiles keep registers and compile
+# time in check (larger tiles spill heavily and take over a minute to compile at head_dim 128).
+_GPU_FP32 = (32, 32, 4, 1, 32, 32, 4, 1)
 # The interpreter pays per program and per tile iteration, not per element: use large tiles.
 _INTERPRETER_DEFAULT = (64, 64, 4, 1, 64, 64, 4, 1)
 
 
-def default_backward_config(head_dim: int, *, interpret: bool | None = None) -> BackwardConfig:
-    """The default launch configuration for ``head_dim`` (Hopper-tuned, or interpreter-friendly)."""
+def default_backward_config(head_dim: int, dtype: torch.dtype | None = None, *,
+                            interpret: bool | None = None) -> BackwardConfig:
+    """The default launch configuration for ``head_dim`` and input ``dtype`` (Hopper-tuned for fp16/bf16,
+    small tiles for fp32, or interpreter-friendly)."""
     if interpret is None:
         interpret = _interpreting()
     if interpret:
         return BackwardConfig(*_INTERPRETER_DEFAULT)
+    if dtype == torch.float32:
+        return BackwardConfig(*_GPU_FP32)
     return BackwardConfig(*_GPU_DEFAULTS[max(16, triton.next_power_of_2(head_dim))])
 
 
@@ -631,9 +638,9 @@ class TritonBackward:
     supports_head_dim = staticmethod(TritonForward.supports_head_dim)
     supports_dtype = staticmethod(TritonForward.supports_dtype)
 
-    def config(self, head_dim: int) -> BackwardConfig:
-        """The launch configuration used for ``head_dim``."""
-        return self._config if self._config is not None else default_backward_config(head_dim)
+    def config(self, head_dim: int, dtype: torch.dtype | None = None) -> BackwardConfig:
+        """The launch configuration used for ``head_dim`` and input ``dtype``."""
+        return self._config if self._config is not None else default_backward_config(head_dim, dtype)
 
     def step(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor | None, lse: Tensor,
              delta: Tensor | None = None, *, mask: BlockMask, scale: float, softcap: float = 0.0,
@@ -693,7 +700,7 @@ class TritonBackward:
         key_mask = key_mask_arg(key_mask, batch, seqlen_k, q.device)
         accumulate = dq_acc is not None
         dq = dq_acc if accumulate else torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        cfg = self.config(head_dim).astuple()
+        cfg = self.config(head_dim, q.dtype).astuple()
         run = _bwd_block_impl if _plain_eager(dout, q, k, v, lse, delta, dq, key_mask, row_lo) else _bwd_block_op
         dk, dv = run(dout, q, k, v, lse, delta, dq, row_lo, row_hi, col_lo, col_hi, key_mask, mode, accumulate,
                      float(scale), softcap, dkv_dtype, *cfg)
