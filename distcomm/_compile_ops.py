@@ -18,8 +18,10 @@ Note [Compiled collectives]
       "" without a process group, a world of one) and look the group up when they run, as PyTorch's
       functional collectives do. Ranks (``src``/``dst``) are positions in the group.
     - The ops are functional: they never modify their inputs and return new contiguous tensors, so
-      AOTAutograd and Inductor treat them like any other op. Every rank traces the same graph and so
-      issues the collectives in the same order.
+      AOTAutograd and Inductor treat them like any other op, except that they are registered as having side
+      effects (``torch.fx.has_side_effect``): dead-code elimination keeps a collective whose result a rank
+      does not use, since its peers wait for it. The graph keeps them in program order.
+    - The data-movement ops import their raw collectives at call time (those modules import this one).
     - PREMUL_SUM is the SUM of ``factor * x`` (Note [Backend emulation]); the multiplication is an ordinary
       graph op whose own gradient supplies conj(factor).
     - First order only: torch.compile does not differentiate a compiled backward again (double backward
@@ -237,7 +239,7 @@ all_gather_tensor.register_autograd(_all_gather_tensor_backward, setup_context=_
 @torch.library.custom_op("distcomm::all_gather_variable", mutates_args=())
 def all_gather_variable(x: torch.Tensor, dim: int, sizes: list[int], group_name: str) -> torch.Tensor:
     """cat(x_0, ..., x_{W-1}; dim), rank r's x of size sizes[r] along ``dim`` (Note [Variable sizes])."""
-    from distcomm import _all_gather  # imported at call time: distcomm._all_gather imports this module
+    from distcomm import _all_gather
 
     group, _, _ = _group(group_name)
     return _all_gather._gather_concat(x, dim, tuple(sizes), group)
@@ -374,3 +376,9 @@ all_to_all_single.register_autograd(_all_to_all_single_backward, setup_context=_
 gather.register_autograd(_gather_backward, setup_context=_setup_args)
 scatter.register_autograd(_scatter_backward, setup_context=_setup_args)
 ring_pass.register_autograd(_ring_pass_backward, setup_context=_setup_ring_pass)
+
+
+
+for _name in ("all_reduce", "reduce", "broadcast", "reduce_scatter_tensor", "all_gather_tensor", "all_gather_variable",
+              "reduce_scatter_variable", "all_to_all_single", "gather", "scatter", "ring_pass"):
+    torch.fx.has_side_effect(getattr(torch.ops.distcomm, _name).default)

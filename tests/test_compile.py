@@ -5,8 +5,8 @@ Layers, cheapest first:
 2. gloo worlds of 2-3 ranks on CPU. Two programs, one with every reduction (every ReduceOp, reduce,
    broadcast, both reduce-scatters, a subgroup whose ranks are not 0..n-1) and one with every
    data-movement op (uneven sizes and splits, output arguments, gather/scatter, ring_pass), compiled with
-   ``fullgraph=True``: ``torch._dynamo.explain`` finds one graph and no break, the compiled values and
-   gradients equal eager's bit for bit (the ops run the eager raw collectives), and both equal a float64
+   ``fullgraph=True`` (one graph: any break would raise), the compiled values and gradients equal eager's
+   bit for bit (the ops run the eager raw collectives), and both equal a float64
    single-process reference written here from the definitions. Then the forms that learn shapes at run
    time (a graph break, an error under fullgraph), compiled autograd, and Inductor (the default backend;
    the other worlds use ``aot_eager``, which traces the same graphs without generating kernels, because
@@ -132,6 +132,9 @@ def _reductions(x: dict, ops: tuple, bits: torch.Tensor, rank: int, w: int) -> d
         "rst_max_0d_rows": F.reduce_scatter_tensor(x["rst_max_0d_rows"], 0, R.MAX),
         "bxor": F.all_reduce(bits, R.BXOR),  # forward only
     }
+    largest = F.all_reduce(bits, R.MAX)
+    if rank == 0:  # the other ranks do not use it, but rank 0 waits for them in it
+        out["used_on_rank_0"] = largest
     output = x["rs_max_0"].new_empty(rank + 1, 2)
     out["rs_max"] = F.reduce_scatter(output, [x[f"rs_max_{j}"] for j in range(w)], R.MAX)
     return out
@@ -169,6 +172,7 @@ def _reductions_reference(w: int):
             "bxor": bits,
             "rs_max": stack(f"rs_max_{r}").amax(0),
         })
+    outs[0]["used_on_rank_0"] = torch.stack([_bits(r) for r in range(w)]).amax(0)
     return _with_grads(outs, leaves)
 
 
@@ -285,7 +289,8 @@ def _cpu(pair: tuple) -> tuple:
 
 
 def _programs_rank(rank: int, w: int, program: str, backend: str, device: str):
-    """Compile ``program`` with fullgraph=True; report explain, compiled-vs-eager differences, results."""
+    """Compile ``program`` with fullgraph=True (one graph, or an error naming the break); report the
+    compiled-vs-eager differences and the compiled results."""
     device = torch.device(device, rank) if device == "cuda" else torch.device(device)
     res = {"writes_return_the_buffers": []}
     if program == "reductions":
@@ -311,14 +316,12 @@ def _programs_rank(rank: int, w: int, program: str, backend: str, device: str):
             return out
 
         program_fn = _movement
-    probe = {k: v.to(device).requires_grad_() for k, v in make().items()}
-    res["explain"] = _explain(lambda x: call(program_fn, x), probe)
     eager = _run(lambda x: call(program_fn, x), make, device, rank)
     compiled_fn = torch.compile(program_fn, fullgraph=True, backend=backend)
     compiled = _run(lambda x: call(compiled_fn, x), make, device, rank)
     res["differences"] = _differences(compiled, eager)
     res["compiled"] = _cpu(compiled)
-    if program == "reductions" and w == 3:
+    if program == "movement" and w == 3:
         res["subgroup"] = _subgroup_rank(rank, backend, device)
     return res
 
@@ -378,27 +381,26 @@ def _assert_matches(got: tuple, want: tuple, where: str) -> None:
 def _check_programs(results: list, program: str, w: int) -> None:
     reference = _reductions_reference(w) if program == "reductions" else _movement_reference(w)
     for r, res in enumerate(results):
-        assert res["explain"] == (1, 0, []), f"rank {r}: graphs, breaks, reasons = {res['explain']}"
         assert res["differences"] == [], f"rank {r}: compiled differs from eager in {res['differences']}"
         _assert_matches(res["compiled"], reference[r], f"{program} rank {r}")
         if program == "movement":
             assert all(res["writes_return_the_buffers"]), "output arguments must be returned themselves"
-    if program == "reductions" and w == 3:
+    if program == "movement" and w == 3:
         expected = _subgroup_reference()
         for r in SUB:
             _assert_matches(results[r]["subgroup"], expected[r], f"subgroup rank {r}")
 
 
 def test_reductions_compile_without_breaks_like_eager():
-    """Every ReduceOp, reduce, broadcast and both reduce-scatters, and a subgroup, compile as one graph
-    (fullgraph) whose values and exact gradients are eager's bits and the float64 reference's."""
-    results = run_world(_programs_rank, 3, "reductions", "aot_eager", "cpu", timeout=240)
-    _check_programs(results, "reductions", 3)
+    """Every ReduceOp, reduce, broadcast and both reduce-scatters compile as one graph (fullgraph) whose
+    values and exact gradients are eager's bits and the float64 reference's."""
+    results = run_world(_programs_rank, 2, "reductions", "aot_eager", "cpu", timeout=240)
+    _check_programs(results, "reductions", 2)
 
 
 def test_movement_compiles_without_breaks_like_eager():
-    """Every data-movement op (uneven sizes and splits, output arguments, gather/scatter, ring_pass)
-    compiles as one graph whose values and gradients are eager's bits and the float64 reference's."""
+    """Every data-movement op (uneven sizes and splits, output arguments, gather/scatter, ring_pass) and a
+    subgroup compile as one graph whose values and gradients are eager's bits and the float64 reference's."""
     results = run_world(_programs_rank, 3, "movement", "aot_eager", "cpu", timeout=240)
     _check_programs(results, "movement", 3)
 
@@ -427,13 +429,13 @@ def _learning_rank(rank: int, w: int):
         x0 = _rand((rank + 1, 2), name, rank)
         if not (name == "scatter" and rank == 0):  # the source has its tensors: it would compile and wait
             try:
-                torch.compile(fn, fullgraph=True, backend="aot_eager")(x0.clone().requires_grad_())
+                torch.compile(fn, fullgraph=True, backend="eager")(x0.clone().requires_grad_())
                 res[f"{name} fullgraph"] = "compiled"
             except Exception as e:  # noqa: BLE001  (the message is what is checked)
                 res[f"{name} fullgraph"] = str(e)
         res[f"{name} explain"] = _explain(fn, x0.clone().requires_grad_())[:2]
         runs = []
-        for f in (fn, torch.compile(fn, backend="aot_eager")):
+        for f in (fn, torch.compile(fn, backend="eager")):  # the break is the point, not the backend
             x = x0.clone().requires_grad_()
             y = f(x)
             (y * _weight(rank, name, y.shape)).sum().backward()
@@ -506,13 +508,17 @@ def test_compiled_autograd():
             assert torch.equal(g, res["grads"]["eager"]), f"rank {r}: {mode} differs from eager"
 
 
-def _inductor_program(x: dict, buf: torch.Tensor, rank: int, w: int) -> dict[str, torch.Tensor]:
-    return {
+def _inductor_program(x: dict, buf: torch.Tensor, bits: torch.Tensor, rank: int, w: int) -> dict[str, torch.Tensor]:
+    out = {
         "max": F.all_reduce(x["max"], R.MAX),
         "rst_avg": F.reduce_scatter_tensor(x["rst_avg"], 1, R.AVG),
         "a2a_single": F.all_to_all_single(buf, x["a2a_single"], _a2a_out(rank, w), _a2a_in(rank, w)),
         "ring": F.ring_pass(x["ring"], 1, recv_shape=((rank - 1) % w + 1, 2)),
     }
+    total = F.all_reduce(bits)
+    if rank == 0:  # unused elsewhere: Inductor must still issue it there
+        out["used_on_rank_0"] = total
+    return out
 
 
 def _inductor_inputs(r: int, w: int) -> dict[str, torch.Tensor]:
@@ -523,7 +529,7 @@ def _inductor_inputs(r: int, w: int) -> dict[str, torch.Tensor]:
 def _inductor_rank(rank: int, w: int):
     def run(fn):
         buf = torch.empty(sum(_a2a_out(rank, w)), 2, dtype=torch.float64)
-        return _run(lambda x: fn(x, buf, rank, w), lambda: _inductor_inputs(rank, w), "cpu", rank)
+        return _run(lambda x: fn(x, buf, _bits(rank), rank, w), lambda: _inductor_inputs(rank, w), "cpu", rank)
 
 
     eager = run(_inductor_program)
@@ -542,6 +548,7 @@ def test_inductor_matches_eager_and_reference():
         "a2a_single": torch.cat([leaves[i]["a2a_single"].split(_a2a_in(i, w))[r] for i in range(w)]),
         "ring": leaves[(r - 1) % w]["ring"],
     } for r in range(w)]
+    outs[0]["used_on_rank_0"] = sum(_bits(r) for r in range(w))
     reference = _with_grads(outs, leaves)
     for r, res in enumerate(results):
         _assert_matches(res["compiled"], res["eager"], f"rank {r} compiled vs eager")
