@@ -15,6 +15,7 @@ import os
 import pytest
 import torch
 
+from distcomm_attention._visibility import CAUSAL, FULL
 from tests.dist_harness import run_world
 
 for _name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
@@ -71,7 +72,7 @@ def triton_forward(q, k, v, *, causal, scale, final=True, **cfg):
 
     kernel = TritonForward(**cfg)
     state = kernel.init_state(q)
-    kernel.step(state, q, k, v, causal=causal, scale=scale, final=final)
+    kernel.step(state, q, k, v, mask=CAUSAL if causal else FULL, scale=scale, final=final)
     return kernel.finalize(state, q.dtype)
 
 
@@ -153,8 +154,8 @@ def test_triton_multi_step_accumulation(dtype):
         r = range(n)[rows]
         block = torch.ones(len(r), length, dtype=torch.bool, device="cuda")
         mask[r.start : r.stop, start : start + length] = block.tril() if causal else block
-        kernel.step(state, q, k[:, start : start + length], v[:, start : start + length], causal=causal,
-                    scale=head_dim**-0.5, q_slice=rows, final=i + 1 == len(schedule))
+        kernel.step(state, q, k[:, start : start + length], v[:, start : start + length],
+                    mask=CAUSAL if causal else FULL, scale=head_dim**-0.5, q_slice=rows, final=i + 1 == len(schedule))
         start += length
     out, lse = kernel.finalize(state, dtype)
     ref, ref_lse = attention(q, k, v, causal=False, scale=head_dim**-0.5, mask=mask)
@@ -167,6 +168,7 @@ def test_triton_multi_step_accumulation(dtype):
 def test_triton_custom_op_compiles():
     """The fused-final launch is a custom op that torch.compile traces with fullgraph=True."""
     from distcomm_attention._triton_fwd import default_config
+    from distcomm_attention._triton_mask import MODE_CAUSAL
 
     q, k, v = make(1, 256, 256, 4, 2, 64, torch.bfloat16)
     cfg = default_config(64)
@@ -174,7 +176,9 @@ def test_triton_custom_op_compiles():
 
     def fwd(q, k, v):
         empty = q.new_empty(0, dtype=torch.float32)
-        out, lse = torch.ops.distcomm_attention.triton_fwd_last(q, k, v, empty, empty, empty, True, 0.125, False, *meta)
+        out, lse = torch.ops.distcomm_attention.triton_fwd_last(
+            q, k, v, empty, empty, empty, None, None, None, MODE_CAUSAL, 0.125, 0.0, False, *meta
+        )
         return out * 2, lse
 
     eager = fwd(q, k, v)
@@ -209,7 +213,7 @@ def test_aten_flash_backward_vs_fp32_autograd(heads, causal, dtype):
     q, k, v = make(2, n, n, h, hkv, head_dim, dtype, seed=2)
     dout = torch.randn_like(q)
     out, lse = triton_forward(q, k, v, causal=causal, scale=scale)
-    dq, dk, dv = AtenFlashBackward().step(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    dq, dk, dv = AtenFlashBackward().step(dout, q, k, v, out, lse, mask=CAUSAL if causal else FULL, scale=scale)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     _, *ref = _grads(q, k, v, dout, causal=causal, scale=scale, upcast=True)
     _, *low = _grads(q, k, v, dout, causal=causal, scale=scale, upcast=False)
@@ -229,8 +233,8 @@ def test_aten_flash_backward_blocks_sum_to_full():
     mask[:, n:] = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()  # second block causal
     out, lse = attention(q, k, v, causal=False, scale=scale, mask=mask)
     kernel = AtenFlashBackward()
-    dq0, dk0, dv0 = kernel.step(dout, q, k[:, :n], v[:, :n], out, lse, causal=False, scale=scale)
-    dq1, dk1, dv1 = kernel.step(dout, q, k[:, n:], v[:, n:], out, lse, causal=True, scale=scale)
+    dq0, dk0, dv0 = kernel.step(dout, q, k[:, :n], v[:, :n], out, lse, mask=FULL, scale=scale)
+    dq1, dk1, dv1 = kernel.step(dout, q, k[:, n:], v[:, n:], out, lse, mask=CAUSAL, scale=scale)
     qr, kr, vr = (x.detach().float().requires_grad_() for x in (q, k, v))
     ref, _ = attention(qr, kr, vr, causal=False, scale=scale, mask=mask)
     ref.backward(dout.float())
