@@ -5,6 +5,7 @@ sockets the launching process holds: the rendezvous store must be the only one a
 loopback address alone, so nothing beyond this machine can reach it.
 """
 
+import gc
 import os
 import socket
 
@@ -85,9 +86,20 @@ def test_address_parser_reads_wildcard_and_loopback():
 
 def test_store_owns_its_socket():
     """The store closes the loopback socket it was handed: no descriptor leaks across the suite's launches."""
-    before = len(os.listdir("/proc/self/fd"))
+    def sockets():
+        found = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                found += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+            except OSError:  # closed while listing
+                pass
+        return found
+
+    gc.collect()
+    before = sockets()
     for _ in range(5):
         store = _launch._loopback_store(2)
         assert store.port > 0
         del store
-    assert len(os.listdir("/proc/self/fd")) <= before + 1
+    gc.collect()
+    assert sockets() <= before + 1
