@@ -526,12 +526,14 @@ class BackwardConfig:
 
 
 # Hopper (H100/H200) defaults per padded head dim:
-# (block_m1, block_n1, warps1, stages1, block_m2, block_n2, warps2, stages2). See docs/bench/block_kernels.md.
+# (block_m1, block_n1, warps1, stages1, block_m2, block_n2, warps2, stages2). head_dim 128: the fastest of the
+# candidates timed by `scripts/bench_block_kernels.py --tune` on an H100 (docs/bench/block_kernels.md); the
+# others: candidates without register spills inside the tile loops (ptxas reports for sm_90a), not timed.
 _GPU_DEFAULTS = {
     16: (64, 128, 8, 2, 128, 64, 8, 2),
     32: (64, 128, 8, 2, 128, 64, 8, 2),
     64: (64, 128, 8, 2, 128, 64, 8, 2),
-    128: (32, 128, 8, 2, 128, 64, 8, 2),
+    128: (64, 128, 8, 2, 128, 64, 8, 3),
     256: (32, 64, 8, 2, 128, 32, 8, 2),
 }
 # fp32 inputs use IEEE fp32 dot products (FMA, no tensor cores): small tiles keep registers and compile
