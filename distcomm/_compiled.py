@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as nnf
 
 from distcomm import _compile_ops as _ops
-from distcomm._reduce_ops import _PREMUL_SUM, ReduceOp, _Op, _parse_op
+from distcomm._reduce_ops import _PREMUL_SUM, ReduceOp, _Op, _parse_op, _premul_op
 
 __all__: list[str] = []
 
@@ -36,12 +36,18 @@ def group_name(group) -> str:
 
 
 def parse_op(op) -> _Op:
-    """``_parse_op`` under torch.compile: a ``ReduceOp`` object (PREMUL_SUM with its factor) is opaque to
-    dynamo, so it is parsed once while tracing and the result becomes a constant of the graph (guarded on
-    the object: a new object recompiles, so create the op once, outside the training loop)."""
-    if type(op) is ReduceOp:
-        return _parse_op_object(op)
-    return _parse_op(op)
+    """``_parse_op`` under torch.compile, where a ``ReduceOp`` object (PREMUL_SUM with its factor) is opaque
+    to dynamo except for its ``factor`` (torch >= 2.13). Older torch parses the object once while tracing
+    and bakes the result into the graph (guarded on the object): there the op must be an argument of the
+    compiled function (dynamo cannot guard the object from a closure or a global)."""
+    if type(op) is not ReduceOp:
+        return _parse_op(op)
+    if _FACTOR_READABLE:
+        return _premul_op(op.factor)  # only PREMUL_SUM ops carry a factor
+    return _parse_op_object(op)
+
+
+_FACTOR_READABLE = hasattr(ReduceOp, "factor")
 
 
 @torch.compiler.assume_constant_result

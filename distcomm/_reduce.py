@@ -219,11 +219,12 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: dist.ProcessGroup |
         A new contiguous tensor of ``tensor``'s shape, identical on every rank.
     """
     _require_tensor("tensor", tensor)
-    op = _compiled.parse_op(op) if torch.compiler.is_compiling() else _parse_op(op)
+    compiling = torch.compiler.is_compiling()
+    op = _compiled.parse_op(op) if compiling else _parse_op(op)
     group, size, _ = _groups.resolve(group)
     needs_grad = _needs_grad(tensor)
     _check_op("all_reduce", op, tensor, needs_grad, group)
-    if torch.compiler.is_compiling():
+    if compiling:
         return _compiled.all_reduce(tensor, op, group)
     if size > 1 and _check.is_check_mode():
         _agree("all_reduce", tensor, group, op=op.kind.value, requires_grad=needs_grad)
@@ -247,12 +248,13 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: dist.ProcessG
         (it requires grad whenever the input does, so every rank takes part in the backward).
     """
     _require_tensor("tensor", tensor)
-    op = _compiled.parse_op(op) if torch.compiler.is_compiling() else _parse_op(op)
+    compiling = torch.compiler.is_compiling()
+    op = _compiled.parse_op(op) if compiling else _parse_op(op)
     group, size, rank = _groups.resolve(group)
     dst_rank = _groups.check_rank_in_group("dst", dst, group)
     needs_grad = _needs_grad(tensor)
     _check_op("reduce", op, tensor, needs_grad, group)
-    if torch.compiler.is_compiling():
+    if compiling:
         return _compiled.reduce(tensor, dst_rank, op, group)
     if size > 1 and _check.is_check_mode():
         _agree("reduce", tensor, group, op=op.kind.value, dst=dst, requires_grad=needs_grad)

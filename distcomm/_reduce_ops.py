@@ -81,21 +81,27 @@ def _parse_op(op) -> _Op:
         return parsed
     kind = _KINDS.get(kind.value, kind)
     if kind is _PREMUL_SUM:
-        if factor is None:
-            raise ValueError(
-                "`op`=PREMUL_SUM needs a factor: pass torch.distributed._make_nccl_premul_sum(factor) instead of "
-                "ReduceOp.PREMUL_SUM"
-            )
-        if isinstance(factor, torch.Tensor):
-            if factor.numel() != 1:
-                raise ValueError(f"the PREMUL_SUM factor must be a scalar, got a tensor of shape {tuple(factor.shape)}")
-            if factor.requires_grad:
-                raise ValueError(
-                    "the PREMUL_SUM factor requires grad, but it is treated as a constant; to differentiate with "
-                    "respect to it, multiply the tensor by it and reduce with SUM"
-                )
-            factor = factor.detach().reshape(())
+        return _premul_op(factor)
     return _Op(kind, factor)
+
+
+def _premul_op(factor) -> _Op:
+    """PREMUL_SUM with its (validated) factor."""
+    if factor is None:
+        raise ValueError(
+            "`op`=PREMUL_SUM needs a factor: pass torch.distributed._make_nccl_premul_sum(factor) instead of "
+            "ReduceOp.PREMUL_SUM"
+        )
+    if isinstance(factor, torch.Tensor):
+        if factor.numel() != 1:
+            raise ValueError(f"the PREMUL_SUM factor must be a scalar, got a tensor of shape {tuple(factor.shape)}")
+        if factor.requires_grad:
+            raise ValueError(
+                "the PREMUL_SUM factor requires grad, but it is treated as a constant; to differentiate with "
+                "respect to it, multiply the tensor by it and reduce with SUM"
+            )
+        factor = factor.detach().reshape(())
+    return _Op(_PREMUL_SUM, factor)
 
 
 def _conj(factor):

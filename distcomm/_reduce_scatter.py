@@ -198,7 +198,8 @@ def reduce_scatter(
     for i, t in enumerate(input_list):
         if not isinstance(t, torch.Tensor):
             _require_tensor(f"input_list[{i}]", t)
-    op = _compiled.parse_op(op) if torch.compiler.is_compiling() else _parse_op(op)
+    compiling = torch.compiler.is_compiling()
+    op = _compiled.parse_op(op) if compiling else _parse_op(op)
     group, size, rank = _groups.resolve(group)
     if len(input_list) != size:
         raise ValueError(
@@ -222,7 +223,7 @@ def reduce_scatter(
         )
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in input_list)
     _check_op("reduce_scatter", op, output, needs_grad, group)
-    if torch.compiler.is_compiling():
+    if compiling:
         return _compiled.reduce_scatter(output, input_list, op, group, rank)
     if size > 1 and _check.is_check_mode():
         _agree(
@@ -265,7 +266,8 @@ def reduce_scatter_tensor(
             f"(allowed: {-ndim} to {ndim - 1})"
         )
     dim %= ndim
-    op = _compiled.parse_op(op) if torch.compiler.is_compiling() else _parse_op(op)
+    compiling = torch.compiler.is_compiling()
+    op = _compiled.parse_op(op) if compiling else _parse_op(op)
     group, size, _ = _groups.resolve(group)
     if tensor.shape[dim] % size:
         raise ValueError(
@@ -274,7 +276,7 @@ def reduce_scatter_tensor(
         )
     needs_grad = _needs_grad(tensor)
     _check_op("reduce_scatter_tensor", op, tensor, needs_grad, group)
-    if torch.compiler.is_compiling():
+    if compiling:
         return _compiled.reduce_scatter_tensor(tensor, dim, op, group)
     if size > 1 and _check.is_check_mode():
         _agree("reduce_scatter_tensor", tensor, group, op=op.kind.value, dim=dim, requires_grad=needs_grad)

@@ -3,6 +3,7 @@
     PYTHONPATH=. python scripts/bench_collectives.py            # 2 local ranks, NCCL, 1 MB .. 1 GB
     PYTHONPATH=. python scripts/bench_collectives.py --quick    # 4 sizes, fewer iterations
     PYTHONPATH=. python scripts/bench_collectives.py --smoke    # CPU / gloo plumbing check, seconds
+    PYTHONPATH=. python scripts/bench_collectives.py --quick --compiled   # + torch.compile'd rows
     torchrun --nproc-per-node 2 scripts/bench_collectives.py    # also works (one rank per process)
 
 What is measured (one row per op and message size; sizes are PER-RANK INPUT bytes, float32 by default):
@@ -20,6 +21,11 @@ What is measured (one row per op and message size; sizes are PER-RANK INPUT byte
   ``torch.distributed.nn.functional`` (the same autograd path through torch's module).
 - all_gather_variable is compared with a fixed-size all_gather_into_tensor + reduce_scatter_tensor of the
   same bytes (uneven sizes: the same total bytes, evenly split).
+- "compiled" rows (``--compiled``): the same step with each distcomm function wrapped in
+  ``torch.compile(fullgraph=True, dynamic=False, backend=--compile-backend)``, compiled afresh for every
+  size (compilation happens in the warm-up), so forward and backward run as compiled graphs; target 1.10x
+  of raw at >= 16 MB. The forms that learn shapes at run time (a graph break) and torch's module get no
+  compiled row.
 Time: CUDA events around back-to-back iterations after warm-up, the best of ``--repeats`` alternating
 repeats, the slowest rank. Bus bandwidth follows nccl-tests (all_reduce 2(W-1)/W, all_gather and
 reduce_scatter and all_to_all (W-1)/W of their large side, broadcast/reduce/ring pass 1x) summed over the
@@ -46,7 +52,7 @@ import _bench_util as U  # noqa: E402
 
 COLS = 256  # inputs are (rows, COLS); gathers and splits act on dim 0
 MIN_TARGET_BYTES = 16 * U.MiB
-MOVE_TARGET, VARIABLE_TARGET = 1.03, 1.15
+MOVE_TARGET, VARIABLE_TARGET, COMPILED_TARGET = 1.03, 1.15, 1.10
 
 # torch 2.13 renamed the *_into_tensor / *_tensor collectives to *_single (old names warn).
 _AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -64,6 +70,7 @@ class Ctx:
     rows: int  # rows of the per-rank (rows, COLS) input
     nccl: bool
     seed: int
+    compile_backend: str = "inductor"
 
     def rand(self, rows: int | None = None) -> torch.Tensor:
         self.seed += 1
@@ -74,15 +81,16 @@ class Ctx:
 @dataclass
 class Case:
     name: str
-    group: str  # "move" (1.03 target), "variable" (1.15 target), "info" (no target)
+    group: str  # "move" (1.03 target), "variable" (1.15 target), "compiled" (1.10 target), "info" (no target)
     bus: object  # (per-rank input bytes, world) -> bus bytes of the forward + adjoint collectives
     build: object  # (Ctx, distcomm.functional) -> dict(dist=step, raw=step, compare=bool); a step runs
     #                forward + backward once and returns the forward output
     raw: str  # what the raw baseline issues
+    compiles: bool = True  # whether a compiled row makes sense (no graph break, distcomm's own functions)
 
     @property
     def target(self) -> float | None:
-        return {"move": MOVE_TARGET, "variable": VARIABLE_TARGET}.get(self.group)
+        return {"move": MOVE_TARGET, "variable": VARIABLE_TARGET, "compiled": COMPILED_TARGET}.get(self.group)
 
 
 # ------------------------------------------------------------------------------------------- raw helpers
@@ -290,7 +298,7 @@ def _torch_nn_case(case: Case) -> Case:
     import torch.distributed.nn.functional as torch_nn
 
     return Case(f"torch.nn {case.name}", "info", case.bus, lambda c, F: case.build(c, torch_nn),
-                case.raw + " (dist column: torch.distributed.nn.functional)")
+                case.raw + " (dist column: torch.distributed.nn.functional)", compiles=False)
 
 
 def _no_grad_all_reduce_build(c: Ctx, F):
@@ -378,11 +386,12 @@ CASES = [
     # Learning the incoming shape is an extra exchange (and a host sync) that raw does not make: reported
     # beside the target, like all_gather_variable(None).
     Case("ring_pass", "info", lambda m, w: 2 * m, _ring_pass_build(False),
-         "batch_isend_irecv right/left; batch_isend_irecv left/right (distcomm also learns the shape)"),
+         "batch_isend_irecv right/left; batch_isend_irecv left/right (distcomm also learns the shape)",
+         compiles=False),
     Case("all_gather_variable(sizes)", "variable", _GATHER_PAIR, _variable_build("given"),
          "fixed-size all_gather_into_tensor; reduce_scatter_tensor(SUM)"),
     Case("all_gather_variable(None)", "info", _GATHER_PAIR, _variable_build("none"),
-         "fixed-size all_gather_into_tensor; reduce_scatter_tensor(SUM)"),
+         "fixed-size all_gather_into_tensor; reduce_scatter_tensor(SUM)", compiles=False),
     Case("all_gather_variable(uneven)", "info", _GATHER_PAIR, _variable_build("uneven"),
          "fixed-size all_gather_into_tensor; reduce_scatter_tensor(SUM) of the same total bytes"),
     _all_reduce_case("MAX"),
@@ -402,6 +411,30 @@ CASES += [
 CASES += [_torch_nn_case(c) for c in CASES if c.name in ("all_reduce(SUM)", "broadcast(src=0)")]
 
 
+class _Compiled:
+    """``distcomm.functional`` with each function compiled on first use (fullgraph, static shapes).
+
+    Made afresh for every (op, size) after ``torch._dynamo.reset()``: sizes never pile up recompilations
+    (past dynamo's recompile limit a function would silently run eagerly)."""
+
+    def __init__(self, F, backend: str):
+        torch._dynamo.reset()
+        self._F, self._backend, self._fns = F, backend, {}
+
+    def __getattr__(self, name: str):
+        if name not in self._fns:
+            self._fns[name] = torch.compile(getattr(self._F, name), fullgraph=True, dynamic=False,
+                                            backend=self._backend)
+        return self._fns[name]
+
+
+def _compiled_case(case: Case) -> Case:
+    """The same step through compiled distcomm functions, measured against the same raw baseline."""
+    return Case(f"{case.name} compiled", "compiled" if case.group == "move" else "info", case.bus,
+                lambda c, F: case.build(c, _Compiled(F, c.compile_backend)),
+                case.raw + " (dist column: distcomm under torch.compile)", compiles=False)
+
+
 # ----------------------------------------------------------------------------------------------- one rank
 def _iters_for(nbytes: int, cfg: dict) -> int:
     return max(cfg["min_iters"], min(cfg["iters"], int(cfg["iters"] * 64 * U.MiB / nbytes)))
@@ -415,11 +448,19 @@ def _verdict(case: Case, nbytes: int, ratio: float | None) -> str:
     return "PASS" if ratio <= case.target else "MISS"
 
 
+def _all_cases(cfg: dict) -> list[Case]:
+    """CASES, each followed by its compiled row when ``--compiled`` is given."""
+    if not cfg.get("compiled"):
+        return list(CASES)
+    return [row for c in CASES for row in ([c, _compiled_case(c)] if c.compiles else [c])]
+
+
 def _selected(cfg: dict) -> list[Case]:
     wanted = cfg["ops"]
+    cases = _all_cases(cfg)
     if not wanted:
-        return list(CASES)
-    return [c for c in CASES if any(c.name == w or c.name.startswith(w) for w in wanted)]
+        return cases
+    return [c for c in cases if any(c.name == w or c.name.startswith(w) for w in wanted)]
 
 
 def run_rank(rank: int, world: int, cfg: dict) -> dict:
@@ -434,12 +475,12 @@ def run_rank(rank: int, world: int, cfg: dict) -> dict:
     out_path = Path(cfg["out"]) / cfg["json_name"]
     budget = U.Budget(cfg["budget_s"], device)
     lead = rank == 0
-    table = U.Table([("op", -34), ("bytes", 6), ("iters", 5), ("distcomm us", 11), ("raw us", 10), ("ratio", 6),
+    table = U.Table([("op", -42), ("bytes", 6), ("iters", 5), ("distcomm us", 11), ("raw us", 10), ("ratio", 6),
                      ("busbw GB/s", 10), ("raw GB/s", 8), ("MiB dc/raw", 13), ("target", 6), ("", 4),
                      ("note", -1)], enabled=lead)
     table.header(f"{world} ranks, {cfg['backend']}, {cfg['dtype']}; bytes = per-rank input; time = forward+backward")
     report = {"benchmark": "collectives", "command": cfg["command"], "env": U.env_info(cfg["backend"], world),
-              "config": cfg, "baselines": {c.name: c.raw for c in CASES}, "rows": [], "complete": False}
+              "config": cfg, "baselines": {c.name: c.raw for c in _all_cases(cfg)}, "rows": [], "complete": False}
     rows = report["rows"]
     probed_ops: set[str] = set()
     for case in _selected(cfg):
@@ -450,7 +491,7 @@ def run_rank(rank: int, world: int, cfg: dict) -> dict:
                 row["error"] = "skipped: time budget spent"
             else:
                 ctx = Ctx(rank, world, device, dtype, nbytes // elem // COLS, cfg["backend"] == "nccl",
-                          seed=len(rows))
+                          seed=len(rows), compile_backend=cfg["compile_backend"])
                 _measure_case(row, case, ctx, F, cfg, probe=case.name not in probed_ops)
                 if "collectives" in row:
                     probed_ops.add(case.name)
@@ -557,7 +598,7 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def print_summary(summary: dict) -> None:
-    table = U.Table([("op", -34), ("target", 6), ("worst>=16MB", 11), ("mean>=16MB", 10), ("", 4),
+    table = U.Table([("op", -42), ("target", 6), ("worst>=16MB", 11), ("mean>=16MB", 10), ("", 4),
                      ("collectives distcomm", -48), ("raw", -46), ("extra", 5)])
     table.header("Summary (ratio = distcomm time / raw time, forward+backward)")
     for name, s in summary.items():
@@ -583,10 +624,14 @@ def plot(report: dict, path: Path) -> Path | None:
     sizes = sorted({r["bytes"] for r in report["rows"]})
     ticks = [(s, U.fmt_bytes(s)) for s in sizes]
     panels = []
-    for title, group_names in (
-        ("SUM/AVG and data movement (target 1.03x)", [n for n in names if _group_of(n) == "move"]),
-        ("exact MAX/MIN/PRODUCT, all_gather_variable", [n for n in names if _group_of(n) != "move"]),
+    for title, group_names, target in (
+        ("SUM/AVG and data movement (target 1.03x)", [n for n in names if _group_of(n) == "move"], MOVE_TARGET),
+        ("compiled (target 1.10x)", [n for n in names if _group_of(n) == "compiled"], COMPILED_TARGET),
+        ("exact MAX/MIN/PRODUCT, all_gather_variable", [n for n in names if _group_of(n) not in ("move", "compiled")],
+         VARIABLE_TARGET),
     ):
+        if not group_names:
+            continue
         bw, ratio = [], []
         for n in group_names:
             mine = sorted((r for r in rows if r["op"] == n), key=lambda r: r["bytes"])
@@ -596,8 +641,7 @@ def plot(report: dict, path: Path) -> Path | None:
             bw.append({"label": "_raw", "x": xs, "y": [r["raw_busbw_GBps"] for r in mine], "style": "x--",
                        "color": color[n]})
             ratio.append({"label": n, "x": xs, "y": [r["ratio"] for r in mine], "style": "o-", "color": color[n]})
-        moving = "movement" in title
-        hl = [(1.0, ""), (MOVE_TARGET, "1.03")] if moving else [(1.0, ""), (VARIABLE_TARGET, "1.15")]
+        hl = [(1.0, ""), (target, f"{target:.2f}")]
         panels.append({"title": f"bus bandwidth, {title}\n(solid distcomm, dashed raw)", "xlabel": "per-rank input",
                        "ylabel": "GB/s (fwd+bwd)", "xscale": "log", "xticks": ticks, "series": bw})
         panels.append({"title": f"distcomm / raw time, {title}", "xlabel": "per-rank input", "ylabel": "ratio",
@@ -638,7 +682,7 @@ def write_markdown(report: dict, path: Path) -> Path:
 
 
 def _group_of(name: str) -> str:
-    return next((c.group for c in CASES if c.name == name), "info")
+    return next((c.group for c in _all_cases({"compiled": True}) if c.name == name), "info")
 
 
 # --------------------------------------------------------------------------------------------------- main
@@ -661,6 +705,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="docs/bench", help="output directory for JSON and PNG (default docs/bench)")
     p.add_argument("--quick", action="store_true", help="4 sizes, fewer iterations (about a minute)")
     p.add_argument("--smoke", action="store_true", help="CPU/gloo, tiny sizes, 1-3 iterations: plumbing only")
+    p.add_argument("--compiled", action="store_true",
+                   help="add a torch.compile'd row after each op (target 1.10x of raw at >= 16 MB)")
+    p.add_argument("--compile-backend", help="torch.compile backend of the compiled rows (default inductor; "
+                                             "aot_eager under --smoke, which skips code generation)")
     return p.parse_args(argv)
 
 
@@ -679,7 +727,8 @@ def make_config(args: argparse.Namespace) -> dict:
     name = "collectives_smoke" if args.smoke else "collectives"
     cfg.update(dtype=args.dtype, ops=args.ops, backend=backend, out=args.out, budget_s=args.budget,
                json_name=f"{name}.json", png_name=f"{name}.png", md_name=f"{name}.md", command=U.command_line(),
-               smoke=args.smoke, quick=args.quick)
+               smoke=args.smoke, quick=args.quick, compiled=args.compiled,
+               compile_backend=args.compile_backend or ("aot_eager" if args.smoke else "inductor"))
     return cfg
 
 

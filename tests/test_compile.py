@@ -560,9 +560,13 @@ def test_inductor_matches_eager_and_reference():
 # ---------------------------------------------------------------------------------------------------------
 
 
+_DOUBLE = dist._make_nccl_premul_sum(2.0)  # a global: dynamo reads the op's factor, not the argument
+
+
 def _single(x: dict) -> dict[str, torch.Tensor]:
     return {
         "max": F.all_reduce(x["max"], R.MAX),
+        "premul": F.all_reduce(x["premul"], _DOUBLE),
         "reduce": F.reduce(x["reduce"], 0, R.PRODUCT),
         "broadcast": F.broadcast(x["broadcast"], 0),
         "rst": F.reduce_scatter_tensor(x["rst"], 1, R.AVG),
@@ -578,7 +582,7 @@ def _single(x: dict) -> dict[str, torch.Tensor]:
 def test_no_process_group_is_the_identity_compiled():
     """Without a process group the compiled ops are the world-of-one identity, as in eager mode."""
     assert not dist.is_initialized()
-    names = ["max", "reduce", "broadcast", "rst", "agt", "variable", "a2a", "gather", "scatter", "ring"]
+    names = ["max", "premul", "reduce", "broadcast", "rst", "agt", "variable", "a2a", "gather", "scatter", "ring"]
 
     def make():
         return {k: _rand((2, 3), "single", k) for k in names}
@@ -588,8 +592,9 @@ def test_no_process_group_is_the_identity_compiled():
     assert _differences(compiled, eager) == []
     x = make()
     for k in names:
-        torch.testing.assert_close(compiled[0][k], x[k], **TOL)
-        torch.testing.assert_close(compiled[1][k], _weight(0, k, (2, 3)), **TOL)
+        scale = 2.0 if k == "premul" else 1.0
+        torch.testing.assert_close(compiled[0][k], scale * x[k], **TOL)
+        torch.testing.assert_close(compiled[1][k], scale * _weight(0, k, (2, 3)), **TOL)
 
 
 # ---------------------------------------------------------------------------------------------------------
