@@ -28,6 +28,13 @@ Two kernels, FlashAttention-2 style, both deterministic (no atomics: every outpu
         v    [####][####]                         rows see (a row of the picture). Interior tiles (all
              [####][####][###]                    visible) skip every mask; edge tiles apply the rule.
 
+Program order: the hardware starts programs in linear grid order. By default tiles vary fastest (the
+programs running together share one head's Q/dO or K/V in L2). For causal-like blocks whose dK/dV grid is
+under 4 waves (GQA at 4k-16k) the heads vary fastest instead, so that every head's heaviest tiles (first key
+tiles, last query tiles) start first and the last wave is not a few long programs: on an H100, 32/8 heads,
+causal 4k blocks went from 243 to 322 TFLOP/s, while at long sequences the tiles-fastest order's L2
+locality wins (32k full, 32/32: 342 vs 319).
+
 P and dS are recomputed in both kernels (FA2's trade: 2 extra matmuls instead of materialising P). The
 scores are moved to base 2 once (``qk_scale = scale * log2(e)``, ``lse2 = lse * log2(e)``) so the inner
 loop has one FMA and one exp2 per score. Rows whose global lse is -inf (no visible key anywhere) use
@@ -216,15 +223,19 @@ def _bwd_dkdv_kernel(
     kv_heads, kv_group, seqlen_q, seqlen_k, qk_scale, softcap, scale,
     # meta
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MODE: tl.constexpr, HAS_KEY_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+    MODE: tl.constexpr, HAS_KEY_MASK: tl.constexpr, SOFTCAP: tl.constexpr, HEADS_FASTEST: tl.constexpr,
     UPCAST: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
     tl.static_assert(MODE >= 0 and MODE <= 2, "MODE: 0 full, 1 causal, 2 interval")
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
 
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    if HEADS_FASTEST:  # grid (B * Hkv, key tiles); see Note [Ring backward kernels]
+        pid_bh = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    else:  # grid (key tiles, B * Hkv)
+        pid_n = tl.program_id(0)
+        pid_bh = tl.program_id(1)
     off_b = (pid_bh // kv_heads).to(tl.int64)
     off_hk = (pid_bh % kv_heads).to(tl.int64)
 
@@ -406,17 +417,23 @@ def _bwd_dq_kernel(
     # meta
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     MODE: tl.constexpr, HAS_KEY_MASK: tl.constexpr, SOFTCAP: tl.constexpr, ACCUMULATE: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tl.static_assert(BLOCK_D >= HEAD_DIM, "BLOCK_D must cover HEAD_DIM")
     tl.static_assert(MODE >= 0 and MODE <= 2, "MODE: 0 full, 1 causal, 2 interval")
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
 
-    pid_m = tl.program_id(0)
+    if HEADS_FASTEST:  # grid (B * H, query tiles); see Note [Ring backward kernels]
+        pid_bh = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        num_m = tl.num_programs(1)
+    else:  # grid (query tiles, B * H)
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        num_m = tl.num_programs(0)
     if MODE != 0:
         # Query tiles near the end of a causal (or causal-like) block do the most work: schedule them first.
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
+        pid_m = num_m - 1 - pid_m
     off_b = (pid_bh // num_heads).to(tl.int64)
     off_h = (pid_bh % num_heads).to(tl.int64)
     off_hk = off_h // kv_group
@@ -561,6 +578,23 @@ def default_backward_config(head_dim: int, dtype: torch.dtype | None = None, *,
 # --------------------------------------------------------------------------------------------------------
 
 
+_SM_COUNTS: dict = {}
+
+
+def _heads_fastest(mode: int, dkdv_programs: int, device: torch.device) -> bool:
+    """Whether both kernels take the heads-fastest grid order (see Note [Ring backward kernels]): for
+    causal-like blocks whose dK/dV grid is under 4 waves of programs."""
+    if mode == 0:
+        return False
+    if device.type != "cuda":  # the interpreter: as on a large GPU
+        sms = 132
+    else:
+        if device not in _SM_COUNTS:
+            _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = _SM_COUNTS[device]
+    return dkdv_programs < 4 * sms
+
+
 def _bwd_block_impl(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lse: Tensor, delta: Tensor, dq: Tensor,
     row_lo: Tensor | None, row_hi: Tensor | None, col_lo: Tensor | None, col_hi: Tensor | None,
@@ -588,16 +622,20 @@ def _bwd_block_impl(
     row_lo, row_hi, col_lo, col_hi = (q if a is None else a for a in (row_lo, row_hi, col_lo, col_hi))
     km, km_strides = (q, (0, 0)) if key_mask is None else (key_mask.view(torch.uint8), key_mask.stride())
     block_d = max(16, triton.next_power_of_2(head_dim))
+    key_tiles, query_tiles = triton.cdiv(seqlen_k, block_n1), triton.cdiv(seqlen_q, block_m2)
+    heads_fastest = _heads_fastest(mode, batch * kv_heads * key_tiles, q.device)
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, MODE=mode, HAS_KEY_MASK=key_mask is not None,
-                  SOFTCAP=softcap > 0, UPCAST=upcast, IEEE=ieee, INTERPRET=interpret)
-    _bwd_dkdv_kernel[(triton.cdiv(seqlen_k, block_n1), batch * kv_heads)](
+                  SOFTCAP=softcap > 0, HEADS_FASTEST=heads_fastest, UPCAST=upcast, IEEE=ieee, INTERPRET=interpret)
+    grid = (batch * kv_heads, key_tiles) if heads_fastest else (key_tiles, batch * kv_heads)
+    _bwd_dkdv_kernel[grid](
         q, k, v, dout, lse, delta, dk, dv, col_lo, col_hi, km,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride(),
         *dk.stride(), *dv.stride(), *km_strides,
         kv_heads, heads // kv_heads, seqlen_q, seqlen_k, qk_scale, cap, scale,
         BLOCK_M=block_m1, BLOCK_N=block_n1, **common, num_warps=num_warps1, num_stages=num_stages1,
     )
-    _bwd_dq_kernel[(triton.cdiv(seqlen_q, block_m2), batch * heads)](
+    grid = (batch * heads, query_tiles) if heads_fastest else (query_tiles, batch * heads)
+    _bwd_dq_kernel[grid](
         q, k, v, dout, lse, delta, dq, row_lo, row_hi, km,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride(),
         *dq.stride(), *km_strides,
