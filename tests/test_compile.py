@@ -130,8 +130,9 @@ def _reductions(x: dict, ops: tuple, bits: torch.Tensor, rank: int, w: int) -> d
         "rst_product": F.reduce_scatter_tensor(x["rst_product"], 0, R.PRODUCT),
         "rst_avg": F.reduce_scatter_tensor(x["rst_avg"], -1, R.AVG),
         "rst_max_0d_rows": F.reduce_scatter_tensor(x["rst_max_0d_rows"], 0, R.MAX),
-        "bxor": F.all_reduce(bits, R.BXOR),  # forward only
     }
+    if not bits.is_cuda:  # NCCL has no bitwise reductions
+        out["bxor"] = F.all_reduce(bits, R.BXOR)  # forward only
     largest = F.all_reduce(bits, R.MAX)
     if rank == 0:  # the other ranks do not use it, but rank 0 waits for them in it
         out["used_on_rank_0"] = largest
@@ -140,7 +141,7 @@ def _reductions(x: dict, ops: tuple, bits: torch.Tensor, rank: int, w: int) -> d
     return out
 
 
-def _reductions_reference(w: int):
+def _reductions_reference(w: int, bitwise: bool = True):
     """Per rank: (outputs, grads) from one float64 process holding every rank's inputs."""
     leaves = [{k: v.requires_grad_() for k, v in _reduction_inputs(r, w).items()} for r in range(w)]
 
@@ -169,10 +170,11 @@ def _reductions_reference(w: int):
             "rst_product": stack("rst_product").prod(0).chunk(w, 0)[r],
             "rst_avg": stack("rst_avg").mean(0).chunk(w, -1)[r],
             "rst_max_0d_rows": stack("rst_max_0d_rows").amax(0).chunk(w, 0)[r],
-            "bxor": bits,
             "rs_max": stack(f"rs_max_{r}").amax(0),
         })
     outs[0]["used_on_rank_0"] = torch.stack([_bits(r) for r in range(w)]).amax(0)
+    for o in outs if bitwise else ():
+        o["bxor"] = bits
     return _with_grads(outs, leaves)
 
 
@@ -378,8 +380,11 @@ def _assert_matches(got: tuple, want: tuple, where: str) -> None:
             torch.testing.assert_close(dg[k], dw[k], **TOL, msg=lambda m: f"{where}: {what} {k}: {m}")
 
 
-def _check_programs(results: list, program: str, w: int) -> None:
-    reference = _reductions_reference(w) if program == "reductions" else _movement_reference(w)
+def _check_programs(results: list, program: str, w: int, device: str = "cpu") -> None:
+    if program == "reductions":
+        reference = _reductions_reference(w, bitwise=device == "cpu")
+    else:
+        reference = _movement_reference(w)
     for r, res in enumerate(results):
         assert res["differences"] == [], f"rank {r}: compiled differs from eager in {res['differences']}"
         _assert_matches(res["compiled"], reference[r], f"{program} rank {r}")
@@ -608,4 +613,4 @@ def test_nccl_programs_compile_with_inductor(program):
     """Both programs on NCCL with CUDA tensors, compiled by Inductor with fullgraph: no break, eager's bits,
     the float64 reference's values."""
     results = run_world(_programs_rank, 2, program, "inductor", "cuda", backend="nccl", timeout=300)
-    _check_programs(results, program, 2)
+    _check_programs(results, program, 2, "cuda")
