@@ -9,12 +9,12 @@ Note [Ring backward kernels]
 Two kernels, FlashAttention-2 style, both deterministic (no atomics: every output tile has one owner)::
 
     _bwd_dkdv_kernel   one program per (key tile, batch, KV head), keys along rows:
-                       for each of the G = H / Hkv query heads of the kv head      (GQA, no K/V copies)
-                           for each query tile the key tile is visible to           (Note [Kernel tiles])
-                               S^T = K Q^T          P^T = exp2(S^T - lse)     (recomputed, base 2)
-                               dV += P^T dO         dP^T = V dO^T
-                               dS^T = P^T (dP^T - D)                          (x (1 - tanh^2): softcap)
-                               dK += dS^T Q
+                       for each (query head of the kv head's group of G = H / Hkv,  (GQA, no K/V copies;
+                                 query tile the key tile is visible to):            one flat loop)
+                           S^T = K Q^T          P^T = exp2(S^T - lse)     (recomputed, base 2)
+                           dV += P^T dO         dP^T = V dO^T
+                           dS^T = P^T (dP^T - D)                          (x (1 - tanh^2): softcap)
+                           dK += dS^T Q
                        dK *= scale; hidden keys (key padding mask) -> 0; store in ``dkv_dtype``
 
     _bwd_dq_kernel     one program per (query tile, batch, head), queries along rows:
@@ -30,7 +30,7 @@ Two kernels, FlashAttention-2 style, both deterministic (no atomics: every outpu
 
 Program order: the hardware starts programs in linear grid order. By default tiles vary fastest (the
 programs running together share one head's Q/dO or K/V in L2). For causal-like blocks whose dK/dV grid is
-under 4 waves (GQA at 4k-16k) the heads vary fastest instead, so that every head's heaviest tiles (first key
+under 4 waves (e.g. 8 kv heads at 4k-8k) the heads vary fastest instead, so that every head's heaviest tiles (first key
 tiles, last query tiles) start first and the last wave is not a few long programs: on an H100, 32/8 heads,
 causal 4k blocks went from 243 to 322 TFLOP/s, while at long sequences the tiles-fastest order's L2
 locality wins (32k full, 32/32: 342 vs 319).
@@ -40,7 +40,9 @@ scores are moved to base 2 once (``qk_scale = scale * log2(e)``, ``lse2 = lse * 
 loop has one FMA and one exp2 per score. Rows whose global lse is -inf (no visible key anywhere) use
 lse2 = +inf: their P is exactly 0 and so are their gradients (no inf - inf). With a key padding mask the
 dK/dV kernel computes the tile unmasked and zeroes the hidden keys' rows when storing, which is exact:
-row j of dK and dV depends only on key j's column of P and dS.
+row j of dK and dV depends only on key j's column of P and dS; a key tile of padding only visits nothing.
+The flat (head, tile) loop matters on Hopper: a loop over heads around the tile loop kept more values live
+and spilled registers inside the tile loop at head_dim 128.
 
 Supported: CUDA fp16/bf16/fp32 (fp32 with IEEE dot products), head dims that are multiples of 8 from 16
 to 256, any lengths and strides, GQA/MQA. Under the Triton interpreter (CPU) bf16 dot operands are upcast
@@ -169,11 +171,8 @@ def _dkdv_range(
     SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Query tiles [lo, hi) in steps of BLOCK_M for each query head off_h0 .. off_h0 + kv_group - 1.
-
-    One flat loop over (head, tile): a loop over heads around the tile loop keeps more values live across
-    the inner loop and spills on Hopper at head_dim 128.
-    """
+    """Query tiles [lo, hi) in steps of BLOCK_M for each query head off_h0 .. off_h0 + kv_group - 1, as one
+    flat loop over (head, tile) (see Note [Ring backward kernels])."""
     n_tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
     if INTERPRET:
         # The interpreter cannot use runtime scalars as range() bounds (they are 1-element arrays).
