@@ -565,13 +565,13 @@ def test_inductor_matches_eager_and_reference():
 # ---------------------------------------------------------------------------------------------------------
 
 
-_DOUBLE = dist._make_nccl_premul_sum(2.0)  # a global: dynamo reads the op's factor, not the argument
+_DOUBLE = dist._make_nccl_premul_sum(2.0)
 
 
-def _single(x: dict) -> dict[str, torch.Tensor]:
+def _single(x: dict, double) -> dict[str, torch.Tensor]:
     return {
         "max": F.all_reduce(x["max"], R.MAX),
-        "premul": F.all_reduce(x["premul"], _DOUBLE),
+        "premul": F.all_reduce(x["premul"], double),
         "reduce": F.reduce(x["reduce"], 0, R.PRODUCT),
         "broadcast": F.broadcast(x["broadcast"], 0),
         "rst": F.reduce_scatter_tensor(x["rst"], 1, R.AVG),
@@ -592,14 +592,18 @@ def test_no_process_group_is_the_identity_compiled():
     def make():
         return {k: _rand((2, 3), "single", k) for k in names}
 
-    eager = _run(_single, make, "cpu", 0)
-    compiled = _run(torch.compile(_single, fullgraph=True, backend="aot_eager"), make, "cpu", 0)
+    eager = _run(lambda x: _single(x, _DOUBLE), make, "cpu", 0)
+    fn = torch.compile(_single, fullgraph=True, backend="aot_eager")
+    compiled = _run(lambda x: fn(x, _DOUBLE), make, "cpu", 0)
     assert _differences(compiled, eager) == []
     x = make()
     for k in names:
         scale = 2.0 if k == "premul" else 1.0
         torch.testing.assert_close(compiled[0][k], scale * x[k], **TOL)
         torch.testing.assert_close(compiled[1][k], scale * _weight(0, k, (2, 3)), **TOL)
+    if hasattr(dist.ReduceOp, "factor"):  # torch >= 2.13: a PREMUL_SUM op from a global or a closure compiles too
+        doubled = torch.compile(lambda t: F.all_reduce(t, _DOUBLE), fullgraph=True, backend="eager")(x["premul"])
+        torch.testing.assert_close(doubled, 2 * x["premul"], **TOL)
 
 
 # ---------------------------------------------------------------------------------------------------------
