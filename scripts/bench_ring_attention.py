@@ -1,28 +1,37 @@
-"""Ring flash attention (distcomm_attention) against single-GPU SDPA flash and PyTorch context_parallel.
+"""Ring flash attention (distcomm_attention) against the fastest single-GPU kernel and PyTorch context_parallel.
 
     PYTHONPATH=. python scripts/bench_ring_attention.py            # 2 local ranks, NCCL, S = 8k, 32k, 128k
     PYTHONPATH=. python scripts/bench_ring_attention.py --quick    # S = 8k, 32k, the minimum matrix only
     PYTHONPATH=. python scripts/bench_ring_attention.py --smoke    # CPU / gloo plumbing check, seconds
     torchrun --nproc-per-node 2 scripts/bench_ring_attention.py    # also works (one rank per process)
 
-Part 1, the ring (batch 1, head_dim 128, bf16; S is the TOTAL sequence, each of the W ranks holds S/W):
-- "sdpa": single-GPU ``scaled_dot_product_attention`` with the FLASH_ATTENTION backend on the whole S
-  ((B, H, S, D) tensors; GQA through ``enable_gqa=True`` when the flash backend takes it, else kv heads
-  expanded inside the timed step). Both GPUs run it independently; the faster one is kept, so
-  efficiencies err low.
-- "context_parallel": PyTorch's ring attention (``torch.distributed.tensor.experimental.context_parallel``
-  over a 1-D DeviceMesh, SDPA flash inside; head-tail load balancing for causal, none for non-causal as it
-  requires). Its KV must have the query head count, so for GQA the kv heads are expanded inside the
-  timed step (as a user would have to).
-- "ring-<layout>": ``distcomm_attention.ring_flash_attn(q, k, v, causal=..., layout=...)`` on this rank's
-  (B, S/W, H, D) shard, for each layout.
+Part 1, the ring (batch 1, head_dim 128, bf16; S is the TOTAL sequence, each of the W ranks holds S/W).
+``--methods`` (aliases: "sdpa" or "single" = the three single-GPU kernels, "cp" = cp_flash,cp_cudnn):
+- single-GPU kernels on the whole S (scripts/_baselines.py): "sdpa_flash" (SDPA under FLASH_ATTENTION,
+  i.e. FlashAttention-2), "sdpa_cudnn" (SDPA under CUDNN_ATTENTION) and "fa4" (flash-attn-4's
+  ``flash_attn_func``, when importable on a Hopper/Blackwell GPU). GQA: SDPA takes ``enable_gqa=True``
+  where its backend does (probed), else the kv heads are expanded before timing; FA4 does GQA natively.
+  Every GPU runs each kernel alone and the faster GPU is kept; a kernel that cannot run here (cuDNN and FA4
+  on CPU, FA4 not installed) is skipped with the reason in the row and the summary.
+- "cp_flash", "cp_cudnn", "cp_efficient" (the last only when asked for): PyTorch's ring attention
+  (``torch.distributed.tensor.experimental.context_parallel`` over a 1-D DeviceMesh) with SDPA restricted
+  to the FlashAttention-2, cuDNN or memory-efficient backend inside the context; head-tail load balancing
+  for causal, none for non-causal as it requires. Its KV must have the query head count, so for GQA the kv
+  heads are expanded inside the timed step (as a user would have to).
+- "ring" (rows "ring-<layout>"): ``distcomm_attention.ring_flash_attn(q, k, v, causal=..., layout=...,
+  backend=--backend)`` (default "auto") on this rank's (B, S/W, H, D) shard, for each layout; the row
+  records ``which_kernels(...)`` for the call (the backend "auto" chose and its kernels).
 Every method runs with NCCL on high-priority CUDA streams (``--nccl-priority high``, the default: sets
 ``TORCH_NCCL_HIGH_PRIORITY=1``), so ring transfers start beside the attention kernel instead of after it.
 Forward (under no_grad) and forward+backward are timed with CUDA events around back-to-back iterations
 after warm-up (the slowest rank for distributed methods). FLOPs: fwd = 4 * B * H * S * S * D, halved for
-causal; fwd+bwd = 3.5 x fwd. TFLOP/s are PER GPU (distributed methods: FLOPs / W / time). Efficiency =
-T_sdpa(S) / (W * T_method(S)). "vs CP" = T_context_parallel / T_method (forward+backward; > 1 is faster).
-Peak memory = ``torch.cuda.max_memory_allocated`` during the forward+backward loop, max over ranks.
+causal; fwd+bwd = 3.5 x fwd. TFLOP/s are PER GPU (distributed methods: FLOPs / W / time).
+Efficiency = T_best(S) / (W * T_method(S)), best = the fastest single-GPU kernel measured in the same run
+at that shape (forward and forward+backward each; the printed "eff vs" column names the fwd+bwd one; the
+JSON also has "eff_vs" against every kernel measured). "vs cp_X" = T_cp_X / T_method (forward+backward;
+> 1 is faster); the JSON's flat "fwdbwd_speedup_vs_cp" and "peak_vs_cp" are against the strongest
+context_parallel of the run. Peak memory = ``torch.cuda.max_memory_allocated`` during the
+forward+backward loop, max over ranks.
 
 Part 2 (run first, as it is short): the Triton forward kernel alone (``TritonForward`` of
 ``distcomm_attention._triton_fwd``: init_state, one step over the whole sequence, finalize) against the
@@ -46,10 +55,15 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _baselines as B  # noqa: E402
 import _bench_util as U  # noqa: E402
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
-METHODS = ("sdpa", "cp", "ring", "kernel")
+SINGLE = B.KERNELS  # single-GPU baselines: sdpa_flash, sdpa_cudnn, fa4
+CP_METHODS = ("cp_flash", "cp_cudnn", "cp_efficient")  # context_parallel under one SDPA backend each
+METHODS = (*SINGLE, *CP_METHODS, "ring", "kernel")
+ALIASES = {"sdpa": SINGLE, "single": SINGLE, "cp": ("cp_flash", "cp_cudnn")}
+DEFAULT_METHODS = (*SINGLE, "cp_flash", "cp_cudnn", "ring", "kernel")
 
 
 def attn_flops(s: int, h: int, d: int, causal: bool, b: int = 1) -> float:
@@ -59,35 +73,17 @@ def attn_flops(s: int, h: int, d: int, causal: bool, b: int = 1) -> float:
 
 # ------------------------------------------------------------------------------------------ method setup
 def _sdpa_call(q, k, v, causal: bool, gqa: str):
-    """SDPA flash on (B, H, S, D); ``gqa``: "none", "native" (enable_gqa=True) or "expand"."""
-    import torch.nn.functional as TF  # looked up at call time: context_parallel patches this attribute
-
-    if gqa == "expand":
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    kwargs = {"enable_gqa": True} if gqa == "native" else {}
-    return TF.scaled_dot_product_attention(q, k, v, is_causal=causal, **kwargs)
+    """SDPA on (B, H, S, D) under the caller's backend; ``gqa``: "none", "native" or "expand"."""
+    return B.sdpa_call(q, k, v, causal, gqa)
 
 
 def _flash_ctx():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel(SDPBackend.FLASH_ATTENTION)
+    return B.sdpa_ctx("flash")
 
 
 def _sdpa_gqa_mode(h: int, hkv: int, d: int, causal: bool, device, dtype) -> str:
-    """How the SDPA flash baseline handles GQA here: "none" (MHA), "native" (enable_gqa=True works for
-    forward and backward under the flash backend) or "expand" (kv heads repeated to the query heads)."""
-    if h == hkv:
-        return "none"
-    try:
-        q = torch.randn(1, h, 128, d, device=device, dtype=dtype, requires_grad=True)
-        k, v = (torch.randn(1, hkv, 128, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
-        with _flash_ctx():
-            _sdpa_call(q, k, v, causal, "native").sum().backward()
-        return "native"
-    except Exception:
-        return "expand"
+    """How the SDPA flash backend takes GQA here (scripts/_baselines.py ``sdpa_gqa_mode``)."""
+    return B.sdpa_gqa_mode(h, hkv, d, causal, device, dtype, "flash")
 
 
 def _leaves(*tensors):
@@ -117,19 +113,12 @@ def _measure(fwd, fwdbwd, c: dict, device) -> dict:
     return {"fwd_s": t_fwd, "fwdbwd_s": t_fb, "peak": pm.bytes}
 
 
-def bench_sdpa(c: dict, device, dtype) -> dict:
-    b, s, h, hkv, d, causal = c["batch"], c["S"], c["H"], c["Hkv"], c["D"], c["causal"]
-    q, dout = (torch.randn(b, h, s, d, device=device, dtype=dtype) for _ in range(2))
-    k, v = (torch.randn(b, hkv, s, d, device=device, dtype=dtype) for _ in range(2))
-    gqa = _sdpa_gqa_mode(h, hkv, d, causal, device, dtype)
-    q, k, v = _leaves(q, k, v)
-
-    def call(q, k, v):
-        with _flash_ctx():
-            return _sdpa_call(q, k, v, causal, gqa)
-
+def bench_single(c: dict, device, dtype, kernel: str) -> dict:
+    """One single-GPU baseline of scripts/_baselines.py on the whole sequence (every rank runs it alone)."""
+    call, q, k, v, dout, note = B.make_call(kernel, c["batch"], c["S"], c["H"], c["Hkv"], c["D"], c["causal"],
+                                            device, dtype)
     res = _measure(*_fwd_and_fwdbwd(call, q, k, v, dout), c, device)
-    res["note"] = {"none": "", "native": "GQA: enable_gqa=True", "expand": "GQA: kv expanded"}[gqa]
+    res["note"] = note
     return res
 
 
@@ -151,7 +140,8 @@ def _cp_api():
 
 
 def bench_cp(c: dict, device, dtype) -> dict:
-    """PyTorch context_parallel on random local shards (B, H, S/W, D), SDPA flash inside the context.
+    """PyTorch context_parallel on random local shards (B, H, S/W, D), under the SDPA backend
+    ``c["sdpa_backend"]`` ("flash" by default, "cudnn" or "efficient") inside the context.
 
     The local tensors are this rank's shard already (their values do not matter for timing); the context
     gets one tiny placeholder buffer so it knows the global sequence length and picks its load balancer.
@@ -169,9 +159,10 @@ def bench_cp(c: dict, device, dtype) -> dict:
     k, v = (torch.randn(b, hkv, n, d, device=device, dtype=dtype) for _ in range(2))
     q, k, v = _leaves(q, k, v)
     gqa = "expand" if hkv != h else "none"
+    sdpa_backend = c.get("sdpa_backend", "flash")
 
     def call(q, k, v):
-        with _flash_ctx():
+        with B.sdpa_ctx(sdpa_backend):
             return _sdpa_call(q, k, v, causal, gqa)
 
     fwd, fwdbwd = _fwd_and_fwdbwd(call, q, k, v, dout)
@@ -196,7 +187,7 @@ def bench_cp(c: dict, device, dtype) -> dict:
     rotate = getattr(cp_options.rotate_method, "name", str(cp_options.rotate_method))
     if c.get("cp_rotate"):
         rotate = c["cp_rotate"]
-    notes = [f"rotate={rotate.lower()}", "head-tail balance" if causal else "no balance"]
+    notes = [f"SDPA {sdpa_backend}", f"rotate={rotate.lower()}", "head-tail balance" if causal else "no balance"]
     if gqa == "expand":
         notes.append("GQA: kv expanded")
     result["note"] = ", ".join(notes)
@@ -204,7 +195,7 @@ def bench_cp(c: dict, device, dtype) -> dict:
 
 
 def bench_ring(c: dict, device, dtype, layout: str) -> dict:
-    from distcomm_attention import ring_flash_attn
+    from distcomm_attention import ring_flash_attn, which_kernels
 
     world = dist.get_world_size()
     b, s, h, hkv, d, causal = c["batch"], c["S"], c["H"], c["Hkv"], c["D"], c["causal"]
@@ -217,8 +208,11 @@ def bench_ring(c: dict, device, dtype, layout: str) -> dict:
     def call(q, k, v):
         return ring_flash_attn(q, k, v, causal=causal, layout=layout, backend=backend)
 
+    choice = which_kernels(q, causal=causal, backend=backend)
     res = _measure(*_fwd_and_fwdbwd(call, q, k, v, dout), c, device)
-    res["note"] = f"backend={backend}"
+    res["kernels"] = choice._asdict()
+    res["note"] = f"backend={backend}" + (f" -> {choice.backend}" if choice.backend != backend else "") + \
+        f" ({choice.forward} / {choice.backward})"
     return res
 
 
@@ -303,7 +297,7 @@ def run_rank(rank: int, world: int, cfg: dict) -> dict:
     # The kernel part first: it is short, and the time budget should cut the longest ring cases instead.
     if "kernel" in cfg["methods"]:
         _kernel_part(cfg, world, device, budget, report["kernel_rows"], save, lead)
-    if any(m in cfg["methods"] for m in ("sdpa", "cp", "ring")):
+    if any(m != "kernel" for m in cfg["methods"]):
         _ring_part(cfg, world, device, budget, report["rows"], save, lead)
     report["summary"] = summarize(report)
     report["elapsed_s"] = budget.elapsed()
@@ -312,15 +306,22 @@ def run_rank(rank: int, world: int, cfg: dict) -> dict:
     return report if lead else {}
 
 
+def _ring_columns(cfg: dict) -> list[str]:
+    """The context_parallel methods of this run (the "vs cp_*" columns)."""
+    return [m for m in CP_METHODS if m in cfg["methods"]]
+
+
 def _ring_part(cfg: dict, world: int, device, budget: U.Budget, rows: list, save, lead: bool) -> None:
     dtype = getattr(torch, cfg["dtype"])
     methods = cfg["methods"]
-    table = U.Table([("S", 5), ("heads", 5), ("causal", 6), ("method", -17), ("fwd ms", 8), ("TF/s", 5),
-                     ("eff", 5), ("f+b ms", 8), ("TF/s", 5), ("eff", 5), ("vs CP", 5), ("GiB", 5), ("note", -1)],
-                    enabled=lead)
+    cps = _ring_columns(cfg)
+    table = U.Table([("S", 5), ("heads", 5), ("causal", 6), ("method", -16), ("fwd ms", 8), ("TF/s", 5),
+                     ("eff", 5), ("f+b ms", 8), ("TF/s", 5), ("eff", 5), ("eff vs", -10),
+                     *((f"vs {m}", len(m) + 3) for m in cps), ("GiB", 5), ("note", -1)], enabled=lead)
     table.header(f"Ring attention on {world} ranks ({cfg['backend_dist']}), {cfg['dtype']}, batch {cfg['batch']}, "
-                 f"head_dim {cfg['head_dim']}; TF/s per GPU; eff = T_sdpa / ({world} T_method); "
-                 f"vs CP = T_context_parallel / T_method (fwd+bwd)")
+                 f"head_dim {cfg['head_dim']}; TF/s per GPU; eff = T_best_single / ({world} T_method), best = the "
+                 f"fastest single-GPU kernel of this run (fwd and fwd+bwd each; 'eff vs' names the fwd+bwd one); "
+                 f"vs cp_* = T_context_parallel(backend) / T_method (fwd+bwd)")
     unsupported: dict[tuple, str] = {}  # (method, causal, MHA) -> error type
     for s in cfg["seqs"]:
         iters, warmup = _iters_for(s, cfg)
@@ -328,40 +329,61 @@ def _ring_part(cfg: dict, world: int, device, budget: U.Budget, rows: list, save
             for causal in cfg["causal"]:
                 c = {"S": s, "H": h, "Hkv": hkv, "D": cfg["head_dim"], "batch": cfg["batch"], "causal": causal,
                      "iters": iters, "warmup": warmup, "backend": cfg["ring_backend"], "cp_rotate": cfg["cp_rotate"]}
-                plan = [("sdpa", None)] if "sdpa" in methods else []
-                plan += [("context_parallel", None)] if "cp" in methods else []
+                plan = [(m, None) for m in SINGLE if m in methods] + [(m, None) for m in cps]
                 plan += [(f"ring-{lay}", lay) for lay in _layouts_for(causal, cfg)] if "ring" in methods else []
-                base = {}  # the sdpa and context_parallel rows of this shape, for efficiency and "vs CP"
+                base = {}  # this shape's single-GPU and context_parallel rows, for efficiency and "vs CP"
+                pending = []  # single-GPU rows wait for the fastest of them before they print
                 for method, layout in plan:
                     row = {"S": s, "heads": h, "kv_heads": hkv, "head_dim": cfg["head_dim"], "causal": causal,
                            "method": method, "layout": layout, "iters": iters}
                     key = (method, causal, h == hkv)
-                    if budget.exhausted():
+                    skip = _skip_reason(method, device, dtype, cfg["head_dim"])
+                    if skip is not None:
+                        row["skipped"] = skip
+                    elif budget.exhausted():
                         row["error"] = "skipped: time budget spent"
                     elif key in unsupported:
                         row["error"] = f"skipped: unsupported here ({unsupported[key]})"
                     else:
-                        if method == "sdpa":
-                            fn = lambda: bench_sdpa(c, device, dtype)  # noqa: E731
-                        elif method == "context_parallel":
-                            fn = lambda: bench_cp(c, device, dtype)  # noqa: E731
+                        if method in SINGLE:
+                            fn = lambda m=method: bench_single(c, device, dtype, m)  # noqa: E731
+                        elif method in CP_METHODS:
+                            fn = lambda m=method: bench_cp({**c, "sdpa_backend": m[3:]}, device, dtype)  # noqa: E731
                         else:
                             fn = lambda lay=layout: bench_ring(c, device, dtype, lay)  # noqa: E731
                         res, err = U.guarded(fn, device)
                         U.release_memory(device)
                         if err is None:
-                            _fill_row(row, res, c, world, device, single=(method == "sdpa"), base=base)
+                            _fill_row(row, res, c, world, device, single=(method in SINGLE), base=base)
                         else:
                             row["error"] = err
                             # an operator this build lacks is missing for every size: stop trying it
                             (missing,) = U.all_max([err.startswith("NotImplementedError")], device)
                             if missing:
                                 unsupported[key] = err.split(":")[0]
-                    if method in ("sdpa", "context_parallel"):
-                        base[method] = row
                     rows.append(row)
-                    _print_row(table, row)
+                    if method in SINGLE:
+                        base[method] = row
+                        pending.append(row)
+                        if method != next(m for m, _ in reversed(plan) if m in SINGLE):
+                            save()
+                            continue
+                        _fill_single_eff(pending, base)
+                    elif method in CP_METHODS:
+                        base[method] = row
+                    for r in pending or [row]:
+                        _print_row(table, r, cps)
+                    pending = []
                     save()
+
+
+def _skip_reason(method: str, device, dtype, head_dim: int) -> str | None:
+    """Why a method is skipped on this machine by design (a GPU-only kernel on CPU, FA4 not installed)."""
+    if method in SINGLE:
+        return B.problem(method, device, dtype, head_dim)
+    if method in ("cp_cudnn", "cp_efficient") and device.type != "cuda":
+        return f"skipped: context_parallel under SDPA {method[3:]} needs CUDA"
+    return None
 
 
 def _kernel_part(cfg: dict, world: int, device, budget: U.Budget, krows: list, save, lead: bool) -> None:
@@ -405,6 +427,31 @@ def _kernel_part(cfg: dict, world: int, device, budget: U.Budget, krows: list, s
                 save()
 
 
+def _single_times(base: dict) -> dict[str, dict[str, float | None]]:
+    """{"fwd": {kernel: ms}, "fwdbwd": {kernel: ms}} of this shape's measured single-GPU rows."""
+    rows = {m: r for m, r in base.items() if m in SINGLE}
+    return {key: {m: r.get(f"{key}_ms") for m, r in rows.items()} for key in ("fwd", "fwdbwd")}
+
+
+def _fill_eff(row: dict, base: dict, gpus: int) -> None:
+    """Efficiency against the fastest single-GPU kernel of the run (fwd and fwd+bwd each) and against each."""
+    times = _single_times(base)
+    for key in ("fwd", "fwdbwd"):
+        name, t_best = B.best(times[key])
+        if name is None or not row.get(f"{key}_ms"):
+            continue
+        row[f"{key}_eff"] = t_best / (gpus * row[f"{key}_ms"])
+        row[f"best_{key}"] = name
+        for m, t in times[key].items():
+            if t:
+                row.setdefault("eff_vs", {}).setdefault(m, {})[key] = t / (gpus * row[f"{key}_ms"])
+
+
+def _fill_single_eff(rows: list, base: dict) -> None:
+    for r in rows:
+        _fill_eff(r, base, 1)
+
+
 def _fill_row(row: dict, res: dict, c: dict, world: int, device, *, single: bool, base: dict) -> None:
     flops = attn_flops(c["S"], c["H"], c["D"], c["causal"], c["batch"])
     if single:  # each GPU ran it alone: keep the faster GPU
@@ -419,36 +466,51 @@ def _fill_row(row: dict, res: dict, c: dict, world: int, device, *, single: bool
                fwd_tflops_per_gpu=flops / gpus / t_fwd / 1e12,
                fwdbwd_tflops_per_gpu=3.5 * flops / gpus / t_fb / 1e12,
                peak_gib=peak / U.GiB if device.type == "cuda" else None, note=res.get("note", ""))
-    sd = base.get("sdpa")
-    if sd is not None and sd.get("fwd_ms"):
-        row["fwd_eff"] = sd["fwd_ms"] / (gpus * row["fwd_ms"])
-        row["fwdbwd_eff"] = sd["fwdbwd_ms"] / (gpus * row["fwdbwd_ms"])
-    cp = base.get("context_parallel")
-    if cp is not None and cp.get("fwdbwd_ms") and row["method"].startswith("ring"):
-        row["fwdbwd_speedup_vs_cp"] = cp["fwdbwd_ms"] / row["fwdbwd_ms"]
-        row["fwd_speedup_vs_cp"] = cp["fwd_ms"] / row["fwd_ms"]
+    if "kernels" in res:
+        row["kernels"] = res["kernels"]
+    if single:
+        return  # filled once every single-GPU kernel of the shape ran (_fill_single_eff)
+    _fill_eff(row, base, gpus)
+    if not row["method"].startswith("ring"):
+        return
+    vs = {}
+    for m in CP_METHODS:
+        cp = base.get(m)
+        if cp is None or not cp.get("fwdbwd_ms"):
+            continue
+        vs[m] = {"fwdbwd": cp["fwdbwd_ms"] / row["fwdbwd_ms"], "fwd": cp["fwd_ms"] / row["fwd_ms"]}
         if cp.get("peak_gib") is not None and row.get("peak_gib") is not None:
-            row["peak_vs_cp"] = row["peak_gib"] / cp["peak_gib"]
+            vs[m]["peak"] = row["peak_gib"] / cp["peak_gib"]
+    if vs:  # the flat keys: against the strongest context_parallel of the run
+        row["vs_cp"] = vs
+        strongest = min(vs, key=lambda m: vs[m]["fwdbwd"])
+        row.update(cp_strongest=strongest, fwdbwd_speedup_vs_cp=vs[strongest]["fwdbwd"],
+                   fwd_speedup_vs_cp=min(v["fwd"] for v in vs.values()))
+        peaks = [v["peak"] for v in vs.values() if "peak" in v]
+        if peaks:
+            row["peak_vs_cp"] = max(peaks)
 
 
 def _tf(x: float | None) -> str:
     return U.fmt(x, ".0f" if x is not None and x >= 10 else ".2g")
 
 
-def _print_row(table: U.Table, row: dict) -> None:
+def _print_row(table: U.Table, row: dict, cps: list[str]) -> None:
+    vs = row.get("vs_cp", {})
     table.row([U.fmt_count(row["S"]), f"{row['heads']}/{row['kv_heads']}", "yes" if row["causal"] else "no",
                row["method"], U.fmt(row.get("fwd_ms"), ".2f"), _tf(row.get("fwd_tflops_per_gpu")),
                U.fmt(row.get("fwd_eff"), ".2f"), U.fmt(row.get("fwdbwd_ms"), ".2f"),
                _tf(row.get("fwdbwd_tflops_per_gpu")), U.fmt(row.get("fwdbwd_eff"), ".2f"),
-               U.fmt(row.get("fwdbwd_speedup_vs_cp"), ".2f"), U.fmt(row.get("peak_gib"), ".1f"),
-               row.get("error", row.get("note", ""))])
+               row.get("best_fwdbwd", "-"), *(U.fmt(vs.get(m, {}).get("fwdbwd"), ".2f") for m in cps),
+               U.fmt(row.get("peak_gib"), ".1f"), row.get("skipped", row.get("error", row.get("note", "")))])
 
 
 # ------------------------------------------------------------------------------------------------ summary
 def summarize(report: dict) -> dict:
-    """The issue's targets, checked on the minimum matrix (zigzag causal, contiguous non-causal): faster than
-    context_parallel with no more peak memory, fwd+bwd efficiency >= 0.90 at 4k tokens per GPU and >= 0.95
-    at >= 16k per GPU; the Triton forward >= 1.0x SDPA flash forward at S >= 4k."""
+    """The 2-GPU issue's targets, checked on the minimum matrix (zigzag causal, contiguous non-causal): faster
+    than context_parallel under each SDPA backend measured, with lower peak memory; fwd+bwd efficiency against
+    the fastest single-GPU kernel of the run >= 0.90 at >= 16k tokens per GPU and >= 0.80 at 4k tokens per
+    GPU causal; the Triton forward >= 1.0x SDPA flash forward at S >= 4k."""
     world = report["env"].get("world_size", 2)
     checks = []
     for r in report["rows"]:
@@ -458,17 +520,17 @@ def summarize(report: dict) -> dict:
             continue
         mask = "causal" if r["causal"] else "full"
         key = f"S={U.fmt_count(r['S'])} {r['heads']}/{r['kv_heads']} {mask} {r['method']}"
-        if "fwdbwd_speedup_vs_cp" in r:
-            checks.append({"check": f"{key}: faster than context_parallel (fwd+bwd)",
-                           "value": r["fwdbwd_speedup_vs_cp"], "ok": r["fwdbwd_speedup_vs_cp"] > 1.0})
-        if "peak_vs_cp" in r:
-            checks.append({"check": f"{key}: peak memory <= context_parallel", "value": r["peak_vs_cp"],
-                           "ok": r["peak_vs_cp"] <= 1.0})
+        for m, vs in r.get("vs_cp", {}).items():
+            checks.append({"check": f"{key}: faster than {m} (fwd+bwd)", "value": vs["fwdbwd"],
+                           "ok": vs["fwdbwd"] > 1.0})
+            if "peak" in vs:
+                checks.append({"check": f"{key}: peak memory < {m}", "value": vs["peak"], "ok": vs["peak"] < 1.0})
         per_gpu = r["S"] // world
-        target = 0.95 if per_gpu >= 16384 else (0.90 if per_gpu >= 4096 else None)
+        target = 0.90 if per_gpu >= 16384 else (0.80 if per_gpu >= 4096 and r["causal"] else None)
         if target is not None:
             eff = r.get("fwdbwd_eff")
-            checks.append({"check": f"{key}: fwd+bwd efficiency >= {target}", "value": eff,
+            best = r.get("best_fwdbwd", "no single-GPU kernel measured")
+            checks.append({"check": f"{key}: fwd+bwd efficiency vs {best} >= {target}", "value": eff,
                            "ok": eff is not None and eff >= target})
     for r in report.get("kernel_rows", []):
         if "speedup" in r and r["S"] >= 4096:
@@ -477,14 +539,17 @@ def summarize(report: dict) -> dict:
                            "ok": r["speedup"] >= 1.0})
     every = report["rows"] + report.get("kernel_rows", [])
     errors = sorted({f"{r.get('method', 'kernel')}: {r['error']}" for r in every if r.get("error")})
+    skipped = sorted({f"{r.get('method', 'kernel')}: {r['skipped']}" for r in every if r.get("skipped")})
     return {"checks": checks, "passed": sum(c["ok"] for c in checks), "failed": sum(not c["ok"] for c in checks),
-            "errors": errors}
+            "errors": errors, "skipped": skipped}
 
 
 def print_summary(summary: dict) -> None:
     print(f"\nTargets: {summary['passed']} met, {summary['failed']} missed", flush=True)
     for c in summary["checks"]:
         print(f"  {'PASS' if c['ok'] else 'MISS'}  {c['check']}: {U.fmt(c['value'], '.3f')}", flush=True)
+    for e in summary.get("skipped", []):
+        print(f"  skip   {e}", flush=True)
     for e in summary["errors"]:
         print(f"  error  {e}", flush=True)
 
@@ -492,11 +557,11 @@ def print_summary(summary: dict) -> None:
 def plot(report: dict, out: Path, cfg: dict) -> list[Path]:
     env = report.get("env", {})
     hw = f"{env.get('world_size')} x {env.get('gpu', 'CPU')}"
-    rows = [r for r in report["rows"] if r.get("fwdbwd_eff") is not None and r["method"] != "sdpa"]
+    rows = [r for r in report["rows"] if r.get("fwdbwd_eff") is not None and r["method"] not in SINGLE]
     shapes = list(dict.fromkeys((r["causal"], r["heads"], r["kv_heads"]) for r in report["rows"]))
-    methods = list(dict.fromkeys(r["method"] for r in report["rows"] if r["method"] != "sdpa"))
-    palette = {"context_parallel": "tab:gray", "ring-contiguous": "tab:blue", "ring-zigzag": "tab:red",
-               "ring-striped": "tab:green"}
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    palette = {"cp_flash": "tab:gray", "cp_cudnn": "tab:brown", "cp_efficient": "tab:olive",
+               "ring-contiguous": "tab:blue", "ring-zigzag": "tab:red", "ring-striped": "tab:green"}
     seqs = sorted({r["S"] for r in report["rows"]})
     ticks = [(s, U.fmt_count(s)) for s in seqs]
     panels = []
@@ -511,7 +576,7 @@ def plot(report: dict, out: Path, cfg: dict) -> list[Path]:
             series.append({"label": f"{m} fwd", "x": xs, "y": [r.get("fwd_eff") for r in mine], "style": "x:",
                            "color": palette.get(m)})
         panels.append({"title": f"{'causal' if causal else 'non-causal'}, {h}/{hkv} heads", "xlabel": "S (total)",
-                       "ylabel": f"efficiency = T_sdpa / ({env.get('world_size')} T)", "xscale": "log",
+                       "ylabel": f"eff = T_best single GPU / ({env.get('world_size')} T)", "xscale": "log",
                        "xticks": ticks, "series": series, "hlines": [(0.90, "0.90"), (0.95, "0.95"), (1.0, "ideal")],
                        "ylim": (0, max([1.1] + [1.05 * y for s in series for y in s["y"] if y is not None])),
                        "legend_cols": 2})
@@ -545,24 +610,34 @@ def write_markdown(report: dict, path: Path) -> Path:
     """The measured tables in Markdown: the ring part, the kernel part and the target checks."""
     cfg = report["config"]
     world = report["env"].get("world_size", 2)
-    text = U.markdown_header("Ring attention vs SDPA flash and context_parallel", report)
+    text = U.markdown_header("Ring attention vs the fastest single-GPU kernel and context_parallel", report)
     high = report["env"].get("env", {}).get("TORCH_NCCL_HIGH_PRIORITY") == "1"
+    cps = [m for m in CP_METHODS if any(r["method"] == m for r in report["rows"])]
     text += (f"\n{cfg['dtype']}, batch {cfg['batch']}, head_dim {cfg['head_dim']}; S = total sequence ({world} "
              f"GPUs hold S/{world} each). TFLOP/s per GPU (fwd 4·b·h·S²·d, halved for causal; fwd+bwd 3.5x). "
-             f"eff = T_sdpa(S) / ({world} T(S)); vs CP = T_context_parallel / T (fwd+bwd, > 1 is faster); "
-             f"peak = max allocated per GPU during fwd+bwd. NCCL streams: "
-             f"{'high priority' if high else 'default priority'}"
+             f"Single-GPU kernels on the whole S: {', '.join(f'{m} ({B.LABELS[m]})' for m in SINGLE)}. "
+             f"eff = T_best(S) / ({world} T(S)), best = the fastest single-GPU kernel measured in this run at "
+             f"that shape (fwd and fwd+bwd each; named in \"eff vs\"; the JSON has eff against each kernel). "
+             f"context_parallel runs under one SDPA backend each (cp_flash: FlashAttention-2, cp_cudnn: cuDNN, "
+             f"cp_efficient: memory-efficient); vs cp_* = T_cp / T (fwd+bwd, > 1 is faster); peak = max allocated "
+             f"per GPU during fwd+bwd. NCCL streams: {'high priority' if high else 'default priority'}"
              f" (every method).\n\n")
     rows = []
     for r in report["rows"]:
+        vs = r.get("vs_cp", {})
         rows.append([f"{U.fmt_count(r['S'])}", f"{r['heads']}/{r['kv_heads']}", "causal" if r["causal"] else "full",
                      r["method"], _tf(r.get("fwd_tflops_per_gpu")), U.fmt(r.get("fwd_eff"), ".2f"),
                      _tf(r.get("fwdbwd_tflops_per_gpu")), U.fmt(r.get("fwdbwd_eff"), ".2f"),
-                     U.fmt(r.get("fwdbwd_speedup_vs_cp"), ".2f"), U.fmt(r.get("peak_gib"), ".1f"),
-                     (r.get("error") or "")[:80]])
+                     r.get("best_fwdbwd", "-"), *(U.fmt(vs.get(m, {}).get("fwdbwd"), ".2f") for m in cps),
+                     U.fmt(r.get("peak_gib"), ".1f"), (r.get("skipped") or r.get("error") or "")[:80]])
     if rows:
         text += U.markdown_table(["S", "heads", "mask", "method", "fwd TF/s", "fwd eff", "f+b TF/s", "f+b eff",
-                                  "vs CP", "peak GiB", "error"], rows, align="rrllrrrrrrl") + "\n"
+                                  "eff vs", *(f"vs {m}" for m in cps), "peak GiB", "skipped / error"], rows,
+                                 align="rrll" + "rrrrl" + "r" * len(cps) + "rl") + "\n"
+    kinds = {r["kernels"]["backend"] for r in report["rows"] if r.get("kernels")}
+    if kinds:
+        text += (f"\nRing backend: `{cfg['ring_backend']}` ran {', '.join(sorted(kinds))} "
+                 f"(`which_kernels`, per row in the JSON).\n")
     krows = [r for r in report.get("kernel_rows", []) if "S" in r]
     if krows:
         text += "\nTriton forward kernel alone vs SDPA flash forward, one GPU:\n\n"
@@ -603,7 +678,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layouts", type=U.parse_list, help="ring layouts (default contiguous,zigzag,striped)")
     p.add_argument("--matrix", choices=["full", "minimum"],
                    help="full: every layout; minimum: zigzag causal + contiguous non-causal (--quick default)")
-    p.add_argument("--methods", type=U.parse_list, help=f"subset of {','.join(METHODS)} (default all)")
+    p.add_argument("--methods", type=U.parse_list,
+                   help=f"subset of {','.join(METHODS)}; aliases: sdpa or single = {','.join(SINGLE)} (every "
+                        f"single-GPU baseline), cp = cp_flash,cp_cudnn (default: {','.join(DEFAULT_METHODS)})")
     p.add_argument("--backend", dest="ring_backend", help="ring_flash_attn backend (default auto; --smoke torch)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--cp-rotate", choices=["allgather", "alltoall"],
@@ -622,26 +699,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def expand_methods(names: list[str]) -> list[str]:
+    """--methods names with the aliases expanded, in METHODS order (SystemExit on an unknown name)."""
+    chosen = set()
+    for m in names:
+        if m not in METHODS and m not in ALIASES:
+            raise SystemExit(f"unknown method {m!r}; choose from {', '.join(METHODS)} or the aliases "
+                             f"{', '.join(ALIASES)}")
+        chosen.update(ALIASES.get(m, (m,)))
+    return [m for m in METHODS if m in chosen]
+
+
 def make_config(args: argparse.Namespace) -> dict:
     if args.smoke:
         d = dict(seqs=[256, 512], kernel_seqs=[256], heads=[(4, 4), (4, 2)], head_dim=32, layouts=list(LAYOUTS),
-                 matrix="full", methods=list(METHODS), ring_backend="torch", dtype="float32", iters=2, min_iters=1,
+                 matrix="full", methods=list(DEFAULT_METHODS), ring_backend="torch", dtype="float32", iters=2, min_iters=1,
                  warmup=1)
     elif args.quick:
         d = dict(seqs=[8192, 32768], kernel_seqs=[4096, 16384], heads=[(32, 32), (32, 8)], head_dim=128,
-                 layouts=list(LAYOUTS), matrix="minimum", methods=list(METHODS), ring_backend="auto",
+                 layouts=list(LAYOUTS), matrix="minimum", methods=list(DEFAULT_METHODS), ring_backend="auto",
                  dtype="bfloat16", iters=10, min_iters=3, warmup=2)
     else:
         d = dict(seqs=[8192, 32768, 131072], kernel_seqs=[4096, 8192, 16384, 32768], heads=[(32, 32), (32, 8)],
-                 head_dim=128, layouts=list(LAYOUTS), matrix="full", methods=list(METHODS), ring_backend="auto",
+                 head_dim=128, layouts=list(LAYOUTS), matrix="full", methods=list(DEFAULT_METHODS), ring_backend="auto",
                  dtype="bfloat16", iters=20, min_iters=3, warmup=2)
     cfg = {k: (getattr(args, k) if getattr(args, k, None) is not None else v) for k, v in d.items()}
     for lay in cfg["layouts"]:
         if lay not in LAYOUTS:
             raise SystemExit(f"unknown layout {lay!r}; choose from {', '.join(LAYOUTS)}")
-    for m in cfg["methods"]:
-        if m not in METHODS:
-            raise SystemExit(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+    cfg["methods"] = expand_methods(cfg["methods"])
     backend_dist = "gloo" if args.smoke or not torch.cuda.is_available() else "nccl"
     name = "ring_attention_smoke" if args.smoke else "ring_attention"
     cfg.update(batch=args.batch, causal={"both": [True, False], "yes": [True], "no": [False]}[args.causal],
