@@ -35,7 +35,8 @@ forward+backward loop, max over ranks.
 
 Part 2 (run first, as it is short): the Triton forward kernel alone (``TritonForward`` of
 ``distcomm_attention._triton_fwd``: init_state, one step over the whole sequence, finalize) against the
-SDPA flash forward, on one GPU, S = 4k .. 32k.
+SDPA flash forward ("speedup") and against the fastest single-GPU forward of the run ("vs best": SDPA
+flash, SDPA cuDNN, flash-attn-4 where they run), on one GPU, S = 4k .. 32k.
 
 Every method is wrapped: a failure (out of memory, an API difference) is recorded in the JSON and the run
 goes on. Writes ``ring_attention.json``, ``ring_attention.png`` (efficiency vs S, one panel per
