@@ -17,6 +17,9 @@ Note [Compiled collectives]
     - A ProcessGroup cannot be a custom-op argument: the ops take the group's name (``group.group_name``;
       "" without a process group, a world of one) and look the group up when they run, as PyTorch's
       functional collectives do. Ranks (``src``/``dst``) are positions in the group.
+    - Whatever an output's shape depends on is an argument (the group size, this rank's position), never
+      looked up by the fake implementation: Inductor caches compiled graphs by their text and inputs, and a
+      graph that ran on rank 0, or in a world of another size, must not be reused where shapes differ.
     - The ops are functional: they never modify their inputs and return new contiguous tensors, so
       AOTAutograd and Inductor treat them like any other op, except that they are registered as having side
       effects (``torch.fx.has_side_effect``): dead-code elimination keeps a collective whose result a rank
@@ -98,14 +101,14 @@ def broadcast(x: torch.Tensor, src: int, group_name: str) -> torch.Tensor:
 
 
 @torch.library.custom_op("distcomm::reduce_scatter_tensor", mutates_args=())
-def reduce_scatter_tensor(x: torch.Tensor, dim: int, op: str, group_name: str) -> torch.Tensor:
+def reduce_scatter_tensor(x: torch.Tensor, dim: int, group_size: int, op: str, group_name: str) -> torch.Tensor:
     """Chunk r along ``dim`` of op_i x_i lands on rank r."""
     group, size, _ = _group(group_name)
     return _reduce_raw._raw_reduce_scatter_dim(x, dim, _BY_NAME[op], group, size)
 
 
 @torch.library.custom_op("distcomm::all_gather_tensor", mutates_args=())
-def all_gather_tensor(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+def all_gather_tensor(x: torch.Tensor, dim: int, group_size: int, group_name: str) -> torch.Tensor:
     """cat(x_0, ..., x_{W-1}; dim) on every rank."""
     group, size, _ = _group(group_name)
     return _reduce_raw._raw_all_gather_dim(x, dim, group, size)
@@ -127,13 +130,13 @@ def _(x, src, group_name):
 
 
 @reduce_scatter_tensor.register_fake
-def _(x, dim, op, group_name):
-    return _empty(x, _along(x.shape, dim, x.shape[dim] // _size(group_name)))
+def _(x, dim, group_size, op, group_name):
+    return _empty(x, _along(x.shape, dim, x.shape[dim] // group_size))
 
 
 @all_gather_tensor.register_fake
-def _(x, dim, group_name):
-    return _empty(x, _along(x.shape, dim, x.shape[dim] * _size(group_name)))
+def _(x, dim, group_size, group_name):
+    return _empty(x, _along(x.shape, dim, x.shape[dim] * group_size))
 
 
 def _others_product(x: torch.Tensor, group_name: str) -> torch.Tensor:
@@ -202,17 +205,18 @@ def _broadcast_backward(ctx, grad):
 
 
 def _reduce_scatter_tensor_backward(ctx, grad):
-    dim, op, name = ctx.args
+    dim, size, op, name = ctx.args
+    none = (None,) * 4
     if op == "AVG":  # divide the chunk before gathering: 1/N of the elements of the full grad
-        return all_gather_tensor(grad / _size(name), dim, name), None, None, None
+        return all_gather_tensor(grad / size, dim, size, name), *none
     if op == "SUM":
-        return all_gather_tensor(grad, dim, name), None, None, None
+        return all_gather_tensor(grad, dim, size, name), *none
     x, y = ctx.saved_tensors
     if op == "PRODUCT":
-        return all_gather_tensor(grad, dim, name) * _others_product(x, name), None, None, None
-    mask = x == all_gather_tensor(y, dim, name)
-    count = reduce_scatter_tensor(mask.to(_reduce_raw._count_dtype(_size(name))), dim, "SUM", name)
-    return all_gather_tensor(grad / count, dim, name) * mask, None, None, None
+        return all_gather_tensor(grad, dim, size, name) * _others_product(x, name), *none
+    mask = x == all_gather_tensor(y, dim, size, name)
+    count = reduce_scatter_tensor(mask.to(_reduce_raw._count_dtype(size)), dim, size, "SUM", name)
+    return all_gather_tensor(grad / count, dim, size, name) * mask, *none
 
 
 def _setup_args(ctx, inputs, output):
@@ -220,8 +224,8 @@ def _setup_args(ctx, inputs, output):
 
 
 def _all_gather_tensor_backward(ctx, grad):
-    dim, name = ctx.args
-    return reduce_scatter_tensor(grad, dim, "SUM", name), None, None
+    dim, size, name = ctx.args
+    return reduce_scatter_tensor(grad, dim, size, "SUM", name), None, None, None
 
 
 all_reduce.register_autograd(_all_reduce_backward, setup_context=_setup_reduction)
@@ -246,8 +250,9 @@ def all_gather_variable(x: torch.Tensor, dim: int, sizes: list[int], group_name:
 
 
 @torch.library.custom_op("distcomm::reduce_scatter_variable", mutates_args=())
-def reduce_scatter_variable(x: torch.Tensor, dim: int, sizes: list[int], group_name: str) -> torch.Tensor:
-    """Rank j's slice (sizes[j] along ``dim``) of sum_r x_r: the transpose of all_gather_variable."""
+def reduce_scatter_variable(x: torch.Tensor, dim: int, sizes: list[int], rank: int, group_name: str) -> torch.Tensor:
+    """Rank j's slice (sizes[j] along ``dim``) of sum_r x_r: the transpose of all_gather_variable (``rank``:
+    this rank's position in the group)."""
     from distcomm import _all_gather
 
     group, _, rank = _group(group_name)
@@ -267,7 +272,7 @@ def all_to_all_single(
 
 
 @torch.library.custom_op("distcomm::gather", mutates_args=())
-def gather(x: torch.Tensor, dst: int, group_name: str) -> list[torch.Tensor]:
+def gather(x: torch.Tensor, dst: int, group_size: int, group_name: str) -> list[torch.Tensor]:
     """(x_0, ..., x_{W-1}) on the group rank ``dst``, zeros elsewhere."""
     from distcomm import _gather_scatter
 
@@ -310,8 +315,8 @@ def _(x, dim, sizes, group_name):
 
 
 @reduce_scatter_variable.register_fake
-def _(x, dim, sizes, group_name):
-    return _empty(x, _along(x.shape, dim, sizes[_group(group_name)[2]]))
+def _(x, dim, sizes, rank, group_name):
+    return _empty(x, _along(x.shape, dim, sizes[rank]))
 
 
 @all_to_all_single.register_fake
@@ -320,8 +325,8 @@ def _(x, output_split_sizes, input_split_sizes, group_name):
 
 
 @gather.register_fake
-def _(x, dst, group_name):
-    return [_empty(x, x.shape) for _ in range(_size(group_name))]
+def _(x, dst, group_size, group_name):
+    return [_empty(x, x.shape) for _ in range(group_size)]
 
 
 @scatter.register_fake
@@ -336,12 +341,12 @@ def _(x, shift, ring_size, recv_shape, group_name):
 
 def _all_gather_variable_backward(ctx, grad):
     dim, sizes, name = ctx.args
-    return reduce_scatter_variable(grad, dim, sizes, name), None, None, None
+    return reduce_scatter_variable(grad, dim, sizes, _group(name)[2], name), None, None, None
 
 
 def _reduce_scatter_variable_backward(ctx, grad):
-    dim, sizes, name = ctx.args
-    return all_gather_variable(grad, dim, sizes, name), None, None, None
+    dim, sizes, _, name = ctx.args
+    return all_gather_variable(grad, dim, sizes, name), None, None, None, None
 
 
 def _all_to_all_single_backward(ctx, grad):
@@ -350,14 +355,14 @@ def _all_to_all_single_backward(ctx, grad):
 
 
 def _gather_backward(ctx, grads):
-    dst, name = ctx.args
-    return scatter(list(grads), dst, None, name), None, None
+    dst, _, name = ctx.args
+    return scatter(list(grads), dst, None, name), None, None, None
 
 
 def _scatter_backward(ctx, grad):
     src, _, name = ctx.args
     # Off the source the gathered grads are zeros: the placeholders' grads.
-    return gather(grad, src, name), None, None, None
+    return gather(grad, src, _size(name), name), None, None, None
 
 
 def _setup_ring_pass(ctx, inputs, output):

@@ -35,6 +35,10 @@ def group_name(group) -> str:
     return "" if group is None else group.group_name
 
 
+def _size(group) -> int:
+    return 1 if group is None else group.size()
+
+
 def parse_op(op) -> _Op:
     """``_parse_op`` under torch.compile, where a ``ReduceOp`` object (PREMUL_SUM with its factor) is opaque
     to dynamo except for its ``factor`` (torch >= 2.13). Older torch parses the object once while tracing
@@ -94,7 +98,7 @@ def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
 
 def reduce_scatter_tensor(tensor: torch.Tensor, dim: int, op: _Op, group) -> torch.Tensor:
     tensor, name = _premultiplied(tensor, op)
-    return _ops.reduce_scatter_tensor(tensor, dim, name, group_name(group))
+    return _ops.reduce_scatter_tensor(tensor, dim, _size(group), name, group_name(group))
 
 
 def reduce_scatter(output: torch.Tensor, inputs, op: _Op, group, rank: int) -> torch.Tensor:
@@ -105,7 +109,7 @@ def reduce_scatter(output: torch.Tensor, inputs, op: _Op, group, rank: int) -> t
     for t in inputs:
         t, name = _premultiplied(t, op)
         rows.append(nnf.pad(t.reshape(-1), (0, width - t.numel())))
-    mine = _ops.reduce_scatter_tensor(torch.stack(rows), 0, name, group_name(group))
+    mine = _ops.reduce_scatter_tensor(torch.stack(rows), 0, _size(group), name, group_name(group))
     return _write(output, mine[0, : inputs[rank].numel()])
 
 
@@ -115,15 +119,15 @@ def reduce_scatter(output: torch.Tensor, inputs, op: _Op, group, rank: int) -> t
 
 
 def all_gather(tensor: torch.Tensor, group) -> tuple[torch.Tensor, ...]:
-    return _ops.all_gather_tensor(tensor.unsqueeze(0), 0, group_name(group)).unbind(0)
+    return _ops.all_gather_tensor(tensor.unsqueeze(0), 0, _size(group), group_name(group)).unbind(0)
 
 
 def all_gather_tensor(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
-    return _ops.all_gather_tensor(tensor, dim, group_name(group))
+    return _ops.all_gather_tensor(tensor, dim, _size(group), group_name(group))
 
 
 def all_gather_base(output: torch.Tensor, tensor: torch.Tensor, group) -> torch.Tensor:
-    rows = _ops.all_gather_tensor(tensor.reshape(1, tensor.numel()), 0, group_name(group))
+    rows = _ops.all_gather_tensor(tensor.reshape(1, tensor.numel()), 0, _size(group), group_name(group))
     return _write(output, rows)
 
 
@@ -148,7 +152,7 @@ def all_to_all(outputs, inputs, group) -> tuple[torch.Tensor, ...]:
 
 def gather(tensor: torch.Tensor, dst: int, group) -> tuple[torch.Tensor, ...]:
     """``dst``: the destination's position in the group."""
-    return tuple(_ops.gather(tensor, dst, group_name(group)))
+    return tuple(_ops.gather(tensor, dst, _size(group), group_name(group)))
 
 
 def scatter(tensors, src: int, requires_grad: bool, group) -> torch.Tensor:

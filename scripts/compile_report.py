@@ -18,8 +18,10 @@ Prints a Markdown table (with the command) and writes it to ``--out`` (default: 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -31,11 +33,24 @@ import _bench_util as U  # noqa: E402
 R = dist.ReduceOp
 
 
-def _cases(rank: int, world: int, device: torch.device) -> list[tuple[str, object, object, object]]:
-    """(name, distcomm fn, torch.distributed.nn fn or None, input maker); fn(x) -> tensor."""
-    import torch.distributed.nn.functional as TF
+class _OnGroup:
+    """A functional module whose functions run on ``group`` (passed as ``group=``)."""
 
-    import distcomm.functional as F
+    def __init__(self, module, group):
+        self._module, self._group = module, group
+
+    def __getattr__(self, name):
+        return functools.partial(getattr(self._module, name), group=self._group)
+
+
+def _cases(rank: int, world: int, device: torch.device, group) -> list[tuple[str, object, object, object]]:
+    """(name, distcomm fn, torch.distributed.nn fn or None, input maker); fn(x) -> tensor. Every op runs on
+    ``group``."""
+    import torch.distributed.nn.functional as torch_nn
+
+    import distcomm.functional as distcomm_functional
+
+    F, TF = _OnGroup(distcomm_functional, group), _OnGroup(torch_nn, group)
 
     def rand(*shape, dtype=torch.float32):
         torch.manual_seed(1000 * rank + len(shape))
@@ -159,8 +174,11 @@ def _fullgraph(fn, x0: torch.Tensor, backend: str, fullgraph: bool = True) -> st
 def run_rank(rank: int, world: int, cfg: dict) -> list:
     warnings.filterwarnings("ignore")
     device = U.rank_device(cfg["backend"])
+    # Every op runs on a group of all ranks with a long timeout: the ranks compile different graphs (uneven
+    # shapes) and may reach a collective minutes apart.
+    group = dist.new_group(list(range(world)), timeout=timedelta(seconds=cfg["timeout"]))
     rows = []
-    for name, ours, theirs, make in _cases(rank, world, device):
+    for name, ours, theirs, make in _cases(rank, world, device, group):
         x = make()
         row = [name, _explain(ours, x)]
         if name.startswith("scatter(src), None"):
@@ -184,8 +202,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="also write the Markdown table to this file")
     args = p.parse_args(argv)
     comm = "nccl" if args.device == "cuda" else "gloo"
-    cfg = {"backend": comm, "compile_backend": args.backend}
-    results = U.launch(run_rank, args.world_size, cfg, backend=comm, timeout=900)
+    cfg = {"backend": comm, "compile_backend": args.backend, "timeout": 1800}
+    results = U.launch(run_rank, args.world_size, cfg, backend=comm, timeout=cfg["timeout"])
     if results is None:
         return 0
     table = []

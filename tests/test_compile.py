@@ -606,6 +606,23 @@ def test_no_process_group_is_the_identity_compiled():
         torch.testing.assert_close(doubled, 2 * x["premul"], **TOL)
 
 
+def test_fake_shapes_come_from_the_arguments():
+    """Output shapes depend only on an op's arguments (group size, this rank's position), never on the
+    process: Inductor reuses a compiled graph wherever its text and inputs match, on any rank or world."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ops = torch.ops.distcomm
+    with FakeTensorMode():  # this process has no group: a world of one, rank 0
+        x = torch.empty(6, 4)
+        assert ops.all_gather_tensor(x, 1, 3, "").shape == (6, 12)
+        assert ops.reduce_scatter_tensor(x, 0, 3, "SUM", "").shape == (2, 4)
+        assert len(ops.gather(x, 0, 3, "")) == 3
+        assert ops.reduce_scatter_variable(x, 0, [1, 5, 0], 1, "").shape == (5, 4)
+        assert ops.all_gather_variable(x, 0, [6, 1, 2], "").shape == (9, 4)
+        assert ops.all_to_all_single(x, [1, 2, 4], [2, 2, 2], "").shape == (7, 4)
+        assert ops.ring_pass(x, 1, 3, [2, 4], "").shape == (2, 4)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # NCCL
 # ---------------------------------------------------------------------------------------------------------
