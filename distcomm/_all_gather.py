@@ -38,13 +38,21 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from distcomm import _check, _compiled
+from distcomm import _check
 from distcomm._all_to_all import _raw_all_to_all
 from distcomm._movement_args import _needs_graph, _require_tensor, _require_writable, _setup, _written
 from distcomm._reduce import _adjoint
 from distcomm._reduce_ops import _SUM_OP
 from distcomm._reduce_raw import _raw_all_gather_dim, _raw_reduce_scatter_dim, _raw_reduce_scatter_into
 from distcomm._reduce_scatter import _ReduceScatterTensor
+
+
+def _compiled_module():
+    """distcomm._compiled, imported when first compiling (it imports torch._dynamo, slow to import)."""
+    from distcomm import _compiled
+
+    return _compiled
+
 
 __all__ = ["all_gather", "_all_gather_base", "all_gather_tensor", "all_gather_variable"]
 
@@ -232,7 +240,7 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     _require_tensor("tensor", tensor)
     group, n, rank = _setup(group)
     if torch.compiler.is_compiling():
-        return _compiled.all_gather(tensor, group)
+        return _compiled_module().all_gather(tensor, group)
     if n > 1 and _check.is_check_mode():
         _check.check_same("all_gather", tensor, group, requires_grad=_needs_graph(tensor))
     return _AllGather.apply(group, n, rank, tensor)
@@ -256,7 +264,7 @@ def all_gather_tensor(tensor: torch.Tensor, dim: int = 0, group: dist.ProcessGro
     dim = _normalize_dim(dim, tensor)
     group, n, _ = _setup(group)
     if torch.compiler.is_compiling():
-        return _compiled.all_gather_tensor(tensor, dim, group)
+        return _compiled_module().all_gather_tensor(tensor, dim, group)
     if n > 1 and _check.is_check_mode():
         _check.check_same("all_gather_tensor", tensor, group, requires_grad=_needs_graph(tensor))
     return _AllGatherTensor.apply(tensor, dim, group, n)
@@ -319,7 +327,7 @@ def all_gather_variable(
     group, n, rank = _setup(group)
     compiling = torch.compiler.is_compiling()
     if sizes is None and n > 1 and compiling:
-        return _all_gather_variable_eagerly(tensor, dim, None, group)
+        return _compiled_module().all_gather_variable_eagerly(tensor, dim, None, group)
     checking = n > 1 and _check.is_check_mode() and not compiling
     if sizes is not None:
         if type(sizes) is not list and (isinstance(sizes, torch.Tensor) or not isinstance(sizes, Sequence)):
@@ -341,14 +349,8 @@ def all_gather_variable(
     elif sizes is None or checking:
         sizes = _learn_sizes(tensor, dim, sizes, _needs_graph(tensor), group, n)
     if compiling:
-        return _compiled.all_gather_variable(tensor, dim, sizes, group), sizes
+        return _compiled_module().all_gather_variable(tensor, dim, sizes, group), sizes
     return _AllGatherVariable.apply(tensor, dim, tuple(sizes), group, rank), sizes
-
-
-@torch.compiler.disable(reason="all_gather_variable without `sizes` learns them with a host sync; pass `sizes`")
-def _all_gather_variable_eagerly(tensor, dim, sizes, group):
-    """all_gather_variable outside the compiled graph (Note [Compiled collectives] in distcomm._compile_ops)."""
-    return all_gather_variable(tensor, dim, sizes, group)
 
 
 class _AllGatherBaseWrite(Function):
@@ -396,7 +398,7 @@ def _all_gather_base(
             f"{tuple(input_tensor.shape)} on {n} ranks it must be one of {allowed}"
         )
     if torch.compiler.is_compiling():
-        return _compiled.all_gather_base(output_tensor, input_tensor, group)
+        return _compiled_module().all_gather_base(output_tensor, input_tensor, group)
     needs_grad = _needs_graph(input_tensor)
     if n > 1 and _check.is_check_mode():
         _check.check_same("_all_gather_base", input_tensor, group, requires_grad=needs_grad)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from distcomm import _check, _compiled
+from distcomm import _check
 from distcomm._movement_args import (
     _is_direct,
     _needs_graph,
@@ -27,6 +27,14 @@ from distcomm._movement_args import (
     _written,
 )
 from distcomm._reduce import _adjoint
+
+
+def _compiled_module():
+    """distcomm._compiled, imported when first compiling (it imports torch._dynamo, slow to import)."""
+    from distcomm import _compiled
+
+    return _compiled
+
 
 __all__ = ["all_to_all", "all_to_all_single"]
 
@@ -236,7 +244,7 @@ def all_to_all(
     for i, o in enumerate(outputs):
         _require_writable("output_tensor_list", o, inputs[0], i)
     if torch.compiler.is_compiling():
-        return _compiled.all_to_all(outputs, inputs, group)
+        return _compiled_module().all_to_all(outputs, inputs, group)
     needs_grad = _needs_graph(*inputs)
     _check_all_to_all("all_to_all", inputs, outputs, needs_grad, group, n)
     if not needs_grad:
@@ -281,7 +289,7 @@ def all_to_all_single(
     out_splits = _require_splits("output_split_sizes", output_split_sizes, n, output.shape[0], "output")
     in_splits = _require_splits("input_split_sizes", input_split_sizes, n, input.shape[0], "input")
     if torch.compiler.is_compiling():
-        return _compiled.all_to_all_single(output, input, out_splits, in_splits, group, n)
+        return _compiled_module().all_to_all_single(output, input, out_splits, in_splits, group, n)
     needs_grad = _needs_graph(input)
     if n > 1 and _check.is_check_mode():
         _check_all_to_all_single(input, out_splits or [output.shape[0] // n] * n,

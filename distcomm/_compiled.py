@@ -24,7 +24,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as nnf
 
+from distcomm import _all_gather, _gather_scatter
 from distcomm import _compile_ops as _ops
+from distcomm import ring as _ring
 from distcomm._reduce_ops import _PREMUL_SUM, ReduceOp, _Op, _parse_op, _premul_op
 
 __all__: list[str] = []
@@ -163,3 +165,23 @@ def scatter(tensors, src: int, requires_grad: bool, group) -> torch.Tensor:
 
 def ring_pass(tensor: torch.Tensor, shift: int, ring_size: int, recv_shape, group) -> torch.Tensor:
     return _ops.ring_pass(tensor, shift, ring_size, list(recv_shape), group_name(group))
+
+
+@torch.compiler.disable(reason="all_gather_variable without `sizes` learns them with a host sync; pass `sizes`")
+def all_gather_variable_eagerly(tensor, dim, sizes, group):
+    """all_gather_variable outside the compiled graph (Note [Compiled collectives] in distcomm._compile_ops)."""
+    return _all_gather.all_gather_variable(tensor, dim, sizes, group)
+
+
+@torch.compiler.disable(reason="scatter without tensors off the source learns their shape with a host sync; pass "
+                        "placeholder tensors")
+def scatter_eagerly(tensors, src, group):
+    """scatter outside the compiled graph (Note [Compiled collectives] in distcomm._compile_ops)."""
+    return _gather_scatter.scatter(tensors, src, group)
+
+
+@torch.compiler.disable(reason="ring_pass without `recv_shape` learns the incoming shape with a host sync; pass "
+                        "`recv_shape`")
+def ring_pass_eagerly(tensor, shift, group, ring_size):
+    """ring_pass outside the compiled graph (Note [Compiled collectives] in distcomm._compile_ops)."""
+    return _ring.ring_pass(tensor, shift, group, ring_size)

@@ -16,9 +16,17 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from distcomm import _check, _compiled, _groups
+from distcomm import _check, _groups
 from distcomm._movement_args import _needs_graph, _require_tensor, _require_tensor_list, _setup
 from distcomm._reduce import _adjoint
+
+
+def _compiled_module():
+    """distcomm._compiled, imported when first compiling (it imports torch._dynamo, slow to import)."""
+    from distcomm import _compiled
+
+    return _compiled
+
 
 __all__ = ["gather", "scatter"]
 
@@ -114,7 +122,7 @@ def gather(tensor: torch.Tensor, dst: int = 0, group: dist.ProcessGroup | None =
     group, n, rank = _setup(group)
     dst_rank = _groups.check_rank_in_group("dst", dst, group)
     if torch.compiler.is_compiling():
-        return _compiled.gather(tensor, dst_rank, group)
+        return _compiled_module().gather(tensor, dst_rank, group)
     if n > 1 and _check.is_check_mode():
         _check.check_same("gather", tensor, group, requires_grad=_needs_graph(tensor))
     return _Gather.apply(dst_rank, group, n, rank, tensor)
@@ -152,12 +160,12 @@ def scatter(
         if is_src:
             raise ValueError(f"`tensors` must hold {n} tensors on the source rank (global rank {src}), got None")
         if n > 1 and torch.compiler.is_compiling():
-            return _scatter_eagerly(None, src, group)
+            return _compiled_module().scatter_eagerly(None, src, group)
         tensors = []
     else:
         tensors = _require_tensor_list("tensors", tensors, n)
     if torch.compiler.is_compiling():
-        return _compiled.scatter(tensors, src_rank, _needs_graph(*tensors), group)
+        return _compiled_module().scatter(tensors, src_rank, _needs_graph(*tensors), group)
     if n == 1:
         if not _same_kind(tensors):
             raise _differing_source_tensors(src)
@@ -211,11 +219,3 @@ def _differing_source_tensors(src: int) -> ValueError:
         f"scatter: the tensors passed on the source rank (global rank {src}) differ in shape, dtype or device; "
         "all of them must match"
     )
-
-
-
-@torch.compiler.disable(reason="scatter without tensors off the source learns their shape with a host sync; pass "
-                        "placeholder tensors")
-def _scatter_eagerly(tensors, src, group):
-    """scatter outside the compiled graph (Note [Compiled collectives] in distcomm._compile_ops)."""
-    return scatter(tensors, src, group)

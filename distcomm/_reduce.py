@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from distcomm import _check, _compiled, _groups
+from distcomm import _check, _groups
 from distcomm._reduce_ops import (
     _AVG,
     _DIFFERENTIABLE_OPS,
@@ -73,6 +73,14 @@ from distcomm._reduce_ops import (
     _require_tensor,
 )
 from distcomm._reduce_raw import _count_dtype, _others_product, _raw_all_reduce, _raw_broadcast, _raw_reduce
+
+
+def _compiled_module():
+    """distcomm._compiled, imported when first compiling (it imports torch._dynamo, slow to import)."""
+    from distcomm import _compiled
+
+    return _compiled
+
 
 __all__ = ["all_reduce", "reduce", "broadcast"]
 
@@ -220,12 +228,12 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: dist.ProcessGroup |
     """
     _require_tensor("tensor", tensor)
     compiling = torch.compiler.is_compiling()
-    op = _compiled.parse_op(op) if compiling else _parse_op(op)
+    op = _compiled_module().parse_op(op) if compiling else _parse_op(op)
     group, size, _ = _groups.resolve(group)
     needs_grad = _needs_grad(tensor)
     _check_op("all_reduce", op, tensor, needs_grad, group)
     if compiling:
-        return _compiled.all_reduce(tensor, op, group)
+        return _compiled_module().all_reduce(tensor, op, group)
     if size > 1 and _check.is_check_mode():
         _agree("all_reduce", tensor, group, op=op.kind.value, requires_grad=needs_grad)
     return _AllReduce.apply(tensor, op, group, size)
@@ -249,13 +257,13 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: dist.ProcessG
     """
     _require_tensor("tensor", tensor)
     compiling = torch.compiler.is_compiling()
-    op = _compiled.parse_op(op) if compiling else _parse_op(op)
+    op = _compiled_module().parse_op(op) if compiling else _parse_op(op)
     group, size, rank = _groups.resolve(group)
     dst_rank = _groups.check_rank_in_group("dst", dst, group)
     needs_grad = _needs_grad(tensor)
     _check_op("reduce", op, tensor, needs_grad, group)
     if compiling:
-        return _compiled.reduce(tensor, dst_rank, op, group)
+        return _compiled_module().reduce(tensor, dst_rank, op, group)
     if size > 1 and _check.is_check_mode():
         _agree("reduce", tensor, group, op=op.kind.value, dst=dst, requires_grad=needs_grad)
     return _Reduce.apply(tensor, dst, op, group, size, rank == dst_rank)
@@ -279,7 +287,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = 
     group, size, rank = _groups.resolve(group)
     src_rank = _groups.check_rank_in_group("src", src, group)
     if torch.compiler.is_compiling():
-        return _compiled.broadcast(tensor, src_rank, group)
+        return _compiled_module().broadcast(tensor, src_rank, group)
     if size > 1 and _check.is_check_mode():
         _agree("broadcast", tensor, group, src=src, requires_grad=_needs_grad(tensor))
     return _Broadcast.apply(tensor, src, group, size, rank == src_rank)

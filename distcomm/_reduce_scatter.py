@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from distcomm import _check, _compiled, _groups
+from distcomm import _check, _groups
 from distcomm._reduce import _adjoint, _first_order_only, _local_vjp, _save_for_vjp
 from distcomm._reduce_ops import (
     _AVG,
@@ -40,6 +40,14 @@ from distcomm._reduce_raw import (
     _raw_reduce_scatter_stacked,
     _stack_padded,
 )
+
+
+def _compiled_module():
+    """distcomm._compiled, imported when first compiling (it imports torch._dynamo, slow to import)."""
+    from distcomm import _compiled
+
+    return _compiled
+
 
 __all__ = ["reduce_scatter", "reduce_scatter_tensor"]
 
@@ -199,7 +207,7 @@ def reduce_scatter(
         if not isinstance(t, torch.Tensor):
             _require_tensor(f"input_list[{i}]", t)
     compiling = torch.compiler.is_compiling()
-    op = _compiled.parse_op(op) if compiling else _parse_op(op)
+    op = _compiled_module().parse_op(op) if compiling else _parse_op(op)
     group, size, rank = _groups.resolve(group)
     if len(input_list) != size:
         raise ValueError(
@@ -224,7 +232,7 @@ def reduce_scatter(
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in input_list)
     _check_op("reduce_scatter", op, output, needs_grad, group)
     if compiling:
-        return _compiled.reduce_scatter(output, input_list, op, group, rank)
+        return _compiled_module().reduce_scatter(output, input_list, op, group, rank)
     if size > 1 and _check.is_check_mode():
         _agree(
             "reduce_scatter",
@@ -267,7 +275,7 @@ def reduce_scatter_tensor(
         )
     dim %= ndim
     compiling = torch.compiler.is_compiling()
-    op = _compiled.parse_op(op) if compiling else _parse_op(op)
+    op = _compiled_module().parse_op(op) if compiling else _parse_op(op)
     group, size, _ = _groups.resolve(group)
     if tensor.shape[dim] % size:
         raise ValueError(
@@ -277,7 +285,7 @@ def reduce_scatter_tensor(
     needs_grad = _needs_grad(tensor)
     _check_op("reduce_scatter_tensor", op, tensor, needs_grad, group)
     if compiling:
-        return _compiled.reduce_scatter_tensor(tensor, dim, op, group)
+        return _compiled_module().reduce_scatter_tensor(tensor, dim, op, group)
     if size > 1 and _check.is_check_mode():
         _agree("reduce_scatter_tensor", tensor, group, op=op.kind.value, dim=dim, requires_grad=needs_grad)
     return _ReduceScatterTensor.apply(tensor, dim, op, group, size)

@@ -19,7 +19,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distcomm import _check, _compiled, _groups
+from distcomm import _check, _groups
+
+
+def _compiled_module():
+    """distcomm._compiled, imported when first compiling (it imports torch._dynamo, slow to import)."""
+    from distcomm import _compiled
+
+    return _compiled
+
 
 __all__ = ["RingComm", "RingHandle", "ring_pass"]
 
@@ -210,8 +218,8 @@ def ring_pass(
         if size == 1 or shift % size == 0:
             return tensor
         if recv_shape is None:
-            return _ring_pass_eagerly(tensor, shift, group, ring_size)
-        return _compiled.ring_pass(tensor, shift, size, recv_shape, group)
+            return _compiled_module().ring_pass_eagerly(tensor, shift, group, ring_size)
+        return _compiled_module().ring_pass(tensor, shift, size, recv_shape, group)
     comm = RingComm(group, ring_size)
     if comm.size == 1 or shift % comm.size == 0:
         return tensor
@@ -222,10 +230,3 @@ def ring_pass(
             _check.raise_mismatch("ring_pass", "dtypes or numbers of dims", ring_metas)
         recv_shape = ring_metas[(comm.rank - shift) % comm.size].shape
     return _RingPass.apply(tensor, shift, comm, tuple(recv_shape))
-
-
-@torch.compiler.disable(reason="ring_pass without `recv_shape` learns the incoming shape with a host sync; pass "
-                        "`recv_shape`")
-def _ring_pass_eagerly(tensor, shift, group, ring_size):
-    """ring_pass outside the compiled graph (Note [Compiled collectives] in distcomm._compile_ops)."""
-    return ring_pass(tensor, shift, group, ring_size)

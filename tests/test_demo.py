@@ -8,6 +8,8 @@
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -61,3 +63,11 @@ def test_demo_runs_and_checks_pass(module, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "all checks passed" in out
     assert ("ring-attention LM" in out) == module.startswith("distcomm_attention")
+
+
+def test_importing_the_packages_does_not_import_dynamo():
+    """`import distcomm` / `import distcomm_attention` stay fast: torch._dynamo (seconds to import) is loaded
+    only when something is compiled."""
+    code = "import sys, distcomm, distcomm_attention; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
