@@ -62,8 +62,8 @@ def ring_flash_attn(
         ring_size: ranks per ring. ``None``: the whole group. Smaller (dividing the group size): independent
             rings of consecutive group ranks, each carrying its own sequence (sequence parallel inside a
             ring, batch parallel across rings).
-        group: process group of the ring(s) (``None``: the default group; without an initialised process
-            group, ordinary single-process attention).
+        group: process group of the ring(s), or a 1-D DeviceMesh / ``(mesh, dim_name)`` (``None``: the
+            default group; without an initialised process group, ordinary single-process attention).
         backend: "auto" (CPU and CUDA fp32/fp64 -> "torch"; CUDA fp16/bf16 -> the fastest backend that can
             do the call, see ``which_kernels``), "torch" (exact PyTorch math in fp32 / fp64, any device,
             every feature), "triton" (our Triton forward and backward, CUDA fp16/bf16, every feature; on CPU
@@ -191,7 +191,7 @@ def shard_sequence(
         layout: "contiguous", "zigzag" or "striped" (as in ``ring_flash_attn``).
         dim: the sequence dimension.
         ring_size: ranks per ring (``None``: the whole group).
-        group: process group of the ring.
+        group: process group of the ring (or a 1-D DeviceMesh, or ``(mesh, dim_name)``).
         rank: take the shard of this ring position instead of this process's one (needs ``ring_size``;
             no process group is consulted), e.g. to shard a reference computed in one process.
 
@@ -225,7 +225,7 @@ def gather_sequence(
         layout: the layout of the shards.
         dim: the sequence dimension.
         ring_size: ranks per ring (``None``: the whole group).
-        group: process group of the ring.
+        group: process group of the ring (or a 1-D DeviceMesh, or ``(mesh, dim_name)``).
 
     Returns:
         The full sequence: local_len * W positions along ``dim``.
