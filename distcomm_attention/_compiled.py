@@ -34,7 +34,9 @@ def _group_name(group) -> str:
     """The name of the group (or of a 1-D DeviceMesh / (mesh, dim)'s group) that travels in the graph."""
     if group is None:
         return ""
-    if isinstance(group, tuple) and len(group) == 2:
+    if isinstance(group, tuple):
+        if len(group) != 2 or not hasattr(group[0], "get_group"):
+            raise TypeError(f"`group` as a tuple must be (DeviceMesh, dim_name or index), got {group!r}")
         mesh, dim = group
         return mesh.get_group(dim).group_name
     if isinstance(group, dist.ProcessGroup):

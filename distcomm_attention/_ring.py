@@ -55,8 +55,8 @@ def _whole(rows: slice, n: int) -> bool:
 def _start_acc(grads: list, like: torch.Tensor, dtype: torch.dtype, which: int) -> torch.Tensor:
     """The accumulator of step 0: the sum of ``grads[i][which]`` over their kv rows, shaped like ``like``.
 
-    A single block covering every row is one term, exact in the dtype the kernel returned: it travels as is
-    (a bf16 block gradient crosses its first hop in bf16, not widened to fp32).
+    A single block covering every row is one term: it travels as the kernel returned it (the ring asks the
+    kernels for the accumulation dtype), with no zero fill and no extra add.
     """
     if len(grads) == 1 and _whole(grads[0][0], like.shape[1]):
         return grads[0][which]

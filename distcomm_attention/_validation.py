@@ -110,6 +110,12 @@ def _describe(op: str, names: list[str], rows: list[list[int]], extra_names: lis
     return f"{op}: the ranks of the ring disagree on shapes, dtypes or options ({'; '.join(per_rank)})"
 
 
+def _group_key(group) -> str:
+    """A key for the group that every rank derives alike (an object's address is not: a group created
+    again may reuse it on one rank only)."""
+    return getattr(group, "group_name", "") if group is not None else ""
+
+
 def verify_across_ring(
     op: str,
     comm: RingComm | None,
@@ -122,7 +128,7 @@ def verify_across_ring(
     if comm is None or comm.size == 1:
         return
     extra = extra or {}
-    signature = (op, tuple(comm.ranks), id(comm.group)) + tuple(
+    signature = (op, tuple(comm.ranks), _group_key(comm.group)) + tuple(
         (name, tuple(t.shape), t.dtype, t.device.type) for name, t in tensors.items()
     ) + tuple(extra.items())
     if not _check.is_check_mode() and signature in _verified:

@@ -360,3 +360,19 @@ def test_llama_ring_on_two_gpus(dtype):
     """On 2 GPUs (NCCL, Triton kernels) the ring model's logits and summed gradients are as accurate as
     transformers' sdpa in the same precision on one GPU, padding included."""
     check_low_precision("nccl", dtype)
+
+
+def test_shard_inputs_left_padding_is_not_a_document_boundary():
+    """transformers numbers a left-padded row from 0 at its first real token: that restart follows padding and
+    is not a packed-document boundary (rows padded differently are an ordinary batch)."""
+    ring = ring_hf.register("ring_attention_test_left_pad", layout="contiguous")
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    mask[0, :2] = 0
+    mask[1, :1] = 0
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    got = ring.shard_inputs(input_ids=_ids(2), position_ids=pos, attention_mask=mask)
+    assert "cu_seq_lens_q" not in got
+    packed = pos.clone()
+    packed[:, 9] = 0  # a real restart after real tokens in both rows: a document boundary
+    got = ring.shard_inputs(input_ids=_ids(2), position_ids=packed, attention_mask=mask)
+    assert got["cu_seq_lens_q"].tolist() == [0, 9, SEQ]

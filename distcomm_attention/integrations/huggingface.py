@@ -55,7 +55,6 @@ import distcomm
 from distcomm.ring import RingComm
 from distcomm_attention import (
     BACKENDS,
-    cu_seqlens_from_position_ids,
     layouts,
     position_ids,
     ring_flash_attn,
@@ -228,7 +227,7 @@ class RingAttentionHF:
         if position_ids is None:
             position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0)
         _check_2d("position_ids", position_ids, seq, batch)
-        cu_seqlens = _packed_boundaries(position_ids)
+        cu_seqlens = _packed_boundaries(position_ids, attention_mask)
 
         def shard(t: torch.Tensor) -> torch.Tensor:  # contiguous: transformers views labels with .view(-1)
             return shard_sequence(t, self.layout, ring_size=self.ring_size, group=self.group).contiguous()
@@ -301,13 +300,24 @@ def _check_2d(name: str, t, seq: int, batch: int) -> None:
         raise ValueError(f"`{name}` must be a ({batch} or 1, {seq}) tensor over the full sequence, got {shape}")
 
 
-def _packed_boundaries(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """Global document boundaries where position ids restart at 0 (None: one document per row)."""
-    if position_ids.shape[1] < 2 or not bool((position_ids[:, 1:] == 0).any()):
+def _packed_boundaries(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Global document boundaries where position ids restart at 0 after a real token (None: one document
+    per row). A restart right after padding is where a padded row's text begins (transformers numbers a
+    left-padded row from 0 at its first real token), not a new document."""
+    if position_ids.shape[1] < 2:
         return None
-    if position_ids.shape[0] > 1 and not bool((position_ids == position_ids[:1]).all()):
+    restart = position_ids[:, 1:] == 0
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] == position_ids.shape[1]:
+        real = attention_mask.bool()
+        restart = restart & real[:, :-1] & real[:, 1:]
+    if not bool(restart.any()):
+        return None
+    if restart.shape[0] > 1 and not bool((restart == restart[:1]).all()):
         raise ValueError(
             "packed documents must have the same boundaries in every batch row (cu_seqlens applies to every "
             "row): pack each batch row's documents at the same positions, or use one row (batch 1)"
         )
-    return cu_seqlens_from_position_ids(position_ids[:1])
+    starts = restart[0].nonzero().flatten() + 1
+    seq = position_ids.shape[1]
+    bounds = torch.cat([starts.new_zeros(1), starts, starts.new_full((1,), seq)])
+    return bounds.to(torch.int32)
