@@ -1,16 +1,19 @@
 """Block backend "fa4": flash-attn-4 (FlashAttention-4, CuTe DSL, Hopper and Blackwell) as ring block kernels.
 
     forward   flash_attn.cute.interface._flash_attn_fwd(q, k, v, softmax_scale=, causal=, softcap=,
+                  window_size_left=, window_size_right=, cu_seqlens_q/k=, max_seqlen_q/k=,
                   return_lse=True) -> (out, lse, ...)
     backward  flash_attn.cute.interface._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=, causal=,
-                  softcap=) -> (dq, dk, dv)
+                  softcap=, window_size_left/right=, cu_seqlens_q/k=, max_seqlen_q/k=) -> (dq, dk, dv)
 
 Layout (B, S, H, D), the project's own; lse float32 (B, H, Sq), natural log; GQA native (k, v keep their kv
 heads; dK/dV come back per kv head). The backward takes any out and lse, so it runs from the ring's merged
 ones (Note [Merging block outputs] in distcomm_attention._merge). Causal blocks are square (as the ring
 planner issues them), where FA4's bottom-right alignment equals top-left. Softcap: scores = softcap *
-tanh(scale * q k^T / softcap), the project's definition. Windows, documents and key masks are not taken
-here (the planner's interval blocks have no FA4 equivalent at block level): such calls go to "triton".
+tanh(scale * q k^T / softcap), the project's definition. Windows and packed documents: the planner's
+"interval" blocks run as FA4 window calls, several pieces at once through its varlen batches (Note [Window
+calls] in distcomm_attention._merge), so they are exact. Key padding masks are not taken here: such calls
+go to "triton".
 
 flash-attn-4 is optional (``pip install "distcomm[fa4]"``) and imported lazily, on the first block call:
 this is the only module of the project that imports ``flash_attn.cute``. Its first call of each new
@@ -28,7 +31,7 @@ import importlib.util
 import torch
 from torch import Tensor
 
-from distcomm_attention._merge import BlockBackward, BlockForward, call_features
+from distcomm_attention._merge import BlockBackward, BlockForward, Varlen, call_features
 from distcomm_attention._visibility import Visibility
 
 __all__ = ["FA4Forward", "FA4Backward", "can_use", "unsupported_feature", "VERIFIED_VERSION"]
@@ -42,14 +45,13 @@ _INSTALL = f'pip install "distcomm[fa4]" (flash-attn-4=={VERIFIED_VERSION})'
 
 
 def unsupported_feature(vis: Visibility, softcap: float) -> str | None:
-    """Why FA4 blocks cannot run a call with this visibility, or None if they can (softcap they can)."""
-    features = call_features(vis, softcap)
-    features.pop("softcap", None)
-    if not features:
+    """Why FA4 blocks cannot run a call with this visibility, or None if they can (windows, packed documents
+    and softcap they can; a key padding mask they cannot)."""
+    if "attention_mask" not in call_features(vis, softcap):
         return None
     return (
-        f"backend='fa4' runs full or causal attention (with softcap and GQA) only, but this call uses "
-        f"{', '.join(features.values())}; use backend='triton' or backend='auto'"
+        "backend='fa4' runs full, causal, windowed and packed-document attention (with softcap and GQA), but "
+        "not an attention_mask (key padding); use backend='triton' or backend='auto'"
     )
 
 
@@ -142,25 +144,41 @@ def _interface():
     return importlib.import_module("flash_attn.cute.interface")
 
 
+def _extra(window, varlen: Varlen | None) -> dict:
+    """FA4's keyword arguments for a window and a packed (varlen) call."""
+    kwargs = {}
+    if window is not None:
+        kwargs.update(window_size_left=window[0], window_size_right=window[1])
+    if varlen is not None:
+        kwargs.update(cu_seqlens_q=varlen.cu_q, cu_seqlens_k=varlen.cu_k, max_seqlen_q=varlen.max_q,
+                      max_seqlen_k=varlen.max_k)
+    return kwargs
+
+
 class FA4Forward(BlockForward):
     """ForwardKernel: FA4 per block, merged by logsumexp (distcomm_attention._merge)."""
+
+    takes_windows = True
 
     def __init__(self):
         self._fwd = _interface()._flash_attn_fwd
 
-    def block(self, q, k, v, *, causal, scale, softcap):
+    def block(self, q, k, v, *, causal, scale, softcap, window=None, varlen=None):
         res = self._fwd(q, k, v, softmax_scale=float(scale), causal=bool(causal), softcap=float(softcap),
-                        return_lse=True)
+                        return_lse=True, **_extra(window, varlen))
         return res[0], res[1]
 
 
 class FA4Backward(BlockBackward):
     """BackwardKernel: FA4's backward of one block from the merged out and lse."""
 
+    takes_windows = True
+
     def __init__(self):
         self._bwd = _interface()._flash_attn_bwd
 
-    def block(self, dout, q, k, v, out, lse, *, causal, scale, softcap):
-        dq, dk, dv = self._bwd(q, k, v, out.to(q.dtype), dout.to(q.dtype), lse.to(torch.float32),
-                               softmax_scale=float(scale), causal=bool(causal), softcap=float(softcap))[:3]
+    def block(self, dout, q, k, v, out, lse, *, causal, scale, softcap, window=None, varlen=None):
+        dq, dk, dv = self._bwd(q, k, v, out.to(q.dtype), dout.to(q.dtype), lse.to(torch.float32).contiguous(),
+                               softmax_scale=float(scale), causal=bool(causal), softcap=float(softcap),
+                               **_extra(window, varlen))[:3]
         return dq, dk, dv

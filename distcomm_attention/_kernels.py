@@ -17,8 +17,10 @@ Backends (``backend=`` of ``ring_flash_attn``):
     "flash_attn" TritonForward    FlashAttnBackward     like "flash2" with the flash-attn package's backward
     "cudnn"      CudnnForward     CudnnBackward         CUDA fp16/bf16, sm80+; plain full/causal attention, GQA
                                                         (PyTorch's cuDNN attention ops; distcomm_attention._cudnn)
-    "fa4"        FA4Forward       FA4Backward           CUDA fp16/bf16, sm90/sm100; full/causal, softcap, GQA
-                                                        (flash-attn-4, optional; distcomm_attention._fa4)
+    "fa4"        FA4Forward       FA4Backward           CUDA fp16/bf16, sm90/sm100; every feature but a key
+                                                        padding mask: windows and packed documents as FA4
+                                                        window/varlen calls, softcap, GQA (flash-attn-4,
+                                                        optional; distcomm_attention._fa4)
     "auto"       CPU, CUDA fp32/fp64 -> "torch"; CUDA fp16/bf16 -> the first backend of ``AUTO_PREFERENCE``
                  that can do the call (measured order, see docs/bench/backends.md)
 

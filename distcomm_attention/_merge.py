@@ -10,6 +10,19 @@ A block backend (cuDNN, flash-attn-4) offers two calls on plain full or causal b
 BackwardKernel (contracts in distcomm_attention._kernels). ``call_features`` names what a call asks for
 beyond plain full/causal attention, for the backends' capability checks.
 
+A backend with FlashAttention's sliding window and variable-length batches (``takes_windows``) also runs
+"interval" blocks: their band pieces (Note [Band pieces] in distcomm_attention._visibility) become
+``WindowCall``s, each one kernel call with ``window=(left, right)`` and, for several pieces at once, ``varlen``
+boundaries over packed rows (Note [Window calls]).
+
+Note [Window calls]
+    Consecutive pieces whose rows and keys are adjacent and whose windows agree run as one varlen call:
+    the rows (B*nq, H, D) and keys (B*nk, Hkv, D) of the call are packed, batch-major, and
+    ``cu_seqlens_q/k`` mark each (batch element, piece). A piece with an unbounded side takes any bound that
+    clips nothing (left >= nk - 1, right >= nq - 1), so a document of a diagonal block (right 0, left
+    unbounded) packs with its neighbours. Packed documents of one rank are thus one kernel call per block,
+    and a window is one call per chunk pair.
+
 Note [Merging block outputs]
     A block backend normalises each block on its own: it returns out_b = softmax(S_b) V_b and
     lse_b = log sum exp(S_b) per row. Two blocks of the same rows combine exactly by
@@ -34,9 +47,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from distcomm_attention._visibility import BlockMask, Visibility
+import functools
+from typing import NamedTuple
 
-__all__ = ["BlockForward", "BlockBackward", "MergeState", "merge_block", "call_features"]
+from distcomm_attention._visibility import BlockMask, Piece, Visibility, pieces_of
+
+__all__ = ["BlockForward", "BlockBackward", "MergeState", "merge_block", "call_features", "WindowCall",
+           "window_calls", "Varlen"]
 
 
 def call_features(vis: Visibility, softcap: float) -> dict[str, str]:
@@ -54,6 +71,88 @@ def call_features(vis: Visibility, softcap: float) -> dict[str, str]:
     if softcap:
         features["softcap"] = f"softcap={softcap}"
     return features
+
+
+class WindowCall(NamedTuple):
+    """One kernel call over rows [q0, q1) and keys [k0, k1) of a block (see Note [Window calls]).
+
+    ``window`` (left, right), None = unbounded; ``cu_q``/``cu_k``: the pieces' boundaries relative to q0/k0
+    (None for a single piece: a plain call).
+    """
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    window: tuple[int | None, int | None]
+    cu_q: tuple[int, ...] | None = None
+    cu_k: tuple[int, ...] | None = None
+
+
+class Varlen(NamedTuple):
+    """Variable-length arguments of a packed call: int32 boundaries on the device and the longest piece."""
+
+    cu_q: Tensor
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+
+
+def _joint_bound(bounds: list[tuple[int | None, int]]) -> tuple[bool, int | None]:
+    """One window side for several pieces: each gives (bound or None, the least value that clips nothing
+    for it). -> (possible, bound)."""
+    finite = {b for b, _ in bounds if b is not None}
+    if not finite:
+        return True, None
+    if len(finite) > 1:
+        return False, None
+    (bound,) = finite
+    return all(b is not None or bound >= least for b, least in bounds), bound
+
+
+def window_calls(pieces: tuple[Piece, ...]) -> tuple[WindowCall, ...]:
+    """Group band pieces into kernel calls (Note [Window calls])."""
+    calls: list[list[Piece]] = []
+    for p in pieces:
+        group = calls[-1] if calls else None
+        if group is not None and p.q0 == group[-1].q1 and p.k0 == group[-1].k1 and _fits(group + [p])[0]:
+            group.append(p)
+        else:
+            calls.append([p])
+    out = []
+    for group in calls:
+        _, window = _fits(group)
+        first, last = group[0], group[-1]
+        if len(group) == 1:
+            out.append(WindowCall(first.q0, first.q1, first.k0, first.k1, window))
+        else:
+            cu_q = tuple(p.q0 - first.q0 for p in group) + (last.q1 - first.q0,)
+            cu_k = tuple(p.k0 - first.k0 for p in group) + (last.k1 - first.k0,)
+            out.append(WindowCall(first.q0, last.q1, first.k0, last.k1, window, cu_q, cu_k))
+    return tuple(out)
+
+
+def _fits(group: list[Piece]) -> tuple[bool, tuple[int | None, int | None]]:
+    """Whether pieces can share one window, and that window."""
+    ok_l, left = _joint_bound([(p.left, p.k1 - p.k0 - 1) for p in group])
+    ok_r, right = _joint_bound([(p.right, p.q1 - p.q0 - 1) for p in group])
+    return ok_l and ok_r, (left, right)
+
+
+@functools.lru_cache(maxsize=256)
+def _varlen(call: WindowCall, batch: int, device: torch.device) -> Varlen:
+    """The call's boundaries for ``batch`` packed batch elements, on ``device`` (cached)."""
+    nq, nk = call.q1 - call.q0, call.k1 - call.k0
+    cu_q = [b * nq + c for b in range(batch) for c in call.cu_q[:-1]] + [batch * nq]
+    cu_k = [b * nk + c for b in range(batch) for c in call.cu_k[:-1]] + [batch * nk]
+    longest = lambda cu: max(b - a for a, b in zip(cu, cu[1:]))  # noqa: E731
+    return Varlen(torch.tensor(cu_q, dtype=torch.int32, device=device),
+                  torch.tensor(cu_k, dtype=torch.int32, device=device), longest(call.cu_q), longest(call.cu_k))
+
+
+def _pack(x: Tensor) -> Tensor:
+    """(B, n, H, D) -> (B*n, H, D), batch-major (a view when x is contiguous)."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
 def _block_causal(name: str, mask: BlockMask, key_mask: Tensor | None) -> bool:
@@ -115,13 +214,37 @@ def merge_block(state: MergeState, out_b: Tensor, lse_b: Tensor, rows: slice = s
     lse.copy_(new)
 
 
+def _check_window_mask(name: str, takes_windows: bool, mask: BlockMask, key_mask: Tensor | None) -> bool:
+    """Whether the block runs as window calls (an "interval" block of a backend that takes windows);
+    ValueError for what the backend cannot run."""
+    if mask.mode == "interval" and takes_windows and key_mask is None:
+        return True
+    _block_causal(name, mask, key_mask)
+    return False
+
+
 class BlockForward:
     """ForwardKernel over a block backend's forward (``block``, set by subclasses)."""
 
-    def block(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float,
-              softcap: float) -> tuple[Tensor, Tensor]:
-        """One block: out (B, Sq, H, D) in q's dtype, lse (B, H, Sq) float32."""
+    takes_windows = False  # whether ``block`` takes window= and varlen= (Note [Window calls])
+
+    def block(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, softcap: float,
+              window: tuple[int | None, int | None] | None = None,
+              varlen: Varlen | None = None) -> tuple[Tensor, Tensor]:
+        """One block: out (B, Sq, H, D) in q's dtype, lse (B, H, Sq) float32. With ``varlen``, q (total_q, H, D)
+        and k, v (total_k, Hkv, D) are packed and the result is out (total_q, H, D), lse (H, total_q)."""
         raise NotImplementedError
+
+    def _window_call(self, q: Tensor, k: Tensor, v: Tensor, call: WindowCall, *, scale: float,
+                     softcap: float) -> tuple[Tensor, Tensor]:
+        """One window call on the call's rows q (B, nq, H, D) and keys k, v -> out (B, nq, H, D), lse (B, H, nq)."""
+        if call.cu_q is None:
+            return self.block(q, k, v, causal=False, scale=scale, softcap=softcap, window=call.window)
+        b, nq, h, _ = q.shape
+        varlen = _varlen(call, b, q.device)
+        out, lse = self.block(_pack(q), _pack(k), _pack(v), causal=False, scale=scale, softcap=softcap,
+                              window=call.window, varlen=varlen)
+        return out.view(q.shape), lse.view(h, b, nq).transpose(0, 1).contiguous()
 
     def init_state(self, q: Tensor) -> MergeState:
         """An empty state for queries q (B, Sq, H, D); nothing is allocated until a block arrives."""
@@ -133,12 +256,19 @@ class BlockForward:
         """Attend q[:, q_slice] to (k, v) under ``mask`` ("full" or "causal") and merge the block into the
         state rows q_slice. A block covering every row of a fresh state is kept as the kernel returned it,
         whether or not ``final`` is set, so a ring of one is one kernel call."""
-        causal = _block_causal(type(self).__name__, mask, key_mask)
+        windows = _check_window_mask(type(self).__name__, self.takes_windows, mask, key_mask)
         rows = q[:, q_slice]
         if rows.numel() == 0 or k.shape[1] == 0:
             return
-        out_b, lse_b = self.block(rows, k, v, causal=causal, scale=scale, softcap=softcap)
-        merge_block(state, out_b, lse_b, q_slice)
+        if not windows:
+            out_b, lse_b = self.block(rows, k, v, causal=mask.mode == "causal", scale=scale, softcap=softcap)
+            merge_block(state, out_b, lse_b, q_slice)
+            return
+        start = q_slice.indices(q.shape[1])[0]
+        for call in window_calls(pieces_of(mask)):
+            out_b, lse_b = self._window_call(rows[:, call.q0:call.q1], k[:, call.k0:call.k1],
+                                             v[:, call.k0:call.k1], call, scale=scale, softcap=softcap)
+            merge_block(state, out_b, lse_b, slice(start + call.q0, start + call.q1))
 
     def finalize(self, state: MergeState, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """-> out (B, Sq, H, D) in ``dtype``, lse (B, H, Sq) float32 (the blocks' lse dtype); rows that saw no
@@ -156,11 +286,48 @@ class BlockBackward:
     rowsum(dout * out) themselves."""
 
     uses_delta = False
+    takes_windows = False  # whether ``block`` takes window= and varlen= (Note [Window calls])
 
     def block(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool,
-              scale: float, softcap: float) -> tuple[Tensor, Tensor, Tensor]:
-        """One block from the merged out / lse: dq (B, Sq, H, D), dk, dv (B, Sk, Hkv, D) in q's dtype."""
+              scale: float, softcap: float, window: tuple[int | None, int | None] | None = None,
+              varlen: Varlen | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """One block from the merged out / lse: dq (B, Sq, H, D), dk, dv (B, Sk, Hkv, D) in q's dtype. With
+        ``varlen`` every tensor is packed (total, heads, D) and lse is (H, total_q)."""
         raise NotImplementedError
+
+    def _window_call(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                     call: WindowCall, *, scale: float, softcap: float) -> tuple[Tensor, Tensor, Tensor]:
+        """One window call's gradients; tensors are the call's rows and keys, lse (B, H, nq)."""
+        if call.cu_q is None:
+            return self.block(dout, q, k, v, out, lse, causal=False, scale=scale, softcap=softcap,
+                              window=call.window)
+        b, nq, h, _ = q.shape
+        varlen = _varlen(call, b, q.device)
+        lse = lse.transpose(0, 1).reshape(h, b * nq)
+        dq, dk, dv = self.block(_pack(dout), _pack(q), _pack(k), _pack(v), _pack(out), lse, causal=False,
+                                scale=scale, softcap=softcap, window=call.window, varlen=varlen)
+        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+
+    def _window_step(self, dout, q, k, v, out, lse, mask, scale, softcap, dq_acc, dkv_dtype):
+        """The backward of an "interval" block as window calls (Note [Window calls])."""
+        calls = window_calls(pieces_of(mask))
+        (sq, sk), whole = (q.shape[1], k.shape[1]), len(calls) == 1
+        if whole and calls[0][:4] == (0, sq, 0, sk) and dq_acc is None:
+            dq, dk, dv = self._window_call(dout, q, k, v, out, lse, calls[0], scale=scale, softcap=softcap)
+            return dq, dk.to(dkv_dtype or dk.dtype), dv.to(dkv_dtype or dv.dtype)
+        dq = dq_acc if dq_acc is not None else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        for c in calls:
+            rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
+            dq_c, dk_c, dv_c = self._window_call(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],
+                                                 lse[:, :, rows], c, scale=scale, softcap=softcap)
+            dq[:, rows] += dq_c
+            dk[:, keys] += dk_c
+            dv[:, keys] += dv_c
+        if dq_acc is None:
+            dq = dq.to(q.dtype)
+        return dq, dk.to(dkv_dtype or k.dtype), dv.to(dkv_dtype or v.dtype)
 
     def step(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              delta: Tensor | None = None, *, mask: BlockMask, scale: float, softcap: float = 0.0,
@@ -169,11 +336,14 @@ class BlockBackward:
         """dout, q, out: (B, Sq, H, D); lse: (B, H, Sq) of the merged (global) rows; k, v: (B, Sk, Hkv, D).
         Adds the block's dq into ``dq_acc`` and returns it (the kernel's dq without one); dk, dv in
         ``dkv_dtype`` (the kernel's dtype without one)."""
-        causal = _block_causal(type(self).__name__, mask, key_mask)
+        windows = _check_window_mask(type(self).__name__, self.takes_windows, mask, key_mask)
+        if windows and q.numel() and k.shape[1]:
+            return self._window_step(dout, q, k, v, out, lse, mask, scale, softcap, dq_acc, dkv_dtype)
         if q.numel() == 0 or k.shape[1] == 0:
             dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         else:
-            dq, dk, dv = self.block(dout, q, k, v, out, lse, causal=causal, scale=scale, softcap=softcap)
+            dq, dk, dv = self.block(dout, q, k, v, out, lse, causal=mask.mode == "causal", scale=scale,
+                                    softcap=softcap)
         if dq_acc is not None:
             dq = dq_acc.add_(dq)
         if dkv_dtype is not None:

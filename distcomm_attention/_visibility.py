@@ -26,6 +26,16 @@ Note [Visibility]
     From the intervals a kernel tile of rows [i0, i1] touches keys [row_lo[i0], row_hi[i1]) and sees every
     key of [row_lo[i1], row_hi[i0]) unmasked: the same three-range loop as a causal kernel.
 
+Note [Band pieces]
+    Kernels with a sliding window but no per-row intervals (FlashAttention's window_size) execute an
+    "interval" block as pieces: runs of consecutive rows whose intervals are one band, each a rectangle
+    of rows x keys in which row r sees the keys j with  r + a <= j < r + c  (clipped to the rectangle).
+    Inside a run the interval ends move by 0 or 1 per row: the first end stays clipped at the
+    rectangle's first key and then advances (0...0 1...1), the second advances and then stays clipped at
+    its last key (1...1 0...0). Any other step, a row with no key, or a change of pattern starts a new run.
+    A band window, a document of a diagonal block, and each chunk pair of a zigzag block are one piece
+    each; pieces partition the block's visible pairs.
+
 Note [Ring plan]
     ``ring_plan`` evaluates the rule for every (rank, source rank) pair of the ring once per distinct
     call signature (cached): a pair with no visible key is skipped, a pair whose visible rows and keys
@@ -53,6 +63,9 @@ __all__ = [
     "ring_plan",
     "cu_seqlens_from_position_ids",
     "visible_mask",
+    "Piece",
+    "band_pieces",
+    "pieces_of",
     "FULL",
     "CAUSAL",
 ]
@@ -98,7 +111,8 @@ class BlockMask(NamedTuple):
 
     ``mode`` is "full", "causal" or "interval"; the four arrays are int32 (on the kernel's device) only for
     "interval": ``row_lo``/``row_hi`` (Sq,) relative to the call's first key, ``col_lo``/``col_hi`` (Sk,)
-    relative to its first query row.
+    relative to its first query row. ``pieces``: the planner's ``LazyPieces`` of the block (its intervals as
+    band pieces, for kernels that take windows instead of arrays), or None (``pieces_of`` computes them).
     """
 
     mode: str
@@ -106,6 +120,23 @@ class BlockMask(NamedTuple):
     row_hi: torch.Tensor | None = None
     col_lo: torch.Tensor | None = None
     col_hi: torch.Tensor | None = None
+    pieces: "LazyPieces | None" = None
+
+
+class Piece(NamedTuple):
+    """Rows [q0, q1) of a block see keys [k0, k1) through a band (see Note [Band pieces]).
+
+    With nq = q1 - q0, nk = k1 - k0, local row r and local key j: visible iff
+    ``j >= r + (nk - nq) - left`` (unless left is None) and ``j <= r + (nk - nq) + right`` (unless right is
+    None): FlashAttention's ``window_size``, aligned to the bottom-right corner.
+    """
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    left: int | None
+    right: int | None
 
 
 FULL = BlockMask("full")
@@ -131,7 +162,17 @@ class Block(NamedTuple):
 
 @dataclass
 class RingPlan:
-    """This rank's blocks for every needed ring step (see Note [Ring plan]).
+    """This rank's blocks for every needed ring step (see Note [Band pieces]
+    Kernels with a sliding window but no per-row intervals (FlashAttention's window_size) execute an
+    "interval" block as pieces: runs of consecutive rows whose intervals are one band, each a rectangle
+    of rows x keys in which row r sees the keys j with  r + a <= j < r + c  (clipped to the rectangle).
+    Inside a run the interval ends move by 0 or 1 per row: the first end stays clipped at the
+    rectangle's first key and then advances (0...0 1...1), the second advances and then stays clipped at
+    its last key (1...1 0...0). Any other step, a row with no key, or a change of pattern starts a new run.
+    A band window, a document of a diagonal block, and each chunk pair of a zigzag block are one piece
+    each; pieces partition the block's visible pairs.
+
+Note [Ring plan]).
 
     Attributes:
         steps: the needed ring steps t in increasing order, always starting with 0; at step t this rank
@@ -143,6 +184,13 @@ class RingPlan:
     blocks: tuple[tuple[Block, ...], ...]
     _device_masks: dict = field(default_factory=dict, repr=False)
 
+    def _pieces(self, step_index: int, block_index: int) -> "LazyPieces":
+        """The block's band pieces, shared by its masks on every device."""
+        key = (step_index, block_index, "pieces")
+        if key not in self._device_masks:
+            self._device_masks[key] = LazyPieces(*self.blocks[step_index][block_index].intervals[:2])
+        return self._device_masks[key]
+
     def mask(self, step_index: int, block_index: int, device: torch.device) -> BlockMask:
         """The kernels' BlockMask of one block, with its arrays on ``device`` (moved once, then cached)."""
         block = self.blocks[step_index][block_index]
@@ -152,7 +200,8 @@ class RingPlan:
             return CAUSAL
         key = (step_index, block_index, str(device))
         if key not in self._device_masks:
-            self._device_masks[key] = BlockMask("interval", *(a.to(device) for a in block.intervals))
+            arrays = tuple(a.to(device) for a in block.intervals)
+            self._device_masks[key] = BlockMask("interval", *arrays, pieces=self._pieces(step_index, block_index))
         return self._device_masks[key]
 
 
@@ -231,7 +280,17 @@ def _needed_steps(layout: str, vis: Visibility, ring_size: int, local_len: int) 
 
 @functools.lru_cache(maxsize=256)
 def ring_plan(layout: str, vis: Visibility, ring_size: int, rank: int, local_len: int) -> RingPlan:
-    """The blocks ``rank`` computes at each needed ring step (see Note [Ring plan]); cached per signature."""
+    """The blocks ``rank`` computes at each needed ring step (see Note [Band pieces]
+    Kernels with a sliding window but no per-row intervals (FlashAttention's window_size) execute an
+    "interval" block as pieces: runs of consecutive rows whose intervals are one band, each a rectangle
+    of rows x keys in which row r sees the keys j with  r + a <= j < r + c  (clipped to the rectangle).
+    Inside a run the interval ends move by 0 or 1 per row: the first end stays clipped at the
+    rectangle's first key and then advances (0...0 1...1), the second advances and then stays clipped at
+    its last key (1...1 0...0). Any other step, a row with no key, or a change of pattern starts a new run.
+    A band window, a document of a diagonal block, and each chunk pair of a zigzag block are one piece
+    each; pieces partition the block's visible pairs.
+
+Note [Ring plan]); cached per signature."""
     if local_len == 0:
         return RingPlan((0,), ((),))
     steps = _needed_steps(layout, vis, ring_size, local_len)
@@ -245,6 +304,61 @@ def ring_plan(layout: str, vis: Visibility, ring_size: int, rank: int, local_len
         block = _block(lo, hi)
         blocks.append(() if block is None else (block,))
     return RingPlan(steps, tuple(blocks))
+
+
+def band_pieces(row_lo: torch.Tensor, row_hi: torch.Tensor) -> tuple[Piece, ...]:
+    """The visible pairs of an interval block as band pieces (see Note [Band pieces]); rows that see no key
+    are in no piece. ``row_lo``/``row_hi``: the block's (Sq,) int arrays (any device). One pass on the host."""
+    lo, hi = row_lo.cpu().tolist(), row_hi.cpu().tolist()
+    pieces = []
+
+    def close(s: int, e: int) -> None:
+        k0, k1 = lo[s], hi[e - 1]
+        nq, nk = e - s, k1 - k0
+        last_lo, first_hi = lo[e - 1] - k0, hi[s] - k0
+        left = None if last_lo == 0 else (nk - nq) - (last_lo - (nq - 1))
+        right = None if first_hi == nk else first_hi - 1 - (nk - nq)
+        pieces.append(Piece(s, e, k0, k1, left, right))
+
+    start = None  # first row of the open run
+    lo_moving = hi_clipped = False  # the run's first end has started advancing / its second end stopped
+    for i in range(len(lo)):
+        if hi[i] <= lo[i]:  # no key: closes the run
+            if start is not None:
+                close(start, i)
+            start = None
+            continue
+        if start is not None:
+            dlo, dhi = lo[i] - lo[i - 1], hi[i] - hi[i - 1]
+            fits = (dlo in (0, 1) and dhi in (0, 1) and lo[i] < hi[i - 1] and not (lo_moving and dlo == 0)
+                    and not (hi_clipped and dhi == 1))
+            if fits:
+                lo_moving |= dlo == 1
+                hi_clipped |= dhi == 0
+                continue
+            close(start, i)
+        start, lo_moving, hi_clipped = i, False, False
+    if start is not None:
+        close(start, len(lo))
+    return tuple(pieces)
+
+
+class LazyPieces:
+    """An interval block's band pieces, computed on first use (only kernels that take windows ask)."""
+
+    def __init__(self, row_lo: torch.Tensor, row_hi: torch.Tensor):
+        self._arrays = (row_lo, row_hi)
+
+    @functools.cached_property
+    def pieces(self) -> tuple[Piece, ...]:
+        return band_pieces(*self._arrays)
+
+
+def pieces_of(mask: BlockMask) -> tuple[Piece, ...]:
+    """An "interval" BlockMask's band pieces: the planner's (computed once), else from its arrays."""
+    if mask.pieces is not None:
+        return mask.pieces.pieces
+    return band_pieces(mask.row_lo, mask.row_hi)
 
 
 def visible_mask(vis: Visibility, pq: torch.Tensor, pk: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ kernel measured here (flash-attn-4 where installed):
    raw FA4 (``_flash_attn_fwd`` + ``_flash_attn_bwd``) against the same pair through our backend interface
    (FA4Forward init_state/step/finalize + FA4Backward.step), both without accumulators and as the ring calls
    it (fp32 dQ accumulator, fp32 dK/dV);
-3. features at S = 16k causal: a 4k sliding window and softcap, FA4 direct against the ring's backends.
+3. features at S = 16k causal: a 4k sliding window, softcap, and packed documents (16 of 1k; and 3 of
+   random lengths), FA4 direct (its window / varlen calls) against the ring's backends.
 
 FLOPs: forward 4 * b * h * s_q * s_k * d (the visible pairs only: halved for causal, the band for a window);
 forward+backward 3.5 x forward. CUDA events around ``iters`` back-to-back calls after ``warmup`` calls.
@@ -65,24 +66,44 @@ def _sdpa(backend, q, k, v, causal):
     return out.transpose(1, 2)
 
 
-def direct_fn(method: str, causal: bool, window: int | None = None, softcap: float = 0.0):
-    """f(q, k, v) -> out for a direct single-GPU kernel."""
+def direct_fn(method: str, causal: bool, window: int | None = None, softcap: float = 0.0,
+              docs: list[int] | None = None):
+    """f(q, k, v) -> out for a direct single-GPU kernel (documents: FA4's varlen call, batch 1)."""
     from torch.nn.attention import SDPBackend
 
+    if method == "fa4 direct" and docs is not None:
+        func = _fa4._interface().flash_attn_varlen_func
+        longest = max(b - a for a, b in zip(docs, docs[1:]))
+        cu = torch.tensor(docs, dtype=torch.int32, device="cuda")
+        return lambda q, k, v: func(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                    max_seqlen_k=longest, causal=causal)[0][None]
     if method == "fa4 direct":
         func = _fa4._interface().flash_attn_func
         win = (window, 0) if window is not None else (None, None)
         return lambda q, k, v: func(q, k, v, causal=causal, window_size=win, softcap=softcap)[0]
-    if window is not None or softcap:
-        raise ValueError(f"{method}: no window or softcap")
+    if window is not None or softcap or docs is not None:
+        raise ValueError(f"{method}: no window, softcap or documents")
     backend = SDPBackend.CUDNN_ATTENTION if method == "cudnn direct" else SDPBackend.FLASH_ATTENTION
     return lambda q, k, v: _sdpa(backend, q, k, v, causal)
 
 
-def ring_fn(backend: str, causal: bool, window: int | None = None, softcap: float = 0.0):
+def ring_fn(backend: str, causal: bool, window: int | None = None, softcap: float = 0.0,
+            docs: list[int] | None = None):
     win = (window, 0) if window is not None else (-1, -1)
     return lambda q, k, v: da.ring_flash_attn(q, k, v, causal=causal, backend=backend, window_size=win,
-                                              softcap=softcap)
+                                              softcap=softcap, cu_seqlens=docs)
+
+
+def doc_pairs(docs: list[int]) -> int:
+    """Visible pairs of causal attention within packed documents."""
+    return sum(pairs(b - a, True) for a, b in zip(docs, docs[1:]))
+
+
+def random_docs(s: int, count: int, seed: int = 0) -> list[int]:
+    """``count`` documents of random lengths (multiples of 64) packed into s tokens, deterministic."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = sorted(set((torch.randint(1, s // 64, (count - 1,), generator=g) * 64).tolist()))
+    return [0, *cuts, s]
 
 
 def measure(fn, q, k, v, dout, *, iters, warmup, device) -> dict:
@@ -198,12 +219,19 @@ def run_features(args, device, report):
     rows = []
     s = args.feature_seq
     q, k, v, dout = inputs(args.batch, s, args.heads, args.heads, args.head_dim, args.dtype, device, seed=2)
-    for feature, window, softcap in (("window", args.window, 0.0), ("softcap", None, args.softcap)):
-        flops = 4 * args.batch * args.heads * args.head_dim * pairs(s, True, window)
-        label = f"window {window}" if window is not None else f"softcap {softcap}"
+    equal = list(range(0, s + 1, s // args.docs))
+    mixed = random_docs(s, 3)
+    features = [("window", args.window, 0.0, None), ("softcap", None, args.softcap, None),
+                (f"{args.docs} documents of {s // args.docs // 1024}k", None, 0.0, equal),
+                (f"3 documents {mixed}", None, 0.0, mixed)]
+    for feature, window, softcap, docs in features:
+        visible = doc_pairs(docs) if docs is not None else pairs(s, True, window)
+        flops = 4 * args.batch * args.heads * args.head_dim * visible
+        label = (f"window {window}" if window is not None else f"softcap {softcap}" if softcap else feature)
         row = {"seq": s, "mask": "causal", "feature": label, "fwd_flops": flops, "methods": {}}
-        methods = [("fa4 direct", lambda: direct_fn("fa4 direct", True, window, softcap))]
-        methods += [(f"ring {b}", lambda b=b: ring_fn(b, True, window, softcap)) for b in ("fa4", "triton", "auto")]
+        methods = [("fa4 direct", lambda: direct_fn("fa4 direct", True, window, softcap, docs))]
+        methods += [(f"ring {b}", lambda b=b: ring_fn(b, True, window, softcap, docs))
+                    for b in ("fa4", "triton", "auto")]
         for name, make in methods:
             res, err = bu.guarded(lambda: measure(make(), q, k, v, dout, iters=args.iters, warmup=args.warmup,
                                                   device=device), device)
@@ -326,6 +354,7 @@ def main(argv=None):
     p.add_argument("--feature-seq", type=int, default=16384)
     p.add_argument("--window", type=int, default=4096)
     p.add_argument("--softcap", type=float, default=50.0)
+    p.add_argument("--docs", type=int, default=16, help="equal packed documents in the features section")
     p.add_argument("--sections", type=lambda t: bu.parse_list(t), default=["sequences", "blocks", "features"])
     p.add_argument("--methods", type=lambda t: bu.parse_list(t), default=None,
                    help="full-sequence methods to run, e.g. 'fa4 direct,ring fa4' (default: all)")

@@ -12,6 +12,7 @@ GPU runs of the real kernels: tests/test_gpu_backends.py.
 """
 
 import importlib.metadata
+import random
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -47,6 +48,72 @@ class ExactBlockBackward(BlockBackward):
         delta = (dout.double() * out.double()).sum(-1).transpose(1, 2)
         return TorchBackward().step(dout, q, k, v, out, lse, delta, mask=CAUSAL if causal else FULL, scale=scale,
                                     softcap=softcap)
+
+
+def _window_mask(nq, nk, window):
+    """FlashAttention's window over an nq x nk rectangle (bottom-right aligned) as row intervals."""
+    left, right = window if window is not None else (None, None)
+    r = torch.arange(nq)
+    lo = torch.zeros(nq, dtype=torch.long) if left is None else (r + nk - nq - left).clamp(0, nk)
+    hi = torch.full((nq,), nk) if right is None else (r + nk - nq + right + 1).clamp(0, nk)
+    return BlockMask("interval", lo.to(torch.int32), torch.maximum(hi, lo).to(torch.int32))
+
+
+def _segments(varlen, b):
+    """(rows, keys) slices of each packed sequence of a varlen call."""
+    cu_q, cu_k = varlen.cu_q.tolist(), varlen.cu_k.tolist()
+    return [(slice(a, c), slice(x, y)) for a, c, x, y in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
+
+
+class WindowedExactForward(ExactBlockForward):
+    """FlashAttention's window and varlen semantics, computed exactly: an independent stand-in for FA4."""
+
+    takes_windows = True
+
+    def block(self, q, k, v, *, causal, scale, softcap, window=None, varlen=None):
+        if window is None and varlen is None:
+            return super().block(q, k, v, causal=causal, scale=scale, softcap=softcap)
+        kernel = TorchForward()
+        if varlen is None:
+            state = kernel.init_state(q)
+            kernel.step(state, q, k, v, mask=_window_mask(q.shape[1], k.shape[1], window), scale=scale,
+                        softcap=softcap)
+            return kernel.finalize(state, q.dtype)
+        outs, lses = [], []
+        for rows, keys in _segments(varlen, 1):
+            qs, ks, vs = q[None, rows], k[None, keys], v[None, keys]
+            state = kernel.init_state(qs)
+            kernel.step(state, qs, ks, vs, mask=_window_mask(qs.shape[1], ks.shape[1], window), scale=scale,
+                        softcap=softcap)
+            out, lse = kernel.finalize(state, q.dtype)
+            outs.append(out[0])
+            lses.append(lse[0])
+        return torch.cat(outs), torch.cat(lses, dim=-1)  # (total, H, D), (H, total)
+
+
+class WindowedExactBackward(ExactBlockBackward):
+    takes_windows = True
+
+    def block(self, dout, q, k, v, out, lse, *, causal, scale, softcap, window=None, varlen=None):
+        if window is None and varlen is None:
+            return super().block(dout, q, k, v, out, lse, causal=causal, scale=scale, softcap=softcap)
+        if varlen is None:
+            segments, batched = [(slice(None), slice(None))], (dout, q, k, v, out, lse)
+        else:
+            segments = _segments(varlen, 1)
+            batched = (dout[None], q[None], k[None], v[None], out[None], lse[None])
+        grads = [torch.zeros_like(x) for x in batched[1:4]]
+        for rows, keys in segments:
+            do, qs, ks, vs, o, ls = (x[:, rows] if i in (0, 1, 4) else x[:, :, rows] if i == 5 else x[:, keys]
+                                     for i, x in enumerate(batched))
+            delta = (do.double() * o.double()).sum(-1).transpose(1, 2)
+            mask = _window_mask(qs.shape[1], ks.shape[1], window)
+            dq, dk, dv = TorchBackward().step(do, qs, ks, vs, o, ls, delta, mask=mask, scale=scale,
+                                              softcap=softcap)
+            grads[0][:, rows] += dq
+            grads[1][:, keys] += dk
+            grads[2][:, keys] += dv
+        return tuple(g if varlen is None else g[0] for g in grads)
 
 
 def _qkv(b=2, s=32, h=4, hkv=2, d=16, dtype=torch.float64, seed=0):
@@ -156,6 +223,103 @@ def test_adapters_on_every_block_of_a_ring(case, ring_size, layout):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=name)
 
 
+WINDOW_CASES = [
+    dict(causal=True, window_size=(5, 0)),
+    dict(causal=False, window_size=(7, 3)),
+    dict(causal=False, window_size=(0, 9)),
+    dict(causal=True, cu_seqlens=[0, 5, 6, 29, 48]),
+    dict(causal=False, cu_seqlens=[0, 20, 48]),
+    dict(causal=True, window_size=(6, 0), cu_seqlens=[0, 17, 30, 48], softcap=4.0),
+    dict(causal=False, window_size=(11, 2), cu_seqlens=[0, 1, 33, 48]),
+]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("ring_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=str)
+def test_window_calls_on_every_block_of_a_ring(case, ring_size, layout):
+    """Windows and packed documents through a block backend that takes FlashAttention windows and varlen
+    batches (as "fa4" does): every interval block of a ring of 1-4 ranks, split into band pieces and grouped
+    into window calls, equals float64 attention under the visibility rule (GQA 2:1, batch 2)."""
+    s = 48
+    q, k, v, dout = _qkv(s=s, seed=7 * ring_size)
+    window = case.get("window_size", (-1, -1))
+    cu = case.get("cu_seqlens")
+    vis = Visibility(case["causal"], window, None if cu is None else tuple(cu))
+    softcap = case.get("softcap", 0.0)
+    out, dq, dk, dv = simulate_ring(q, k, v, dout, None, layout=layout, ring_size=ring_size, vis=vis, scale=0.3,
+                                    softcap=softcap, fwd=WindowedExactForward(), bwd=WindowedExactBackward())
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    ref = attention_reference(qr, kr, vr, causal=case["causal"], softmax_scale=0.3, softcap=softcap,
+                              window_size=window, cu_seqlens=cu)
+    grads = torch.autograd.grad(ref, (qr, kr, vr), dout)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (ref, *grads)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=name)
+
+
+def _dense_pieces(pieces, nq, nk):
+    """How often each (row, key) pair of a block is covered by the pieces, by FlashAttention's window rule."""
+    count = torch.zeros(nq, nk, dtype=torch.int32)
+    for p in pieces:
+        a, b = p.q1 - p.q0, p.k1 - p.k0
+        r, j = torch.arange(a)[:, None], torch.arange(b)[None, :]
+        ok = torch.ones(a, b, dtype=torch.bool)
+        if p.left is not None:
+            ok &= j >= r + (b - a) - p.left
+        if p.right is not None:
+            ok &= j <= r + (b - a) + p.right
+        count[p.q0:p.q1, p.k0:p.k1] += ok.int()
+    return count
+
+
+def test_band_pieces_partition_every_interval_block():
+    """Random windows, documents, layouts and rings: the band pieces of each interval block cover exactly its
+    visible pairs (by FlashAttention's bottom-right window rule), each pair once."""
+    from distcomm_attention._visibility import pieces_of, ring_plan
+
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(150):
+        w, layout, n = rng.choice([1, 2, 3, 4]), rng.choice(["contiguous", "zigzag", "striped"]), rng.choice([8, 12, 16])
+        cuts = sorted(rng.sample(range(1, n * w), rng.randint(1, 4)))
+        cu = tuple([0] + cuts + [n * w]) if rng.random() < 0.5 else None
+        vis = Visibility(rng.random() < 0.6, (rng.choice([-1, 0, 1, 3, 7, 20]), rng.choice([-1, 0, 2, 5])), cu)
+        for rank in range(w):
+            plan = ring_plan(layout, vis, w, rank, n)
+            for i, blocks in enumerate(plan.blocks):
+                for j, block in enumerate(blocks):
+                    if block.mode != "interval":
+                        continue
+                    lo, hi = (a.long() for a in block.intervals[:2])
+                    nq, nk = lo.numel(), block.kv.stop - block.kv.start
+                    keys = torch.arange(nk)[None, :]
+                    want = ((keys >= lo[:, None]) & (keys < hi[:, None])).int()
+                    got = _dense_pieces(pieces_of(plan.mask(i, j, torch.device("cpu"))), nq, nk)
+                    assert torch.equal(got, want), (layout, vis, rank, i)
+                    checked += 1
+    assert checked > 300
+
+
+def test_packed_documents_are_one_varlen_call_per_block():
+    """A diagonal block of packed documents is one packed call (varlen over the documents), and a causal window
+    on the contiguous layout one plain window call per block."""
+    from distcomm_attention._merge import window_calls
+    from distcomm_attention._visibility import pieces_of, ring_plan
+
+    docs = Visibility(True, cu_seqlens=(0, 100, 300, 301, 1024))
+    plan = ring_plan("contiguous", docs, 1, 0, 1024)
+    (call,) = window_calls(pieces_of(plan.mask(0, 0, torch.device("cpu"))))
+    assert call.cu_q == call.cu_k == (0, 100, 300, 301, 1024) and call.window == (None, 0)
+    band = Visibility(True, window=(100, 0))
+    for rank in range(4):
+        plan = ring_plan("contiguous", band, 4, rank, 256)
+        for i, blocks in enumerate(plan.blocks):
+            for j, block in enumerate(blocks):
+                if block.mode == "interval":
+                    (call,) = window_calls(pieces_of(plan.mask(i, j, torch.device("cpu"))))
+                    assert call.cu_q is None and call.window[0] is not None
+
+
 # --------------------------------------------------------------------------------------------- 3. selection
 @pytest.fixture
 def hopper(monkeypatch):
@@ -178,11 +342,13 @@ def test_auto_walks_the_preference(hopper):
     cannot take move the call down the list."""
     assert _auto() == "fa4"
     assert _auto(softcap=20.0) == "fa4"
-    assert _auto(Visibility(True, window=(64, 0))) == "triton"
+    assert _auto(Visibility(True, window=(64, 0))) == "fa4"
+    assert _auto(Visibility(True, cu_seqlens=(0, 5, 8))) == "fa4"
     assert _auto(Visibility(False, key_mask=True)) == "triton"
     assert _auto(dtype=torch.float32) == "torch"
     hopper.setattr(_fa4, "_package_problem", lambda: "backend='fa4' needs flash-attn-4")
     assert _auto() == "cudnn"
+    assert _auto(Visibility(True, window=(64, 0))) == "triton"
     assert _auto(softcap=20.0) == "triton"
     hopper.setattr(_cudnn, "_capability", lambda device: (7, 5))
     hopper.setattr(_kernels, "_cuda_capability", lambda device: (7, 5))
@@ -258,12 +424,21 @@ def test_forced_fa4_names_what_is_missing(hopper):
     (dict(cu_seqlens=[0, 3, 8]), r"cu_seqlens \(packed documents\)"),
 ])
 def test_forced_block_backends_refuse_unsupported_features(kwargs, match):
-    """fa4 and cudnn forced with a window, padding or documents raise a ValueError naming the feature, on any
-    machine (the feature check comes first), and point to triton."""
+    """cudnn forced with a window, padding or documents, and fa4 forced with padding, raise a ValueError
+    naming the feature, on any machine (the feature check comes first), and point to triton."""
     q = torch.zeros(1, 8, 2, 64, dtype=BF16)
-    for backend in ("fa4", "cudnn"):
+    backends = ("fa4", "cudnn") if "attention_mask" in kwargs else ("cudnn",)
+    for backend in backends:
         with pytest.raises(ValueError, match=rf"backend='{backend}' runs .*{match}.*backend='triton'"):
             da.ring_flash_attn(q, q, q, causal=True, backend=backend, **kwargs)
+
+
+def test_fa4_takes_windows_and_documents():
+    """Windows, packed documents and softcap are fa4's (window/varlen calls); only a key mask is not."""
+    for vis in (Visibility(True, window=(16, 0)), Visibility(False, window=(3, 5)),
+                Visibility(True, cu_seqlens=(0, 3, 8)), Visibility(True, (4, 0), (0, 3, 8))):
+        assert _fa4.unsupported_feature(vis, 30.0) is None
+    assert "attention_mask" in _fa4.unsupported_feature(Visibility(True, key_mask=True), 0.0)
 
 
 def test_cudnn_takes_no_softcap_and_fa4_does():

@@ -3,8 +3,9 @@
 Two views, as in test_gpu_ring_features.py: ``ring_flash_attn(backend=...)`` on one GPU (a ring of one: the
 backend selection and the direct kernel call), and simulated rings of 2 and 4 ranks (tests/ring_sim.py:
 the planner's real blocks, merged by logsumexp in the forward and differentiated from the merged out/lse
-in the backward). Plain full and causal attention, GQA, softcap (fa4), bf16 and fp16. A backend this
-machine cannot run (flash-attn-4 not installed, a GPU it does not support) is skipped with its reason.
+in the backward). Plain full and causal attention, GQA, softcap, windows and packed documents (fa4: window
+and varlen calls over the planner's band pieces), bf16 and fp16. A backend this machine cannot run
+(flash-attn-4 not installed, a GPU it does not support) is skipped with its reason.
 
 Criterion (FlashAttention's own): the maximum error against the float64 reference is at most twice that of
 plain PyTorch attention in the same low precision, plus a small floor; outputs and the q/k/v gradients.
@@ -22,14 +23,34 @@ pytestmark = pytest.mark.gpu
 
 LOW = [torch.bfloat16, torch.float16]
 CASES = [dict(causal=True), dict(causal=False), dict(causal=True, softcap=30.0)]
-# (backend, case): cudnn runs plain attention only, so its softcap case would only skip.
-BACKEND_CASES = [pytest.param(b, c, id=f"{b}-{c}") for b in ("fa4", "cudnn") for c in CASES
-                 if b == "fa4" or "softcap" not in c]
+FEATURE_CASES = [
+    dict(causal=True, window=(300, -1)),
+    dict(causal=False, window=(128, 64)),
+    dict(causal=True, docs=[0, 1, 200, 203, 700, 1024]),
+    dict(causal=False, docs=[0, 512, 513, 1024]),
+    dict(causal=True, window=(100, -1), docs=[0, 333, 1024], softcap=20.0),
+]
+# (backend, case): cudnn runs plain attention only, so its softcap and feature cases would only skip.
+BACKEND_CASES = [pytest.param(b, c, id=f"{b}-{c}") for b in ("fa4", "cudnn") for c in CASES + FEATURE_CASES
+                 if b == "fa4" or c in CASES[:2]]
+
+
+def _vis(case, seq=1024):
+    """The case's Visibility for a global sequence of ``seq`` (documents scaled to it)."""
+    docs = case.get("docs")
+    if docs is not None:
+        docs = tuple(d * seq // 1024 for d in docs)
+    return Visibility(case["causal"], case.get("window", (-1, -1)), docs)
+
+
+def _scaled(case, seq):
+    """The case with its documents scaled from 1024 tokens to ``seq``."""
+    return dict(case, docs=list(_vis(case, seq).cu_seqlens)) if "docs" in case else case
 
 
 def _usable(backend, dtype, case):
     """Skip unless ``backend`` can run this case here (the reason is the backend's own check)."""
-    vis = Visibility(case["causal"])
+    vis = _vis(case)
     problem = _kernels.backend_problem(backend, torch.device("cuda"), dtype, vis, case.get("softcap", 0.0),
                                        head_dim=128, batch=2)
     if problem is not None:
@@ -50,14 +71,15 @@ def test_ring_of_one(backend, case, hkv, dtype):
     _usable(backend, dtype, case)
     q, k, v, dout = _inputs(dtype, 1024, 4, hkv, seed=1)
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-    out = da.ring_flash_attn(qg, kg, vg, causal=case["causal"], softcap=case.get("softcap", 0.0), backend=backend)
+    out = da.ring_flash_attn(qg, kg, vg, causal=case["causal"], softcap=case.get("softcap", 0.0), backend=backend,
+                             window_size=case.get("window", (-1, -1)), cu_seqlens=case.get("docs"))
     out.backward(dout)
     refs, lows = _references(case, q, k, v, dout, None)
     _assert_criterion(case, (out, qg.grad, kg.grad, vg.grad), refs, lows)
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
 @pytest.mark.parametrize("ring_size", [2, 4])
 @pytest.mark.parametrize("backend, case", BACKEND_CASES)
 def test_simulated_ring(backend, case, ring_size, layout, dtype):
@@ -65,10 +87,12 @@ def test_simulated_ring(backend, case, ring_size, layout, dtype):
     from tests.ring_sim import simulate_ring
 
     _usable(backend, dtype, case)
+    case = _scaled(case, 2048)
+    vis = _vis(case, 2048)
     _name, fwd, bwd = _kernels.select_kernels(backend, torch.zeros(2, 8, 4, 128, device="cuda", dtype=dtype),
-                                              Visibility(case["causal"]), case.get("softcap", 0.0))
+                                              vis, case.get("softcap", 0.0))
     q, k, v, dout = _inputs(dtype, 2048, 4, 1, seed=2)
-    ours = simulate_ring(q, k, v, dout, None, layout=layout, ring_size=ring_size, vis=Visibility(case["causal"]),
+    ours = simulate_ring(q, k, v, dout, None, layout=layout, ring_size=ring_size, vis=vis,
                          scale=q.shape[-1] ** -0.5, softcap=case.get("softcap", 0.0), fwd=fwd, bwd=bwd)
     refs, lows = _references(case, q, k, v, dout, None)
     _assert_criterion(case, ours, refs, lows)
@@ -81,12 +105,16 @@ def test_auto_takes_the_first_usable_backend():
     usable = [b for b in _kernels.AUTO_PREFERENCE
               if _kernels.backend_problem(b, q.device, q.dtype, Visibility(True), head_dim=128, batch=1) is None]
     assert da.which_kernels(q, causal=True).backend == usable[0]
-    assert da.which_kernels(q, causal=True, window_size=(64, 0)).backend not in ("fa4", "cudnn", "flash2")
+    assert da.which_kernels(q, causal=True, window_size=(64, 0)).backend in ("fa4", "triton")
+    padded = da.which_kernels(q, causal=True, attention_mask=torch.ones(1, 128, dtype=torch.bool, device="cuda"))
+    assert padded.backend == "triton"
 
 
-@pytest.mark.parametrize("backend", ["fa4", "cudnn"])
-def test_forced_backend_refuses_a_window(backend):
-    """A forced block backend with a sliding window raises a ValueError naming the feature."""
+def test_forced_block_backends_refuse_what_they_cannot_run():
+    """cudnn with a sliding window and fa4 with a padding mask raise a ValueError naming the feature."""
     q = torch.zeros(1, 128, 4, 128, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=rf"backend='{backend}'.*window_size=\(64, 0\)"):
-        da.ring_flash_attn(q, q, q, causal=True, window_size=(64, 0), backend=backend)
+    with pytest.raises(ValueError, match=r"backend='cudnn'.*window_size=\(64, 0\)"):
+        da.ring_flash_attn(q, q, q, causal=True, window_size=(64, 0), backend="cudnn")
+    with pytest.raises(ValueError, match=r"backend='fa4'.*attention_mask"):
+        da.ring_flash_attn(q, q, q, causal=True, attention_mask=torch.ones(1, 128, dtype=torch.bool, device="cuda"),
+                           backend="fa4")

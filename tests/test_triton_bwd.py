@@ -341,7 +341,7 @@ def test_custom_op_passes_opcheck():
     op = torch.ops.distcomm_attention.triton_bwd_block.default
     torch.library.opcheck(op, (q, q, k, v, lse, delta, torch.zeros(q.shape), None, None, None, None, None, 1, False,
                                0.25, 0.0, torch.float32, *meta), test_utils=checks)
-    torch.library.opcheck(op, (q, q, k, v, lse, delta, torch.zeros(q.shape), *block[1:], random_key_mask(1, 16), 2,
+    torch.library.opcheck(op, (q, q, k, v, lse, delta, torch.zeros(q.shape), *block[1:5], random_key_mask(1, 16), 2,
                                True, 0.25, 2.0, torch.float16, *meta), test_utils=checks)
 
 
