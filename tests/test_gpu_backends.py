@@ -87,8 +87,8 @@ def test_simulated_ring(backend, case, ring_size, layout, dtype):
     from tests.ring_sim import simulate_ring
 
     _usable(backend, dtype, case)
-    case = _scaled(case, 2048)
     vis = _vis(case, 2048)
+    case = _scaled(case, 2048)
     _name, fwd, bwd = _kernels.select_kernels(backend, torch.zeros(2, 8, 4, 128, device="cuda", dtype=dtype),
                                               vis, case.get("softcap", 0.0))
     q, k, v, dout = _inputs(dtype, 2048, 4, 1, seed=2)
