@@ -1,5 +1,8 @@
 """Ahead-of-time sm_90a compile report of our Triton attention kernels and the forward candidates (no GPU).
 
+Our forward is reported as it runs for head_dim 128: the split-2 kernel (Note [Split-2 forward] in
+distcomm_attention._triton_fwd) with TMA q/k/v loads, and the plain ``_ring_fwd_kernel`` it falls back to.
+
     PYTHONPATH=. python scripts/triton_sm90_report.py                  # ours + candidates, a table
     PYTHONPATH=. python scripts/triton_sm90_report.py --only ours --json report.json
 
@@ -121,8 +124,12 @@ class _Recorder:
 
 def our_launches(seqlen: int = 8192, heads: int = 32, kv_heads: int = 32, head_dim: int = 128,
                  dtype=torch.bfloat16) -> list[tuple[str, str, object, tuple, dict]]:
-    """(name, config, kernel, args, kwargs) of our forward final step and backward (default configs), for
-    causal and full blocks, as ``_fwd_last_impl`` / ``_bwd_block_impl`` launch them."""
+    """(name, config, kernel, args, kwargs) of our forward final step and backward, for causal and full
+    blocks, as ``_fwd_last_impl`` / ``_bwd_block_impl`` launch them.
+
+    The forward is compiled both ways it runs at head_dim 128 in bf16: its default, the split-2 kernel
+    (Note [Split-2 forward]) with TMA loads of q, k and v as on an sm_90 GPU, and the plain
+    ``_ring_fwd_kernel`` with the plain config, which launches where TMA does not apply."""
     import distcomm_attention._triton_bwd as B
     import distcomm_attention._triton_fwd as F
 
@@ -131,29 +138,41 @@ def our_launches(seqlen: int = 8192, heads: int = 32, kv_heads: int = 32, head_d
     v, dout = torch.empty_like(k), torch.empty_like(q)
     lse = torch.empty(1, heads, seqlen, dtype=torch.float32)
     delta = torch.empty_like(lse)
-    fcfg = F.default_config(head_dim, interpret=False)
+    fcfg = F.default_config(head_dim, dtype, interpret=False)
+    plain = F.default_config(head_dim, torch.float32, interpret=False)  # split 1
+    fwd_variants = [(f"fwd split={fcfg.split}, TMA q/k/v", fcfg, True)]  # (label, config, TMA available)
+    if fcfg.split != 1:
+        fwd_variants.append(("fwd split=1, where TMA does not apply", plain, False))
     bcfg = B.default_backward_config(head_dim, dtype, interpret=False)
     launches = []
-    saved = (F._ring_fwd_kernel, B._bwd_dkdv_kernel, B._bwd_dq_kernel)
-    rec_f, rec_kv, rec_q = (_Recorder(k_) for k_ in saved)
+    saved = (F._ring_fwd_kernel, F._ring_fwd_split_kernel, B._bwd_dkdv_kernel, B._bwd_dq_kernel, F._tma_capable)
+    rec_f, rec_s, rec_kv, rec_q = (_Recorder(k_) for k_ in saved[:4])
     try:
-        F._ring_fwd_kernel, B._bwd_dkdv_kernel, B._bwd_dq_kernel = rec_f, rec_kv, rec_q
+        F._ring_fwd_kernel, F._ring_fwd_split_kernel, B._bwd_dkdv_kernel, B._bwd_dq_kernel = rec_f, rec_s, rec_kv, rec_q
         for mode, mask in ((1, "causal"), (0, "full")):
             empty = torch.empty(0, dtype=torch.float32)
-            F._fwd_last_impl(q, k, v, empty, empty, empty, None, None, None, mode, head_dim**-0.5, 0.0, False,
-                             fcfg.block_m, fcfg.block_n, fcfg.num_warps, fcfg.num_stages)
+            for label, cfg, tma in fwd_variants:
+                F._tma_capable = lambda device, tma=tma: tma
+                F._fwd_last_impl(q, k, v, empty, empty, empty, None, None, None, mode, head_dim**-0.5, 0.0, False,
+                                 *cfg.astuple())
+                rec = rec_s if cfg.split == 2 else rec_f
+                grid, args, kwargs = rec.calls.pop()
+                if cfg.split == 2 and not (kwargs["TMA_Q"] and kwargs["TMA"]):
+                    raise RuntimeError(f"{label}: the launcher chose TMA_Q={kwargs['TMA_Q']}, TMA={kwargs['TMA']}")
+                name = rec.kernel.fn.__name__
+                launches.append((f"{name} ({label}, final step) {mask}",
+                                 "(block_m, block_n, warps, stages, split) = " + str(cfg.astuple()), rec.kernel,
+                                 args, kwargs))
             dq = torch.empty(q.shape, dtype=torch.float32)
             B._bwd_block_impl(dout, q, k, v, lse, delta, dq, None, None, None, None, None, mode, False,
                               head_dim**-0.5, 0.0, dtype, *bcfg.astuple())
-            fc = (fcfg.block_m, fcfg.block_n, fcfg.num_warps, fcfg.num_stages)
             t = bcfg.astuple()
-            for rec, name, cfg in ((rec_f, "_ring_fwd_kernel (final step)", fc),
-                                   (rec_kv, "_bwd_dkdv_kernel", t[:4]), (rec_q, "_bwd_dq_kernel", t[4:])):
+            for rec, name, cfg in ((rec_kv, "_bwd_dkdv_kernel", t[:4]), (rec_q, "_bwd_dq_kernel", t[4:])):
                 grid, args, kwargs = rec.calls.pop()
                 launches.append((f"{name} {mask}", "(block_m, block_n, warps, stages) = " + str(cfg), rec.kernel,
                                  args, kwargs))
     finally:
-        F._ring_fwd_kernel, B._bwd_dkdv_kernel, B._bwd_dq_kernel = saved
+        F._ring_fwd_kernel, F._ring_fwd_split_kernel, B._bwd_dkdv_kernel, B._bwd_dq_kernel, F._tma_capable = saved
     return launches
 
 

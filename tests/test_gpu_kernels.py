@@ -193,6 +193,50 @@ def test_ring_blocks_with_global_statistics(dtype):
         assert_2x(name, ours, ref.grad, low.grad)
 
 
+@pytest.mark.parametrize("dtype", LOW, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kind", ["causal", "full"])
+def test_split2_forward_tails_gqa_and_state(monkeypatch, kind, dtype):
+    """The split-2 forward (the head_dim-128 default, Note [Split-2 forward]) with TMA loads, checked to be the
+    kernel that ran: 1000 query rows (a tail in both 64-row halves), batch 2, GQA 8/2, key blocks of 512 as
+    views of a longer k/v, steps through the fp32 state (a q slice first, then all rows, with and without
+    the fused final step), meet the 2x criterion; with 1000 keys (no TMA for k/v) the plain kernel runs."""
+    import distcomm_attention._triton_fwd as F
+
+    made = []
+    real = F._split_descriptors
+    monkeypatch.setattr(F, "_split_descriptors", lambda *args: made.append(real(*args)) or made[-1])
+    seqlen_q, keys, heads, kv_heads, head_dim = 1000, 512, 8, 2, 128
+    q, k, v = make(2, seqlen_q, 2 * keys, heads, kv_heads, head_dim, dtype, seed=4)
+    block = CAUSAL if kind == "causal" else FULL
+    visible = torch.zeros(seqlen_q, 2 * keys, dtype=torch.bool, device="cuda")
+    visible[:, :keys] = make_block(kind, seqlen_q, keys, "cuda")[1]
+    visible[300:, keys:] = make_block(kind, seqlen_q - 300, keys, "cuda")[1]
+    scale = head_dim**-0.5
+    ref_out, ref_lse = dense_attention(q, k, v, visible, scale)
+    low_out, low_lse = dense_attention(q, k, v, visible, scale, upcast=False)
+    assert F.TritonForward().config(head_dim, dtype).split == 2
+    for final in (False, True):
+        made.clear()
+        fwd = F.TritonForward()
+        state = fwd.init_state(q)
+        fwd.step(state, q, k[:, keys:], v[:, keys:], mask=block, scale=scale, q_slice=slice(300, None))
+        fwd.step(state, q, k[:, :keys], v[:, :keys], mask=block, scale=scale, final=final)
+        out, lse = fwd.finalize(state, dtype)
+        assert len(made) == 2 and all(d is not None for d in made), "the split kernel did not run"
+        assert_2x(f"out (final={final})", out, ref_out, low_out)
+        assert_2x(f"lse (final={final})", lse, ref_lse, low_lse)
+
+    made.clear()
+    k_t, v_t = k[:, :seqlen_q], v[:, :seqlen_q]
+    dense = make_block(kind, seqlen_q, seqlen_q, "cuda")[1]
+    out, lse = triton_forward(q, k_t, v_t, block, scale=scale)
+    assert made == [None]  # 1000 keys: no TMA for k/v, so the plain kernel
+    ref_out, ref_lse = dense_attention(q, k_t, v_t, dense, scale)
+    low_out, low_lse = dense_attention(q, k_t, v_t, dense, scale, upcast=False)
+    assert_2x("out (plain kernel)", out, ref_out, low_out)
+    assert_2x("lse (plain kernel)", lse, ref_lse, low_lse)
+
+
 def test_backward_is_deterministic():
     """Two runs of the backward give bitwise equal gradients (no atomics)."""
     from distcomm_attention._triton_bwd import TritonBackward

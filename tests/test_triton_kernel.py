@@ -408,6 +408,118 @@ def test_rows_without_keys_are_zero_not_nan():
     torch.testing.assert_close(lse[:, :, :12].double(), ref_lse[:, :, :12], atol=3e-3, rtol=0)
 
 
+# ---------------------------------------------------------------------------------------------------
+# the split-2 kernel (Note [Split-2 forward]): same contract, pointer loads and TMA descriptors
+# ---------------------------------------------------------------------------------------------------
+
+SPLIT2 = dict(block_m=32, block_n=16, num_warps=4, num_stages=1, split=2)  # two 16-row halves
+
+
+@interpreter_only
+@pytest.mark.parametrize("final", [False, True], ids=["state", "fused_final"])
+@pytest.mark.parametrize("case", ["causal_ragged", "full_q_neq_k", "causal_q_gt_k", "causal_q_lt_k", "gqa_causal",
+                                  "mqa_full", "head_dim_48_padded"])
+def test_split2_single_step_matches_reference(case, final):
+    """The split-2 kernel (two interleaved halves per program) equals float64 attention on ragged tails,
+    q != k lengths, GQA/MQA and a padded head dim, through the fp32 state and the fused final step."""
+    batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal = CASES[case]
+    q, k, v = make_qkv(batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, torch.float16)
+    scale = head_dim**-0.5
+    mask = causal_mask(seqlen_q, seqlen_k) if causal else full_mask(seqlen_q, seqlen_k)
+    ref_out, ref_lse = reference(q, k, v, mask, scale)
+    out, lse = run_single(q, k, v, mask=CAUSAL if causal else FULL, scale=scale, final=final, **SPLIT2)
+    assert_matches(out, lse, ref_out, ref_lse, torch.float16)
+
+
+@interpreter_only
+@pytest.mark.parametrize("mode", ["causal", "window"])
+def test_split2_softcap_key_mask_interval(mode):
+    """Softcap and a key padding mask on a causal block and on an interval (window) block with empty rows."""
+    seqlen = 45
+    q, k, v = make_qkv(2, seqlen, seqlen, 2, 1, 32, torch.float16, seed=4)
+    key_mask = random_key_mask(2, seqlen, seed=5)
+    if mode == "causal":
+        block, dense = CAUSAL, causal_mask(seqlen, seqlen)
+    else:
+        block, dense = window_intervals(seqlen, seqlen, offset=-3, left=9, right=2)
+    ref_out, ref_lse = reference(q, k, v, dense[None] & key_mask[:, None, :], 0.3, softcap=4.0)
+    out, lse = run_single(q, k, v, mask=block, scale=0.3, softcap=4.0, key_mask=key_mask, final=True, **SPLIT2)
+    assert_matches(out, lse, ref_out, ref_lse, torch.float16)
+
+
+@interpreter_only
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_split2_multi_step_accumulation(monkeypatch, tma):
+    """Split-2 steps (causal, full, interval, q_slice, key mask; fp32 state) accumulate to attention over the
+    concatenation, the last one fused final; also with the TMA descriptors forced (q slices through them;
+    the ragged 17-key block gets no descriptors, which on a GPU means the plain kernel)."""
+    import distcomm_attention._triton_fwd as F
+
+    monkeypatch.setattr(F, "_tma_capable", lambda device: tma)
+    seqlen_q = 40
+    steps = schedule(seqlen_q)
+    total = sum(length for length, *_ in steps)
+    q, k, v = make_qkv(1, seqlen_q, total, 2, 1, 32, torch.float16, seed=1)
+    key_mask = random_key_mask(1, total, seed=8, keep=0.8)
+    scale = 32**-0.5
+    ref_out, ref_lse = reference(q, k, v, schedule_mask(seqlen_q, steps)[None] & key_mask[:, None, :], scale)
+    kernel = TritonForward(**SPLIT2)
+    state = kernel.init_state(q)
+    start = 0
+    for i, (length, q_slice, block, _) in enumerate(steps):
+        keys = slice(start, start + length)
+        kernel.step(state, q, k[:, keys], v[:, keys], mask=block, scale=scale, key_mask=key_mask[:, keys],
+                    q_slice=q_slice, final=i == len(steps) - 1)
+        start += length
+    assert_matches(*kernel.finalize(state, torch.float16), ref_out, ref_lse, torch.float16)
+
+
+@interpreter_only
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_split2_tma_descriptor_loads(monkeypatch, causal):
+    """The TMA path (host descriptors of the (B*S, heads*D) views of q, k, v, taken on sm_90+) gives the same
+    attention: forced here under the interpreter, with two batches, GQA, a q tail (40 rows, 16-row halves)
+    and two steps through the fp32 state; strides that do not allow the view fall back to pointer loads."""
+    import distcomm_attention._triton_fwd as F
+
+    monkeypatch.setattr(F, "_tma_capable", lambda device: True)
+    made = []
+    real = F._view_descriptor
+    monkeypatch.setattr(F, "_view_descriptor", lambda x, rows: made.append(real(x, rows)[0]) or real(x, rows))
+    q, k, v = make_qkv(2, 40, 64, 4, 2, 32, torch.float16, seed=6)
+    block, half = CAUSAL if causal else FULL, 32
+    mask = torch.zeros(40, 64, dtype=torch.bool)
+    mask[:, :half] = causal_mask(40, half) if causal else True
+    mask[:, half:] = causal_mask(40, half) if causal else True
+    ref_out, ref_lse = reference(q, k, v, mask, 0.25)
+    kernel = TritonForward(**SPLIT2)
+    state = kernel.init_state(q)
+    kernel.step(state, q, k[:, :half], v[:, :half], mask=block, scale=0.25)  # row slices of packed k/v
+    kernel.step(state, q, k[:, half:], v[:, half:], mask=block, scale=0.25, final=True)
+    assert len(made) == 6 and all(d is not None for d in made)  # q, k, v per step
+    assert_matches(*kernel.finalize(state, torch.float16), ref_out, ref_lse, torch.float16)
+    assert real(q.transpose(1, 2).contiguous().transpose(1, 2), 16) == (None, 0)  # head-major: pointer loads
+
+
+def test_split2_selection():
+    """split=2 is the GPU default for head_dim 128 in fp16/bf16 only; fp32, other head dims, the interpreter
+    and hand-picked tiles without ``split`` keep the plain kernel; bad values are rejected by name."""
+    from distcomm_attention._triton_fwd import default_config
+
+    assert default_config(128, interpret=False) == TritonConfig(128, 64, 4, 2, 2)
+    assert default_config(128, torch.bfloat16, interpret=False).split == 2
+    assert default_config(128, torch.float32, interpret=False) == TritonConfig(128, 128, 8, 3)
+    assert default_config(64, torch.float16, interpret=False).split == 1
+    assert default_config(120, torch.float16, interpret=False).split == 1
+    assert default_config(128, interpret=True).split == 1
+    assert TritonForward(**SMALL).config(128, torch.float16).split == 1
+    assert TritonForward(**SPLIT2).config(128).astuple() == (32, 16, 4, 1, 2)
+    with pytest.raises(ValueError, match=r"`split`=3 must be 1 or 2"):
+        TritonConfig(64, 16, 4, 1, 3)
+    with pytest.raises(ValueError, match=r"`block_m`=16 must be >= 32 with `split`=2"):
+        TritonConfig(16, 16, 4, 1, 2)
+
+
 @interpreter_only
 def test_errors_are_clear():
     """Unsupported head dims, dtypes, configs, slices, masks and softcaps raise errors naming the argument."""
@@ -468,6 +580,12 @@ def test_custom_ops_pass_opcheck():
                           test_utils=checks)
     torch.library.opcheck(torch.ops.distcomm_attention.triton_fwd_last.default,
                           (q, k, v, acc, m, l, None, None, key_mask, 1, 0.25, 0.0, False, *meta), test_utils=checks)
+    split2 = (32, 16, 4, 1, 2)  # the split-2 kernel through the same ops (trailing ``split`` argument)
+    torch.library.opcheck(torch.ops.distcomm_attention.triton_fwd_step.default,
+                          (q, k, v, acc, m, l, None, None, key_mask, 0, 16, 1, 0.25, 0.0, True, *split2),
+                          test_utils=checks)
+    torch.library.opcheck(torch.ops.distcomm_attention.triton_fwd_last.default,
+                          (q, k, v, acc, m, l, None, None, None, 0, 0.25, 0.0, False, *split2), test_utils=checks)
 
 
 def test_fake_tensors_use_the_fake_kernels():
