@@ -140,13 +140,18 @@ def test_simulated_ring_triton_kernels(case, ring_size, layout, dtype):
 
 
 def test_auto_picks_a_backend_that_can_do_the_call():
-    """which_kernels on CUDA bf16: windows, documents and masks always run on Triton; plain calls on the first
-    backend of AUTO_PREFERENCE this machine can run."""
+    """which_kernels on CUDA bf16: every call runs on the first backend of AUTO_PREFERENCE this machine can run
+    for it: windows and documents on fa4 where flash-attn-4 is usable, else triton; padding masks on triton."""
     from distcomm_attention import _kernels
+    from distcomm_attention._visibility import Visibility
 
     q = torch.zeros(1, 128, 4, 128, device="cuda", dtype=torch.bfloat16)
-    assert da.which_kernels(q, causal=True, window_size=(64, 0)).backend == "triton"
-    assert da.which_kernels(q, cu_seqlens=[0, 128]).backend == "triton"
+    fa4 = _kernels.backend_problem("fa4", q.device, q.dtype, Visibility(True, (64, 0)), head_dim=128, batch=1) is None
+    features = "fa4" if fa4 else "triton"
+    assert da.which_kernels(q, causal=True, window_size=(64, 0)).backend == features
+    assert da.which_kernels(q, cu_seqlens=[0, 128]).backend == features
+    padding = torch.ones(1, 128, dtype=torch.bool, device="cuda")
+    assert da.which_kernels(q, causal=True, attention_mask=padding).backend == "triton"
     assert da.which_kernels(q, causal=True).backend in _kernels.AUTO_PREFERENCE
 
 
