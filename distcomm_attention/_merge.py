@@ -253,8 +253,8 @@ class BlockForward:
     def step(self, state: MergeState, q: Tensor, k: Tensor, v: Tensor, *, mask: BlockMask, scale: float,
              softcap: float = 0.0, key_mask: Tensor | None = None, q_slice: slice = slice(None),
              final: bool = False) -> None:
-        """Attend q[:, q_slice] to (k, v) under ``mask`` ("full" or "causal") and merge the block into the
-        state rows q_slice. A block covering every row of a fresh state is kept as the kernel returned it,
+        """Attend q[:, q_slice] to (k, v) under ``mask`` ("full" or "causal"; "interval" too with
+        ``takes_windows``, as window calls) and merge the block into the state rows q_slice. A block covering every row of a fresh state is kept as the kernel returned it,
         whether or not ``final`` is set, so a ring of one is one kernel call."""
         windows = _check_window_mask(type(self).__name__, self.takes_windows, mask, key_mask)
         rows = q[:, q_slice]

@@ -162,17 +162,7 @@ class Block(NamedTuple):
 
 @dataclass
 class RingPlan:
-    """This rank's blocks for every needed ring step (see Note [Band pieces]
-    Kernels with a sliding window but no per-row intervals (FlashAttention's window_size) execute an
-    "interval" block as pieces: runs of consecutive rows whose intervals are one band, each a rectangle
-    of rows x keys in which row r sees the keys j with  r + a <= j < r + c  (clipped to the rectangle).
-    Inside a run the interval ends move by 0 or 1 per row: the first end stays clipped at the
-    rectangle's first key and then advances (0...0 1...1), the second advances and then stays clipped at
-    its last key (1...1 0...0). Any other step, a row with no key, or a change of pattern starts a new run.
-    A band window, a document of a diagonal block, and each chunk pair of a zigzag block are one piece
-    each; pieces partition the block's visible pairs.
-
-Note [Ring plan]).
+    """This rank's blocks for every needed ring step (see Note [Ring plan]).
 
     Attributes:
         steps: the needed ring steps t in increasing order, always starting with 0; at step t this rank
@@ -280,17 +270,7 @@ def _needed_steps(layout: str, vis: Visibility, ring_size: int, local_len: int) 
 
 @functools.lru_cache(maxsize=256)
 def ring_plan(layout: str, vis: Visibility, ring_size: int, rank: int, local_len: int) -> RingPlan:
-    """The blocks ``rank`` computes at each needed ring step (see Note [Band pieces]
-    Kernels with a sliding window but no per-row intervals (FlashAttention's window_size) execute an
-    "interval" block as pieces: runs of consecutive rows whose intervals are one band, each a rectangle
-    of rows x keys in which row r sees the keys j with  r + a <= j < r + c  (clipped to the rectangle).
-    Inside a run the interval ends move by 0 or 1 per row: the first end stays clipped at the
-    rectangle's first key and then advances (0...0 1...1), the second advances and then stays clipped at
-    its last key (1...1 0...0). Any other step, a row with no key, or a change of pattern starts a new run.
-    A band window, a document of a diagonal block, and each chunk pair of a zigzag block are one piece
-    each; pieces partition the block's visible pairs.
-
-Note [Ring plan]); cached per signature."""
+    """The blocks ``rank`` computes at each needed ring step (see Note [Ring plan]); cached per signature."""
     if local_len == 0:
         return RingPlan((0,), ((),))
     steps = _needed_steps(layout, vis, ring_size, local_len)

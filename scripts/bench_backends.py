@@ -75,8 +75,13 @@ def direct_fn(method: str, causal: bool, window: int | None = None, softcap: flo
         func = _fa4._interface().flash_attn_varlen_func
         longest = max(b - a for a, b in zip(docs, docs[1:]))
         cu = torch.tensor(docs, dtype=torch.int32, device="cuda")
-        return lambda q, k, v: func(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                                    max_seqlen_k=longest, causal=causal)[0][None]
+
+        def run(q, k, v):
+            if q.shape[0] != 1:  # q[0] alone would be timed against the FLOPs of the whole batch
+                raise ValueError(f"fa4 direct with documents runs batch 1, got --batch {q.shape[0]}")
+            return func(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                        max_seqlen_k=longest, causal=causal)[0][None]
+        return run
     if method == "fa4 direct":
         func = _fa4._interface().flash_attn_func
         win = (window, 0) if window is not None else (None, None)
