@@ -44,11 +44,11 @@ Note [Merging block outputs]
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
-
 import functools
 from typing import NamedTuple
+
+import torch
+from torch import Tensor
 
 from distcomm_attention._visibility import BlockMask, Piece, Visibility, pieces_of
 

@@ -715,10 +715,10 @@ _GPU_DEFAULTS = {
     128: (128, 128, 8, 3),
     256: (128, 64, 8, 2),
 }
-# head_dim exactly 128 in fp16/bf16: the split-2 kernel (Note [Split-2 forward]). Measured on one H100 (bf16,
-# B=1, H=32, final step) as the candidate ``tma_split2_m128`` of scripts/tune_triton_fwd.py vs the row above,
-# TFLOP/s: 8k causal 489 vs 458, 8k full 538 vs 486, 16k full 537 vs 510, 32k causal 509 vs 502, 32k full
-# 537 vs 500. fp32 keeps the row above (two fp32 q halves and accumulators would not fit in 4 warps).
+# head_dim exactly 128 in fp16/bf16: the split-2 kernel (Note [Split-2 forward]). On one H100 (bf16, B=1,
+# 32 heads; docs/bench/block_kernels.md, run 3) 461-577 TFLOP/s at 8k-32k, causal and full, against 443-510
+# for the row above (runs 1-2). fp32 keeps the row above (two fp32 q halves and accumulators would not fit
+# in 4 warps).
 _GPU_SPLIT_128 = (128, 64, 4, 2, 2)
 # The interpreter pays per program and per block iteration, not per element: use large blocks.
 _INTERPRETER_DEFAULT = (64, 64, 4, 1)

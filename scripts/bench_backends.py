@@ -224,11 +224,11 @@ def run_features(args, device, report):
     rows = []
     s = args.feature_seq
     q, k, v, dout = inputs(args.batch, s, args.heads, args.heads, args.head_dim, args.dtype, device, seed=2)
-    equal = list(range(0, s + 1, s // args.docs))
+    equal = [i * s // args.docs for i in range(args.docs + 1)]
     mixed = random_docs(s, 3)
     features = [("window", args.window, 0.0, None), ("softcap", None, args.softcap, None),
-                (f"{args.docs} documents of {s // args.docs // 1024}k", None, 0.0, equal),
-                (f"3 documents {mixed}", None, 0.0, mixed)]
+                (f"{args.docs} documents of {s / args.docs / 1024:g}k", None, 0.0, equal),
+                (f"{len(mixed) - 1} documents {mixed}", None, 0.0, mixed)]
     for feature, window, softcap, docs in features:
         visible = doc_pairs(docs) if docs is not None else pairs(s, True, window)
         flops = 4 * args.batch * args.heads * args.head_dim * visible
