@@ -1,4 +1,5 @@
-"""Block kernels on one GPU: our Triton forward and backward against PyTorch's FlashAttention-2 and cuDNN.
+"""Block kernels on one GPU: our Triton forward and backward against flash-attn-4, PyTorch's
+FlashAttention-2 and cuDNN.
 
     PYTHONPATH=. python scripts/bench_block_kernels.py --out docs/bench           # the full matrix (~3 min)
     PYTHONPATH=. python scripts/bench_block_kernels.py --quick                      # 8k only
@@ -13,6 +14,9 @@ Methods (bf16, batch 1, head_dim 128 unless flags say otherwise; q (B, S, H, D))
   FlashAttention-2). No GQA: kv heads are expanded BEFORE timing (not counted).
 - "cudnn": ``torch.ops.aten._scaled_dot_product_cudnn_attention`` (with logsumexp) and its ``_backward``;
   kv heads expanded before timing. Failures (no cuDNN attention for a shape) are recorded, not fatal.
+- "fa4" (``--methods triton,fa4,fa2,cudnn`` where flash-attn-4 is installed): ``flash_attn.cute.interface``'s
+  ``_flash_attn_fwd`` (returning lse) and ``_flash_attn_bwd`` (from that out and lse), the calls our "fa4"
+  backend makes per block; GQA native.
 Features (ours only; the aten ops have no windows or documents): a causal sliding window of 4k keys and
 causal packed documents of random lengths 512..8k (seed 0), both "interval" blocks, at S = 16k; their
 FLOPs count the visible (query, key) pairs only, and "vs causal" is their time per useful FLOP over that
@@ -131,6 +135,20 @@ def cudnn_calls(q, k, v, dout, *, causal, scale):
     return forward, backward
 
 
+def fa4_calls(q, k, v, dout, *, causal, scale):
+    from distcomm_attention import _fa4
+
+    fa4 = _fa4._interface()
+    out, lse = fa4._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)[:2]
+
+    def forward():
+        fa4._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)
+
+    def backward():
+        fa4._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=causal)
+    return forward, backward
+
+
 def timed(fn, args) -> float:
     fn()  # compile / first-call work outside the timing
     torch.cuda.synchronize()
@@ -179,6 +197,7 @@ def run_case(args, rows, *, kind, s, h, hkv, causal, bwd_config):
                                        ring_step=kind == "block", bwd_config=bwd_config),
         "fa2": lambda: fa2_calls(q, k, v, dout, causal=causal, scale=scale),
         "cudnn": lambda: cudnn_calls(q, k, v, dout, causal=causal, scale=scale),
+        "fa4": lambda: fa4_calls(q, k, v, dout, causal=causal, scale=scale),
     }
     for method in args.methods:
         try:
@@ -278,8 +297,8 @@ def fmt_row(row, methods) -> str:
 
 def markdown(rows, methods) -> str:
     lines = ["| kind | S | mask | heads | " + " | ".join(f"{m} fwd / bwd" for m in methods)
-             + " | triton bwd / fa2 bwd | triton bwd / cudnn bwd |",
-             "| :--- | :--- | :--- | :--- | " + " | ".join("---:" for _ in methods) + " | ---: | ---: |"]
+             + " | triton bwd / fa2 bwd | triton bwd / cudnn bwd | triton fwd / best fwd | triton bwd / best bwd |",
+             "| :--- | :--- | :--- | :--- | " + " | ".join("---:" for _ in methods) + " | ---: | ---: | ---: | ---: |"]
     for row in rows:
         if row["kind"] == "feature":
             continue
@@ -288,6 +307,10 @@ def markdown(rows, methods) -> str:
             a, b = row.get("triton"), row.get(other)
             ok = a and b and "error" not in a and "error" not in b
             ratio.append(f"{a['bwd_tflops'] / b['bwd_tflops']:.2f}" if ok else "-")
+        for key in ("fwd_tflops", "bwd_tflops"):  # against the fastest kernel of the row, ours included
+            ok = [row[m][key] for m in methods if row.get(m) and "error" not in row[m]]
+            mine = row.get("triton")
+            ratio.append(f"{mine[key] / max(ok):.2f}" if ok and mine and "error" not in mine else "-")
         lines.append(fmt_row(row, methods) + " " + " | ".join(ratio) + " |")
     feats = [r for r in rows if r["kind"] == "feature"]
     if feats:
