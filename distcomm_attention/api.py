@@ -67,8 +67,9 @@ def ring_flash_attn(
         backend: "auto" (CPU and CUDA fp32/fp64 -> "torch"; CUDA fp16/bf16 -> the fastest backend that can
             do the call, see ``which_kernels``), "torch" (exact PyTorch math in fp32 / fp64, any device,
             every feature), "triton" (our Triton forward and backward, CUDA fp16/bf16, every feature; on CPU
-            only under TRITON_INTERPRET=1), "fa4" (flash-attn-4 block kernels, Hopper/Blackwell, plain
-            full/causal, softcap, GQA; ``pip install "distcomm[fa4]"``), "cudnn" (PyTorch's cuDNN attention
+            only under TRITON_INTERPRET=1), "fa4" (flash-attn-4 block kernels, Hopper/Blackwell, every
+            feature but ``attention_mask``: windows and packed documents as FA4 window / varlen calls,
+            softcap, GQA; ``pip install "distcomm[fa4]"``), "cudnn" (PyTorch's cuDNN attention
             ops, plain full/causal), "flash2" (Triton forward + PyTorch's FlashAttention-2 backward, plain
             full/causal) or "flash_attn" (like "flash2" with the flash-attn package's backward).
         attention_mask: optional bool (batch, local_seq), this rank's shard of the KEY padding mask, True =
