@@ -315,9 +315,10 @@ class BlockBackward:
         if whole and calls[0][:4] == (0, sq, 0, sk) and dq_acc is None:
             dq, dk, dv = self._window_call(dout, q, k, v, out, lse, calls[0], scale=scale, softcap=softcap)
             return dq, dk.to(dkv_dtype or dk.dtype), dv.to(dkv_dtype or dv.dtype)
-        dq = dq_acc if dq_acc is not None else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dq = dq_acc if dq_acc is not None else torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         for c in calls:
             rows, keys = slice(c.q0, c.q1), slice(c.k0, c.k1)
             dq_c, dk_c, dv_c = self._window_call(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows],

@@ -140,8 +140,11 @@ def ring_backward(dout, q, k, v, out, lse, km, comm: RingComm, plan: RingPlan, s
         dq, dk, dv = bwd.step(dout, q, k.contiguous(), v.contiguous(), out, lse, delta,
                               mask=plan.mask(0, 0, q.device), scale=scale, softcap=softcap, key_mask=km)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-    # D = rowsum(dout * out) of the global output rows, once for every block: (B, H, n).
-    delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1).transpose(1, 2).contiguous()
+    # D = rowsum(dout * out) of the global output rows, once for every block: (B, H, n); block backends
+    # compute it in their own kernels and skip it here.
+    delta = None
+    if getattr(bwd, "uses_delta", True):
+        delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1).transpose(1, 2).contiguous()
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)  # this rank's dQ, summed in the kernels
     k, v = k.contiguous(), v.contiguous()
     shifts = _shifts(plan.steps, size)
@@ -158,7 +161,7 @@ def ring_backward(dout, q, k, v, out, lse, km, comm: RingComm, plan: RingPlan, s
             rows = block.q
             _dq, dk_b, dv_b = bwd.step(
                 dout[:, rows], q[:, rows], k[:, block.kv], v[:, block.kv], out[:, rows], lse[:, :, rows],
-                delta[:, :, rows], mask=plan.mask(i, j, q.device), scale=scale, softcap=softcap,
+                None if delta is None else delta[:, :, rows], mask=plan.mask(i, j, q.device), scale=scale, softcap=softcap,
                 key_mask=None if km is None else km[:, block.kv], dq_acc=dq[:, rows], dkv_dtype=acc_dtype,
             )
             grads.append((block.kv, dk_b, dv_b))
