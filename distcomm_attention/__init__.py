@@ -6,13 +6,12 @@ and the accepted names ``LAYOUTS`` and ``BACKENDS``. Importing needs neither tri
 are imported when a backend is first used.
 """
 
-from distcomm_attention._kernels import BACKENDS
-from distcomm_attention._kernels import KernelChoice
-from distcomm_attention._positions import position_ids
-from distcomm_attention._visibility import cu_seqlens_from_position_ids
-from distcomm_attention.api import gather_sequence, ring_flash_attn, shard_sequence, which_kernels
-from distcomm_attention.layouts import LAYOUTS
+from distcomm_attention.api import ring_flash_attn, which_kernels
+from distcomm_attention.kernels.dispatch import BACKENDS, KernelChoice
 from distcomm_attention.modules import RingAttention
+from distcomm_attention.planning.layouts import LAYOUTS
+from distcomm_attention.planning.visibility import cu_seqlens_from_position_ids
+from distcomm_attention.sharding import gather_sequence, position_ids, shard_sequence
 
 __all__ = [
     "ring_flash_attn",

@@ -11,8 +11,8 @@ Note [Compiled ring attention]
 
     joined by ``torch.library.register_autograd``, each with a fake (meta) implementation, so a model
     compiles whole (``fullgraph=True``) and compiled autograd sees an ordinary custom op. At run time the
-    operators do exactly what the eager path does (``_call.prepare``: per-rank checks, cross-rank
-    verification, plan, kernel choice; then ``_ring.ring_forward`` / ``ring_backward``). The process group
+    operators do exactly what the eager path does (``prepare.prepare``: per-rank checks, cross-rank
+    verification, plan, kernel choice; then ``ring.ring_forward`` / ``ring_backward``). The process group
     travels as its name (``ProcessGroup.group_name``, "" for the default group), resolved at run time the
     way PyTorch's functional collectives resolve theirs.
 """
@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 
 from distcomm.ring import RingComm
-from distcomm_attention import _validation, layouts
-from distcomm_attention._call import prepare
-from distcomm_attention._ring import _no_autocast, ring_backward, ring_forward
+from distcomm_attention import _validation
+from distcomm_attention.planning import layouts
+from distcomm_attention.strategies.prepare import prepare
+from distcomm_attention.strategies.ring import _no_autocast, ring_backward, ring_forward
 
 __all__ = ["compiled_ring_flash_attn"]
 

@@ -1,18 +1,19 @@
-"""Public entry points: ``ring_flash_attn``, ``which_kernels``, ``shard_sequence``, ``gather_sequence``."""
+"""Public entry points of the attention: ``ring_flash_attn`` and ``which_kernels``."""
 
 from __future__ import annotations
 
 import torch
 
-from distcomm import _check
 from distcomm.ring import RingComm
-from distcomm_attention import _kernels, _validation, layouts
-from distcomm_attention._kernels import KernelChoice
-from distcomm_attention._ring import ring_all_gather, ring_attention
-from distcomm_attention._call import prepare
-from distcomm_attention._visibility import Visibility
+from distcomm_attention import _validation
+from distcomm_attention.kernels import dispatch
+from distcomm_attention.planning import layouts
+from distcomm_attention.kernels.dispatch import KernelChoice
+from distcomm_attention.strategies.ring import ring_attention
+from distcomm_attention.strategies.prepare import prepare
+from distcomm_attention.planning.visibility import Visibility
 
-__all__ = ["ring_flash_attn", "which_kernels", "shard_sequence", "gather_sequence"]
+__all__ = ["ring_flash_attn", "which_kernels"]
 
 
 def ring_flash_attn(
@@ -104,7 +105,7 @@ def ring_flash_attn(
         _validation.check_is_tensor(name, t)
     _validation.check_flag("causal", causal)
     layouts.check_layout(layout)
-    _kernels.check_backend(backend)
+    dispatch.check_backend(backend)
     window = _validation.check_window(window_size)
     softcap = _validation.check_softcap(softcap)
     if torch.compiler.is_compiling():
@@ -153,104 +154,9 @@ def which_kernels(
     """
     _validation.check_is_tensor("q", q)
     _validation.check_flag("causal", causal)
-    _kernels.check_backend(backend)
+    dispatch.check_backend(backend)
     window = _validation.check_window(window_size)
     softcap = _validation.check_softcap(softcap)
     docs = None if cu_seqlens is None else (0,)
     vis = Visibility(causal, window, docs, attention_mask is not None)
-    return _kernels.choose(backend, q, vis, softcap)
-
-
-def _ring_position(layout, dim, ring_size, group, rank) -> tuple[RingComm | None, int, int]:
-    layouts.check_layout(layout)
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"`dim` must be an int, got {dim!r}")
-    if rank is None:
-        comm = RingComm(group, ring_size)
-        return comm, comm.size, comm.rank
-    if group is not None:
-        raise ValueError("pass either `rank` (a ring position, no process group consulted) or `group`, not both")
-    if ring_size is None:
-        raise ValueError("`rank` needs `ring_size` (the number of ring positions)")
-    layouts.check_position(ring_size, rank)
-    return None, ring_size, rank
-
-
-def shard_sequence(
-    x: torch.Tensor,
-    layout: str,
-    *,
-    dim: int = 1,
-    ring_size: int | None = None,
-    group=None,
-    rank: int | None = None,
-) -> torch.Tensor:
-    """This rank's shard of the full sequence ``x`` (no communication).
-
-    Args:
-        x: the full sequence, e.g. (batch, seq_len, ...) with the sequence along ``dim``.
-        layout: "contiguous", "zigzag" or "striped" (as in ``ring_flash_attn``).
-        dim: the sequence dimension.
-        ring_size: ranks per ring (``None``: the whole group).
-        group: process group of the ring (or a 1-D DeviceMesh, or ``(mesh, dim_name)``).
-        rank: take the shard of this ring position instead of this process's one (needs ``ring_size``;
-            no process group is consulted), e.g. to shard a reference computed in one process.
-
-    Returns:
-        ``x`` reduced to seq_len // ring_size positions along ``dim``. Differentiable.
-
-    Raises:
-        ValueError: unknown layout, bad ``dim``/``rank``/``ring_size``, or a length the layout cannot split
-            (zigzag: divisible by 2 * ring_size; others: by ring_size).
-    """
-    _comm, ring_size, rank = _ring_position(layout, dim, ring_size, group, rank)
-    return layouts.shard(x, layout, ring_size, rank, dim)
-
-
-def gather_sequence(
-    x_local: torch.Tensor,
-    layout: str,
-    *,
-    dim: int = 1,
-    ring_size: int | None = None,
-    group=None,
-) -> torch.Tensor:
-    """The full sequence, on every rank of the ring, from each rank's shard (inverse of ``shard_sequence``).
-
-    Only the ring's members communicate (a ring all-gather of W - 1 hops), so with ``ring_size`` smaller
-    than the group each ring gathers its own sequence.
-
-    Args:
-        x_local: this rank's shard, the sequence along ``dim``; same shape and dtype on every rank of the
-            ring (checked once per new shape, or on every call in distcomm's check mode).
-        layout: the layout of the shards.
-        dim: the sequence dimension.
-        ring_size: ranks per ring (``None``: the whole group).
-        group: process group of the ring (or a 1-D DeviceMesh, or ``(mesh, dim_name)``).
-
-    Returns:
-        The full sequence: local_len * W positions along ``dim``.
-
-    Gradient (summing convention, total loss = sum of per-rank losses): rank r receives, for each position
-    it holds, the sum over the ring's ranks of that position's grad (all_gather <-> reduce_scatter(sum)).
-    """
-    comm, ring_size, _rank = _ring_position(layout, dim, ring_size, group, None)
-    local_len, dim = layouts.seq_len_along(x_local, dim)
-
-    def verify() -> None:
-        _validation.verify_across_ring(
-            "gather_sequence", comm, {"x_local": x_local}, extra={
-                "dim": dim,
-                "layout": layouts.LAYOUTS.index(layout),
-                "requires_grad": int(torch.is_grad_enabled() and x_local.requires_grad),
-            }
-        )
-
-    check_mode = _check.is_check_mode()
-    if check_mode:  # cross-rank facts first, so that every rank raises the same error
-        verify()
-    layouts.check_local_length(layout, local_len, ring_size, name=f"local length along dim {dim}")
-    if not check_mode:
-        verify()
-    cat = ring_all_gather(x_local, comm, dim)
-    return layouts.unshard_concat(cat, layout, ring_size, dim)
+    return dispatch.choose(backend, q, vis, softcap)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distcomm_attention import _kernels, _validation, layouts
+from distcomm_attention import _validation
+from distcomm_attention.kernels import dispatch
+from distcomm_attention.planning import layouts
 from distcomm_attention.api import ring_flash_attn
 
 __all__ = ["RingAttention"]
@@ -65,7 +67,7 @@ class RingAttention(nn.Module):
         if heads % kv_heads:
             raise ValueError(f"`heads`={heads} must be a multiple of `kv_heads`={kv_heads}")
         layouts.check_layout(layout)
-        _kernels.check_backend(backend)
+        dispatch.check_backend(backend)
         self.heads, self.kv_heads, self.dim_head = heads, kv_heads, dim_head
         self.causal, self.layout, self.ring_size, self.group, self.backend = causal, layout, ring_size, group, backend
         self.window_size = _validation.check_window(window_size)

@@ -69,8 +69,8 @@ def problem(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int
     if kernel == "sdpa_cudnn" and device.type != "cuda":
         return "skipped: SDPA cuDNN needs CUDA"
     if kernel == "fa4":
-        from distcomm_attention import _fa4
-        from distcomm_attention._visibility import Visibility
+        from distcomm_attention.kernels import fa4 as _fa4
+        from distcomm_attention.planning.visibility import Visibility
 
         exc = _fa4.can_use(device, dtype, head_dim, Visibility(), 0.0)
         if exc is not None:
@@ -82,7 +82,7 @@ def make_call(kernel: str, b: int, s: int, h: int, hkv: int, d: int, causal: boo
     """(call, q, k, v, dout, note): ``call(q, k, v) -> out`` runs ``kernel`` on the whole sequence; the
     tensors are fresh random leaves in the kernel's layout (q, k, v require grad)."""
     if kernel == "fa4":
-        from distcomm_attention import _fa4
+        from distcomm_attention.kernels import fa4 as _fa4
 
         func = _fa4._interface().flash_attn_func
         q, dout = (torch.randn(b, s, h, d, device=device, dtype=dtype) for _ in range(2))

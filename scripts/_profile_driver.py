@@ -28,9 +28,9 @@ def cases(seq: int, heads: int, head_dim: int):
     """[(name, fn)] in launch order."""
     import torch
 
-    from distcomm_attention._triton_bwd import TritonBackward
-    from distcomm_attention._triton_fwd import TritonForward
-    from distcomm_attention._visibility import CAUSAL, FULL
+    from distcomm_attention.kernels.triton_bwd import TritonBackward
+    from distcomm_attention.kernels.triton_fwd import TritonForward
+    from distcomm_attention.planning.visibility import CAUSAL, FULL
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, dout = (torch.randn(1, seq, heads, head_dim, generator=gen, device="cuda", dtype=torch.bfloat16)

@@ -36,8 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _bench_util as bu  # noqa: E402
 
 import distcomm_attention as da  # noqa: E402
-from distcomm_attention import _fa4, _kernels  # noqa: E402
-from distcomm_attention._visibility import CAUSAL, FULL  # noqa: E402
+from distcomm_attention.kernels import fa4 as _fa4
+from distcomm_attention.kernels import dispatch as _kernels  # noqa: E402
+from distcomm_attention.planning.visibility import CAUSAL, FULL  # noqa: E402
 
 RING_BACKENDS = ("fa4", "cudnn", "triton", "flash2", "auto")
 DIRECT = ("fa4 direct", "cudnn direct", "sdpa fa2")

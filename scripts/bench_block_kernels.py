@@ -73,8 +73,8 @@ def expand(x: torch.Tensor, heads: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------ methods
 def triton_calls(q, k, v, dout, *, block, scale, ring_step: bool, bwd_config=None):
     """(forward fn, backward fn) of our kernels; ``ring_step`` selects the ring-step variants."""
-    from distcomm_attention._triton_bwd import TritonBackward
-    from distcomm_attention._triton_fwd import TritonForward
+    from distcomm_attention.kernels.triton_bwd import TritonBackward
+    from distcomm_attention.kernels.triton_fwd import TritonForward
 
     fwd = TritonForward()
     bwd = TritonBackward(config=bwd_config)
@@ -136,7 +136,7 @@ def cudnn_calls(q, k, v, dout, *, causal, scale):
 
 
 def fa4_calls(q, k, v, dout, *, causal, scale):
-    from distcomm_attention import _fa4
+    from distcomm_attention.kernels import fa4 as _fa4
 
     fa4 = _fa4._interface()
     out, lse = fa4._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, return_lse=True)[:2]
@@ -175,7 +175,7 @@ def documents_block(s: int, lo_len: int, hi_len: int, seed: int = 0):
 
 
 def interval_block(lo: torch.Tensor, hi: torch.Tensor, s: int):
-    from distcomm_attention._visibility import BlockMask
+    from distcomm_attention.planning.visibility import BlockMask
 
     j = torch.arange(s)
     col_lo = torch.searchsorted(hi, j, right=True)
@@ -185,7 +185,7 @@ def interval_block(lo: torch.Tensor, hi: torch.Tensor, s: int):
 
 # ------------------------------------------------------------------------------------------------- runner
 def run_case(args, rows, *, kind, s, h, hkv, causal, bwd_config):
-    from distcomm_attention._visibility import CAUSAL, FULL
+    from distcomm_attention.planning.visibility import CAUSAL, FULL
 
     b, d, dtype = args.batch, args.head_dim, DTYPES[args.dtype]
     q, k, v, dout = make_inputs(b, s, h, hkv, d, dtype)
@@ -243,7 +243,7 @@ def run_feature(args, rows, *, name, s, h, hkv, bwd_config):
 
 def tune(args, s: int) -> tuple:
     """Sweep the backward candidates; returns the fastest BackwardConfig tuple and the measurements."""
-    from distcomm_attention._triton_bwd import default_backward_config
+    from distcomm_attention.kernels.triton_bwd import default_backward_config
 
     base = default_backward_config(args.head_dim).astuple()
     results = {"dkdv": [], "dq": []}
@@ -255,8 +255,8 @@ def tune(args, s: int) -> tuple:
             entry = {"config": cand}
             for causal in (True, False):
                 try:
-                    from distcomm_attention._triton_bwd import BackwardConfig
-                    from distcomm_attention._visibility import CAUSAL, FULL
+                    from distcomm_attention.kernels.triton_bwd import BackwardConfig
+                    from distcomm_attention.planning.visibility import CAUSAL, FULL
 
                     q, k, v, dout = make_inputs(args.batch, s, 32, 32, args.head_dim, DTYPES[args.dtype])
                     _, backward = triton_calls(q, k, v, dout, block=CAUSAL if causal else FULL,
@@ -366,7 +366,7 @@ def main(argv=None) -> None:
     bwd_config, tuning = None, None
     if args.tune:
         best, tuning = tune(args, seqs[0] if seqs else blocks[0])
-        from distcomm_attention._triton_bwd import BackwardConfig
+        from distcomm_attention.kernels.triton_bwd import BackwardConfig
 
         bwd_config = BackwardConfig(*best)
         print(f"tuned backward config: {best}", flush=True)
@@ -384,8 +384,8 @@ def main(argv=None) -> None:
             run_feature(args, rows, name=name, s=U.parse_count(args.feature_seq), h=h, hkv=hkv,
                         bwd_config=bwd_config)
 
-    from distcomm_attention._triton_bwd import default_backward_config
-    from distcomm_attention._triton_fwd import default_config
+    from distcomm_attention.kernels.triton_bwd import default_backward_config
+    from distcomm_attention.kernels.triton_fwd import default_config
 
     table = markdown(rows, args.methods)
     print("\n" + table, flush=True)

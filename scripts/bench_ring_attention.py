@@ -34,7 +34,7 @@ context_parallel of the run. Peak memory = ``torch.cuda.max_memory_allocated`` d
 forward+backward loop, max over ranks.
 
 Part 2 (run first, as it is short): the Triton forward kernel alone (``TritonForward`` of
-``distcomm_attention._triton_fwd``: init_state, one step over the whole sequence, finalize) against the
+``distcomm_attention.kernels.triton_fwd``: init_state, one step over the whole sequence, finalize) against the
 SDPA flash forward ("speedup") and against the fastest single-GPU forward of the run ("vs best": SDPA
 flash, SDPA cuDNN, flash-attn-4 where they run), on one GPU, S = 4k .. 32k.
 
@@ -227,7 +227,7 @@ def bench_kernel(c: dict, device, dtype) -> dict:
     k, v = (torch.randn(b, s, hkv, d, device=device, dtype=dtype) for _ in range(2))
     note = "TritonForward"
     try:
-        from distcomm_attention._triton_fwd import TritonForward
+        from distcomm_attention.kernels.triton_fwd import TritonForward
 
         kern = TritonForward()
         fused = {"final": True}

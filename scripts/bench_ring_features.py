@@ -98,7 +98,7 @@ def _padded(c: dict) -> int:
 
 
 def _visibility(c: dict):
-    from distcomm_attention._visibility import Visibility
+    from distcomm_attention.planning.visibility import Visibility
 
     docs = tuple(c["docs"]) if c.get("docs") else None
     return Visibility(True, tuple(c["window"]), docs, bool(c.get("pad_frac")))
@@ -106,7 +106,7 @@ def _visibility(c: dict):
 
 def plan_facts(c: dict, ring: int) -> dict:
     """The ring steps communicated and the work split of the ring plan (pure CPU, same on every rank)."""
-    from distcomm_attention._visibility import ring_plan
+    from distcomm_attention.planning.visibility import ring_plan
 
     vis, n = _visibility(c), c["S"] // ring
     work = []

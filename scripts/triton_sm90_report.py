@@ -1,7 +1,7 @@
 """Ahead-of-time sm_90a compile report of our Triton attention kernels and the forward candidates (no GPU).
 
 Our forward is reported as it runs for head_dim 128: the split-2 kernel (Note [Split-2 forward] in
-distcomm_attention._triton_fwd) with TMA q/k/v loads, and the plain ``_ring_fwd_kernel`` it falls back to.
+distcomm_attention.kernels.triton_fwd) with TMA q/k/v loads, and the plain ``_ring_fwd_kernel`` it falls back to.
 
     PYTHONPATH=. python scripts/triton_sm90_report.py                  # ours + candidates, a table
     PYTHONPATH=. python scripts/triton_sm90_report.py --only ours --json report.json
@@ -130,8 +130,8 @@ def our_launches(seqlen: int = 8192, heads: int = 32, kv_heads: int = 32, head_d
     The forward is compiled both ways it runs at head_dim 128 in bf16: its default, the split-2 kernel
     (Note [Split-2 forward]) with TMA loads of q, k and v as on an sm_90 GPU, and the plain
     ``_ring_fwd_kernel`` with the plain config, which launches where TMA does not apply."""
-    import distcomm_attention._triton_bwd as B
-    import distcomm_attention._triton_fwd as F
+    import distcomm_attention.kernels.triton_bwd as B
+    import distcomm_attention.kernels.triton_fwd as F
 
     q = torch.empty(1, seqlen, heads, head_dim, dtype=dtype)
     k = torch.empty(1, seqlen, kv_heads, head_dim, dtype=dtype)

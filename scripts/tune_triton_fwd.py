@@ -565,8 +565,8 @@ def time_fn(fn, *, target_s: float = 0.12, min_iters: int = 5, max_iters: int = 
 
 def ours_calls(q, k, v, *, causal: bool, scale: float):
     """Our TritonForward as a ring of one (the fused final step) -> (fn, (out, lse))."""
-    from distcomm_attention._triton_fwd import TritonForward
-    from distcomm_attention._visibility import CAUSAL, FULL
+    from distcomm_attention.kernels.triton_fwd import TritonForward
+    from distcomm_attention.planning.visibility import CAUSAL, FULL
 
     fwd = TritonForward()
     block = CAUSAL if causal else FULL

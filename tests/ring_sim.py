@@ -5,8 +5,8 @@ blocks a ring of any size issues; the gloo tests check the communication.
 
 import torch
 
-from distcomm_attention import layouts
-from distcomm_attention._visibility import ring_plan
+from distcomm_attention.planning import layouts
+from distcomm_attention.planning.visibility import ring_plan
 
 
 def simulate_ring(q, k, v, dout, key_mask, *, layout, ring_size, vis, scale, softcap, fwd, bwd):

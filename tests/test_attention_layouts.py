@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import distcomm_attention as da
-from distcomm_attention._visibility import CAUSAL, FULL
-from distcomm_attention import _kernels, layouts
+from distcomm_attention.planning.visibility import CAUSAL, FULL
+from distcomm_attention.kernels import dispatch as _kernels
+from distcomm_attention.planning import layouts
 from distcomm_attention._reference import attention_reference
-from distcomm_attention._torch_kernels import TorchBackward, TorchForward
+from distcomm_attention.kernels.torch_exact import TorchBackward, TorchForward
 
 
 def _expected_positions(layout, seq_len, w, r):

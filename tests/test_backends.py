@@ -1,6 +1,6 @@
 """The block backends ("cudnn", "fa4") on CPU, cheapest first; no GPU and no flash-attn-4 needed.
 
-1. Pure functions: merging block outputs by logsumexp (distcomm_attention._merge) against one-shot
+1. Pure functions: merging block outputs by logsumexp (distcomm_attention.kernels.contract) against one-shot
    attention, and the adapters' contract (a ring of one is the kernel's own result; dQ accumulates into the
    given buffer; dK/dV in the asked dtype).
 2. The adapters on every block a ring of 1, 2 and 4 issues (tests/ring_sim.py), with exact float64 block
@@ -21,11 +21,13 @@ import pytest
 import torch
 
 import distcomm_attention as da
-from distcomm_attention import _cudnn, _fa4, _kernels
-from distcomm_attention._merge import BlockBackward, BlockForward, MergeState, call_features, merge_block
+from distcomm_attention.kernels import cudnn as _cudnn
+from distcomm_attention.kernels import fa4 as _fa4
+from distcomm_attention.kernels import dispatch as _kernels
+from distcomm_attention.kernels.contract import BlockBackward, BlockForward, MergeState, call_features, merge_block
 from distcomm_attention._reference import attention_reference
-from distcomm_attention._torch_kernels import TorchBackward, TorchForward
-from distcomm_attention._visibility import CAUSAL, FULL, BlockMask, Visibility
+from distcomm_attention.kernels.torch_exact import TorchBackward, TorchForward
+from distcomm_attention.planning.visibility import CAUSAL, FULL, BlockMask, Visibility
 from tests.ring_sim import simulate_ring
 
 CUDA = torch.device("cuda")
@@ -275,7 +277,7 @@ def _dense_pieces(pieces, nq, nk):
 def test_band_pieces_partition_every_interval_block():
     """Random windows, documents, layouts and rings: the band pieces of each interval block cover exactly its
     visible pairs (by FlashAttention's bottom-right window rule), each pair once."""
-    from distcomm_attention._visibility import pieces_of, ring_plan
+    from distcomm_attention.planning.visibility import pieces_of, ring_plan
 
     rng = random.Random(0)
     checked = 0
@@ -304,8 +306,8 @@ def test_window_calls_keep_each_piece_exact_on_arbitrary_intervals():
     """Any row intervals (not only the planner's: jumps, shrinking rows, empty rows): the band pieces cover the
     visible pairs once with windows that are never negative, and each segment of every grouped window call,
     under the call's shared window, sees exactly its piece's pairs (no bound clips or widens a piece)."""
-    from distcomm_attention._merge import window_calls
-    from distcomm_attention._visibility import band_pieces
+    from distcomm_attention.kernels.contract import window_calls
+    from distcomm_attention.planning.visibility import band_pieces
 
     rng = random.Random(1)
     for _ in range(2000):
@@ -338,8 +340,8 @@ def test_window_calls_keep_each_piece_exact_on_arbitrary_intervals():
 def test_packed_documents_are_one_varlen_call_per_block():
     """A diagonal block of packed documents is one packed call (varlen over the documents), and a causal window
     on the contiguous layout one plain window call per block."""
-    from distcomm_attention._merge import window_calls
-    from distcomm_attention._visibility import pieces_of, ring_plan
+    from distcomm_attention.kernels.contract import window_calls
+    from distcomm_attention.planning.visibility import pieces_of, ring_plan
 
     docs = Visibility(True, cu_seqlens=(0, 100, 300, 301, 1024))
     plan = ring_plan("contiguous", docs, 1, 0, 1024)
@@ -549,8 +551,8 @@ def test_importing_the_package_never_imports_flash_attn():
     capability check."""
     code = (
         "import sys, torch\n"
-        "from distcomm_attention import _fa4, _kernels\n"
-        "from distcomm_attention._visibility import Visibility\n"
+        "from distcomm_attention.kernels import fa4 as _fa4, dispatch as _kernels\n"
+        "from distcomm_attention.planning.visibility import Visibility\n"
         "_fa4.can_use(torch.device('cuda'), torch.bfloat16, 128, Visibility(True), 0.0)\n"
         "cute = [m for m in sys.modules if m == 'flash_attn.cute' or m.startswith('flash_attn.cute.')]\n"
         "assert not cute, cute\n"

@@ -18,7 +18,7 @@ import distcomm
 import distcomm.functional as F
 import distcomm_attention as da
 from distcomm.losses import clip_loss, siglip_loss
-from distcomm_attention import layouts
+from distcomm_attention.planning import layouts
 from distcomm_attention._reference import attention_reference
 from tests.dist_harness import run_world
 

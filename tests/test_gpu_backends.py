@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import distcomm_attention as da
-from distcomm_attention import _kernels
-from distcomm_attention._visibility import Visibility
+from distcomm_attention.kernels import dispatch as _kernels
+from distcomm_attention.planning.visibility import Visibility
 from tests.test_gpu_ring_features import _assert_criterion, _references
 
 pytestmark = pytest.mark.gpu

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from distcomm_attention._visibility import CAUSAL, FULL, BlockMask
+from distcomm_attention.planning.visibility import CAUSAL, FULL, BlockMask
 
 pytestmark = pytest.mark.gpu
 
@@ -92,7 +92,7 @@ def assert_2x(name, ours, ref, low, where=None):
 
 
 def triton_forward(q, k, v, block, *, scale, softcap=0.0, key_mask=None, final=True):
-    from distcomm_attention._triton_fwd import TritonForward
+    from distcomm_attention.kernels.triton_fwd import TritonForward
 
     kernel = TritonForward()
     state = kernel.init_state(q)
@@ -117,7 +117,7 @@ CASES = {
 def test_forward_and_backward_flash_criterion(case, dtype):
     """Triton forward (fused final step) and backward of one block meet the 2x criterion for out, lse and
     dq/dk/dv, for every block kind, key padding, softcap, GQA and head dim; no NaN where rows see nothing."""
-    from distcomm_attention._triton_bwd import TritonBackward
+    from distcomm_attention.kernels.triton_bwd import TritonBackward
 
     batch, seqlen, heads, kv_heads, head_dim, kind, softcap, with_key_mask = CASES[case]
     q, k, v = make(batch, seqlen, seqlen, heads, kv_heads, head_dim, dtype, seed=1)
@@ -155,8 +155,8 @@ def test_ring_blocks_with_global_statistics(dtype):
     """Two key blocks of a ring step (a causal diagonal and a full block on half the rows): forward steps with
     the fp32 state, then each block's backward from the merged out/lse, dQ accumulated in one fp32 buffer and
     dK/dV in fp32, meet the 2x criterion against attention over the concatenation."""
-    from distcomm_attention._triton_bwd import TritonBackward
-    from distcomm_attention._triton_fwd import TritonForward
+    from distcomm_attention.kernels.triton_bwd import TritonBackward
+    from distcomm_attention.kernels.triton_fwd import TritonForward
 
     seqlen, heads, kv_heads, head_dim = 1024, 8, 2, 128
     q, k, v = make(1, seqlen, 2 * seqlen, heads, kv_heads, head_dim, dtype, seed=2)
@@ -200,7 +200,7 @@ def test_split2_forward_tails_gqa_and_state(monkeypatch, kind, dtype):
     kernel that ran: 1000 query rows (a tail in both 64-row halves), batch 2, GQA 8/2, key blocks of 512 as
     views of a longer k/v, steps through the fp32 state (a q slice first, then all rows, with and without
     the fused final step), meet the 2x criterion; with 1000 keys (no TMA for k/v) the plain kernel runs."""
-    import distcomm_attention._triton_fwd as F
+    import distcomm_attention.kernels.triton_fwd as F
 
     made = []
     real = F._split_descriptors
@@ -239,7 +239,7 @@ def test_split2_forward_tails_gqa_and_state(monkeypatch, kind, dtype):
 
 def test_backward_is_deterministic():
     """Two runs of the backward give bitwise equal gradients (no atomics)."""
-    from distcomm_attention._triton_bwd import TritonBackward
+    from distcomm_attention.kernels.triton_bwd import TritonBackward
 
     q, k, v = make(1, 2048, 2048, 8, 2, 128, torch.bfloat16, seed=3)
     out, lse = triton_forward(q, k, v, CAUSAL, scale=0.1)

@@ -17,7 +17,7 @@ import torch
 
 import distcomm_attention as da
 from distcomm_attention._reference import attention_reference
-from distcomm_attention._visibility import Visibility
+from distcomm_attention.planning.visibility import Visibility
 
 pytestmark = pytest.mark.gpu
 
@@ -124,8 +124,8 @@ def test_one_gpu_ring_features(case, hkv, dtype):
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_simulated_ring_triton_kernels(case, ring_size, layout, dtype):
     """The Triton kernels on every block a ring of 2 / 4 issues (interval blocks included) meet the criterion."""
-    from distcomm_attention._triton_bwd import TritonBackward
-    from distcomm_attention._triton_fwd import TritonForward
+    from distcomm_attention.kernels.triton_bwd import TritonBackward
+    from distcomm_attention.kernels.triton_fwd import TritonForward
     from tests.ring_sim import simulate_ring
 
     q, k, v, dout, key_mask = _inputs(case, dtype, hkv=2, seed=2)
@@ -142,8 +142,8 @@ def test_simulated_ring_triton_kernels(case, ring_size, layout, dtype):
 def test_auto_picks_a_backend_that_can_do_the_call():
     """which_kernels on CUDA bf16: every call runs on the first backend of AUTO_PREFERENCE this machine can run
     for it: windows and documents on fa4 where flash-attn-4 is usable, else triton; padding masks on triton."""
-    from distcomm_attention import _kernels
-    from distcomm_attention._visibility import Visibility
+    from distcomm_attention.kernels import dispatch as _kernels
+    from distcomm_attention.planning.visibility import Visibility
 
     q = torch.zeros(1, 128, 4, 128, device="cuda", dtype=torch.bfloat16)
     fa4 = _kernels.backend_problem("fa4", q.device, q.dtype, Visibility(True, (64, 0)), head_dim=128, batch=1) is None

@@ -24,7 +24,7 @@ import torch.nn.functional as torch_F
 pytest.importorskip("transformers")
 
 import distcomm  # noqa: E402
-from distcomm_attention import layouts  # noqa: E402
+from distcomm_attention.planning import layouts  # noqa: E402
 from distcomm_attention.integrations import huggingface as ring_hf  # noqa: E402
 from tests.dist_harness import run_world  # noqa: E402
 

@@ -16,7 +16,8 @@ import torch.nn.functional as torch_F
 from torch import nn
 
 import distcomm_attention as da
-from distcomm_attention import layouts, position_ids
+from distcomm_attention import position_ids
+from distcomm_attention.planning import layouts
 from distcomm_attention._reference import attention_reference
 from tests.dist_harness import run_world
 

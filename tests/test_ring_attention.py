@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 import distcomm
 import distcomm_attention as da
-from distcomm_attention import _validation, layouts
+from distcomm_attention import _validation
+from distcomm_attention.planning import layouts
 from distcomm_attention._reference import attention_reference
 from tests.dist_harness import run_world
 
@@ -401,7 +402,7 @@ def test_saved_tensors_do_not_duplicate_inputs():
 
 def test_cuda_only_failures_raise_before_communication(monkeypatch):
     """A missing triton, an empty batch or a pre-sm80 GPU for the FlashAttention-2 backward raise up front."""
-    from distcomm_attention import _kernels
+    from distcomm_attention.kernels import dispatch as _kernels
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(_kernels, "_cuda_capability", lambda device: (7, 5))
@@ -427,7 +428,7 @@ def test_cuda_only_failures_raise_before_communication(monkeypatch):
 def test_backward_accumulators_round_once():
     """dK/dV accumulation of the ring backward: a single block travels as the kernel returned it; partial sums
     are fp32; the last step rounds the complete sum to the input dtype exactly once (fp32 sum, then cast)."""
-    from distcomm_attention._ring import _accumulate, _start_acc
+    from distcomm_attention.strategies.ring import _accumulate, _start_acc
 
     gen = torch.Generator().manual_seed(0)
     like = torch.empty(2, 6, 3, 4, dtype=torch.bfloat16)
@@ -460,7 +461,7 @@ def test_backward_accumulators_round_once():
 def test_single_whole_block_takes_the_fused_paths(monkeypatch):
     """The planner writes full ranges as slice(0, n): a ring of one still marks its only forward call final
     (the fused normalisation) and runs its backward as one kernel call without accumulators."""
-    from distcomm_attention import _torch_kernels
+    from distcomm_attention.kernels import torch_exact as _torch_kernels
 
     finals, backward_calls = [], []
     step_fwd, step_bwd = _torch_kernels.TorchForward.step, _torch_kernels.TorchBackward.step

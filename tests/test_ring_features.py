@@ -14,9 +14,9 @@ import torch
 
 import distcomm_attention as da
 from distcomm.ring import RingComm
-from distcomm_attention import layouts
+from distcomm_attention.planning import layouts
 from distcomm_attention._reference import attention_reference
-from distcomm_attention._visibility import Visibility, ring_plan, visible_mask
+from distcomm_attention.planning.visibility import Visibility, ring_plan, visible_mask
 from tests.dist_harness import run_world
 
 FP64 = dict(rtol=1e-10, atol=1e-12)
@@ -306,7 +306,7 @@ def _sim_case(case, fwd, bwd, dtype=torch.float64):
 
 def test_simulated_ring_harness_matches_reference():
     """The one-process ring simulation used by the GPU kernel tests computes the reference (torch kernels)."""
-    from distcomm_attention._torch_kernels import TorchBackward, TorchForward
+    from distcomm_attention.kernels.torch_exact import TorchBackward, TorchForward
 
     for case in _feature_cases(3)[::3]:
         got = _sim_case(case, TorchForward(), TorchBackward())

@@ -18,10 +18,10 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from distcomm_attention import layouts  # noqa: E402
-from distcomm_attention._triton_bwd import BackwardConfig, TritonBackward, default_backward_config  # noqa: E402
-from distcomm_attention._triton_fwd import TritonForward  # noqa: E402
-from distcomm_attention._visibility import CAUSAL, FULL, BlockMask, Visibility, ring_plan  # noqa: E402
+from distcomm_attention.planning import layouts  # noqa: E402
+from distcomm_attention.kernels.triton_bwd import BackwardConfig, TritonBackward, default_backward_config  # noqa: E402
+from distcomm_attention.kernels.triton_fwd import TritonForward  # noqa: E402
+from distcomm_attention.planning.visibility import CAUSAL, FULL, BlockMask, Visibility, ring_plan  # noqa: E402
 from tests.test_triton_kernel import (  # noqa: E402
     SMALL,
     causal_mask,
@@ -361,7 +361,7 @@ def test_fake_tensors_use_the_fake_kernel():
 def test_grid_orders_agree(kind, monkeypatch):
     """Both program orders of the backward grid (tiles or heads fastest, chosen per call by the grid size)
     compute the same gradients, bit for bit."""
-    from distcomm_attention import _triton_bwd
+    from distcomm_attention.kernels import triton_bwd as _triton_bwd
 
     q, k, v = make_qkv(1, 33, 33, 4, 2, 16, torch.float16, seed=24)
     block, dense = block_kind(kind, 33, 33)

@@ -20,9 +20,9 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
-from distcomm_attention import _flash_bwd  # noqa: E402
-from distcomm_attention._triton_fwd import TritonConfig, TritonForward  # noqa: E402
-from distcomm_attention._visibility import CAUSAL, FULL, BlockMask  # noqa: E402
+from distcomm_attention.kernels import flash2 as _flash_bwd  # noqa: E402
+from distcomm_attention.kernels.triton_fwd import TritonConfig, TritonForward  # noqa: E402
+from distcomm_attention.planning.visibility import CAUSAL, FULL, BlockMask  # noqa: E402
 
 interpreter_only = pytest.mark.skipif(
     torch.cuda.is_available(), reason="interpreter tests; the GPU path is covered by test_gpu_kernels.py"
@@ -453,7 +453,7 @@ def test_split2_multi_step_accumulation(monkeypatch, tma):
     """Split-2 steps (causal, full, interval, q_slice, key mask; fp32 state) accumulate to attention over the
     concatenation, the last one fused final; also with the TMA descriptors forced (q slices through them;
     the ragged 17-key block gets no descriptors, which on a GPU means the plain kernel)."""
-    import distcomm_attention._triton_fwd as F
+    import distcomm_attention.kernels.triton_fwd as F
 
     monkeypatch.setattr(F, "_tma_capable", lambda device: tma)
     seqlen_q = 40
@@ -480,7 +480,7 @@ def test_split2_tma_descriptor_loads(monkeypatch, causal):
     """The TMA path (host descriptors of the (B*S, heads*D) views of q, k, v, taken on sm_90+) gives the same
     attention: forced here under the interpreter, with two batches, GQA, a q tail (40 rows, 16-row halves)
     and two steps through the fp32 state; strides that do not allow the view fall back to pointer loads."""
-    import distcomm_attention._triton_fwd as F
+    import distcomm_attention.kernels.triton_fwd as F
 
     monkeypatch.setattr(F, "_tma_capable", lambda device: True)
     made = []
@@ -504,7 +504,7 @@ def test_split2_tma_descriptor_loads(monkeypatch, causal):
 def test_split2_selection():
     """split=2 is the GPU default for head_dim 128 in fp16/bf16 only; fp32, other head dims, the interpreter
     and hand-picked tiles without ``split`` keep the plain kernel; bad values are rejected by name."""
-    from distcomm_attention._triton_fwd import default_config
+    from distcomm_attention.kernels.triton_fwd import default_config
 
     assert default_config(128, interpret=False) == TritonConfig(128, 64, 4, 2, 2)
     assert default_config(128, torch.bfloat16, interpret=False).split == 2

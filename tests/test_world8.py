@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import distcomm.functional as F
 import distcomm_attention as da
-from distcomm_attention import layouts
+from distcomm_attention.planning import layouts
 from distcomm_attention._reference import attention_reference
 from tests.dist_harness import run_world
 

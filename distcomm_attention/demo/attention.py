@@ -9,7 +9,7 @@ from distcomm._launch import run_world
 from distcomm.demo import _common
 from distcomm_attention import ring_flash_attn, shard_sequence
 from distcomm_attention._reference import attention_reference
-from distcomm_attention.layouts import shard
+from distcomm_attention.planning.layouts import shard
 
 B, S, H, HKV, D = 1, 48, 4, 2, 32
 

@@ -53,13 +53,8 @@ import torch.distributed as dist
 
 import distcomm
 from distcomm.ring import RingComm
-from distcomm_attention import (
-    BACKENDS,
-    layouts,
-    position_ids,
-    ring_flash_attn,
-    shard_sequence,
-)
+from distcomm_attention import BACKENDS, position_ids, ring_flash_attn, shard_sequence
+from distcomm_attention.planning import layouts
 
 try:
     from transformers import AttentionInterface

@@ -2,7 +2,7 @@
 
 Tensors are (batch, seq, heads, head_dim) ("BSHD"). q: (B, Sq, H, D); k, v: (B, Sk, Hkv, D) with
 H % Hkv == 0 (query head h uses kv head h // (H // Hkv)); lse: (B, H, Sq), natural log. Each call gets a
-``BlockMask`` (distcomm_attention._visibility: "full", "causal" top-left, or "interval" arrays), an optional
+``BlockMask`` (distcomm_attention.planning.visibility: "full", "causal" top-left, or "interval" arrays), an optional
 key padding mask and a softcap; kernels execute that visibility, the ring planner decides it.
 
 Backends (``backend=`` of ``ring_flash_attn``):
@@ -16,11 +16,11 @@ Backends (``backend=`` of ``ring_flash_attn``):
                                                         (PyTorch's built-in FlashAttention-2 backward)
     "flash_attn" TritonForward    FlashAttnBackward     like "flash2" with the flash-attn package's backward
     "cudnn"      CudnnForward     CudnnBackward         CUDA fp16/bf16, sm80+; plain full/causal attention, GQA
-                                                        (PyTorch's cuDNN attention ops; distcomm_attention._cudnn)
+                                                        (PyTorch's cuDNN attention ops; distcomm_attention.kernels.cudnn)
     "fa4"        FA4Forward       FA4Backward           CUDA fp16/bf16, sm90/sm100; every feature but a key
                                                         padding mask: windows and packed documents as FA4
                                                         window/varlen calls, softcap, GQA (flash-attn-4,
-                                                        optional; distcomm_attention._fa4)
+                                                        optional; distcomm_attention.kernels.fa4)
     "auto"       CPU, CUDA fp32/fp64 -> "torch"; CUDA fp16/bf16 -> the first backend of ``AUTO_PREFERENCE``
                  that can do the call (measured order, see docs/bench/backends.md)
 
@@ -28,7 +28,7 @@ Every backend answers one question, "can you run this call, and if not, why?" (`
 or the ImportError / ValueError to raise). A forced backend raises its answer before any communication,
 "auto" walks ``AUTO_PREFERENCE`` and takes the first backend with none, and ``which_kernels`` (public)
 reports the choice and what was skipped. The block backends "cudnn" and "fa4" compute one (query block,
-key block) pair at a time and are merged by distcomm_attention._merge. Kernel modules are imported here,
+key block) pair at a time and are merged by distcomm_attention.kernels.contract. Kernel modules are imported here,
 lazily, so ``import distcomm_attention`` needs neither triton nor flash_attn.
 """
 
@@ -40,9 +40,10 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from distcomm_attention import _cudnn, _fa4
-from distcomm_attention._merge import call_features
-from distcomm_attention._visibility import BlockMask, Visibility
+from distcomm_attention.kernels import cudnn
+from distcomm_attention.kernels import fa4
+from distcomm_attention.kernels.contract import call_features
+from distcomm_attention.planning.visibility import BlockMask, Visibility
 
 __all__ = [
     "BACKENDS", "AUTO_PREFERENCE", "ForwardKernel", "BackwardKernel", "KernelChoice", "backend_problem",
@@ -57,7 +58,7 @@ BACKENDS = ("auto", "torch", "triton", "flash2", "flash_attn", "cudnn", "fa4")
 # against triton: 4k window 1.7x, packed documents 1.9-2.1x, softcap 1.26x faster.
 AUTO_PREFERENCE = ("fa4", "cudnn", "triton", "flash2")
 _PLAIN_ONLY = ("flash2", "flash_attn")
-_BLOCK_BACKENDS = {"cudnn": _cudnn, "fa4": _fa4}
+_BLOCK_BACKENDS = {"cudnn": cudnn, "fa4": fa4}
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -346,24 +347,24 @@ def select_kernels(backend: str, q: torch.Tensor, vis: Visibility = Visibility()
     """
     name = choose(backend, q, vis, softcap).backend
     if name == "torch":
-        from distcomm_attention._torch_kernels import TorchBackward, TorchForward
+        from distcomm_attention.kernels.torch_exact import TorchBackward, TorchForward
 
         return name, TorchForward(), TorchBackward()
     if name == "cudnn":
-        return name, _cudnn.CudnnForward(), _cudnn.CudnnBackward()
+        return name, cudnn.CudnnForward(), cudnn.CudnnBackward()
     if name == "fa4":
-        return name, _fa4.FA4Forward(), _fa4.FA4Backward()
-    from distcomm_attention._triton_fwd import TritonForward
+        return name, fa4.FA4Forward(), fa4.FA4Backward()
+    from distcomm_attention.kernels.triton_fwd import TritonForward
 
     TritonForward.check_tensor("q", q)  # e.g. a kernel module imported before TRITON_INTERPRET was set
     if name == "flash_attn":
-        from distcomm_attention._flash_bwd import FlashAttnBackward
+        from distcomm_attention.kernels.flash2 import FlashAttnBackward
 
         return name, TritonForward(), FlashAttnBackward()
     if name == "flash2":
-        from distcomm_attention._flash_bwd import AtenFlashBackward
+        from distcomm_attention.kernels.flash2 import AtenFlashBackward
 
         return name, TritonForward(), AtenFlashBackward()
-    from distcomm_attention._triton_bwd import TritonBackward
+    from distcomm_attention.kernels.triton_bwd import TritonBackward
 
     return name, TritonForward(), TritonBackward()

@@ -10,7 +10,7 @@
 Both take (B, H, S, D) views (our (B, S, H, D) tensors transposed, no copy); logsumexp is float32, natural
 log, (B, H, Sq, 1) (torch >= 2.11; a (B, H, Sq) result is accepted too). The backward takes any out and
 logsumexp, so it runs from the ring's merged ones (Note [Merging block outputs] in
-distcomm_attention._merge). Features: plain full or causal blocks (causal top-left, square blocks only,
+distcomm_attention.kernels.contract). Features: plain full or causal blocks (causal top-left, square blocks only,
 as the ring planner issues them), CUDA fp16/bf16, head_dim a multiple of 8 up to 128, sm80+ with cuDNN 9.
 GQA: kv heads are expanded to the query heads for the call (one copy) and dK/dV summed back over each
 group in fp32. Nothing to import: the ops ship with every CUDA build of torch that has cuDNN.
@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from distcomm_attention._merge import BlockBackward, BlockForward, call_features
-from distcomm_attention._visibility import Visibility
+from distcomm_attention.kernels.contract import BlockBackward, BlockForward, call_features
+from distcomm_attention.planning.visibility import Visibility
 
 __all__ = ["CudnnForward", "CudnnBackward", "can_use", "unsupported_feature"]
 
@@ -120,7 +120,7 @@ def _op_lse(lse: Tensor) -> Tensor:
 
 
 class CudnnForward(BlockForward):
-    """ForwardKernel: cuDNN attention per block, merged by logsumexp (distcomm_attention._merge)."""
+    """ForwardKernel: cuDNN attention per block, merged by logsumexp (distcomm_attention.kernels.contract)."""
 
     def block(self, q, k, v, *, causal, scale, softcap):
         heads = q.shape[2]

@@ -8,11 +8,11 @@
 
 Layout (B, S, H, D), the project's own; lse float32 (B, H, Sq), natural log; GQA native (k, v keep their kv
 heads; dK/dV come back per kv head). The backward takes any out and lse, so it runs from the ring's merged
-ones (Note [Merging block outputs] in distcomm_attention._merge). Causal blocks are square (as the ring
+ones (Note [Merging block outputs] in distcomm_attention.kernels.contract). Causal blocks are square (as the ring
 planner issues them), where FA4's bottom-right alignment equals top-left. Softcap: scores = softcap *
 tanh(scale * q k^T / softcap), the project's definition. Windows and packed documents: the planner's
 "interval" blocks run as FA4 window calls, several pieces at once through its varlen batches (Note [Window
-calls] in distcomm_attention._merge), so they are exact. Key padding masks are not taken here: such calls
+calls] in distcomm_attention.kernels.contract), so they are exact. Key padding masks are not taken here: such calls
 go to "triton".
 
 flash-attn-4 is optional (``pip install "distcomm[fa4]"``) and imported lazily, on the first block call:
@@ -31,8 +31,8 @@ import importlib.util
 import torch
 from torch import Tensor
 
-from distcomm_attention._merge import BlockBackward, BlockForward, Varlen, call_features
-from distcomm_attention._visibility import Visibility
+from distcomm_attention.kernels.contract import BlockBackward, BlockForward, Varlen, call_features
+from distcomm_attention.planning.visibility import Visibility
 
 __all__ = ["FA4Forward", "FA4Backward", "can_use", "unsupported_feature", "VERIFIED_VERSION"]
 
@@ -156,7 +156,7 @@ def _extra(window, varlen: Varlen | None) -> dict:
 
 
 class FA4Forward(BlockForward):
-    """ForwardKernel: FA4 per block, merged by logsumexp (distcomm_attention._merge)."""
+    """ForwardKernel: FA4 per block, merged by logsumexp (distcomm_attention.kernels.contract)."""
 
     takes_windows = True
 

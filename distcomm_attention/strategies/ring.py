@@ -3,7 +3,7 @@ ring all-gather / reduce-scatter used to gather a sharded sequence.
 
 Note [Ring attention loop]
     W ranks in a ring; at ring step t rank r holds the keys/values (and key padding mask) of rank
-    src = (r - t) mod W. The plan (distcomm_attention._visibility, Note [Ring plan]) lists the needed steps
+    src = (r - t) mod W. The plan (distcomm_attention.planning.visibility, Note [Ring plan]) lists the needed steps
     t_0 = 0 < t_1 < ... < t_m (every step for plain attention; fewer with a window or documents) and this
     rank's block calls for each.
 
@@ -41,7 +41,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from distcomm.ring import RingComm
-from distcomm_attention._visibility import RingPlan
+from distcomm_attention.planning.visibility import RingPlan
 
 __all__ = ["ring_attention", "ring_forward", "ring_backward", "ring_all_gather", "ring_reduce_scatter"]
 

@@ -53,7 +53,7 @@ from typing import NamedTuple
 
 import torch
 
-from distcomm_attention import layouts
+from distcomm_attention.planning import layouts
 
 __all__ = [
     "Visibility",

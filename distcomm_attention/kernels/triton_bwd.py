@@ -60,8 +60,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from distcomm_attention._triton_fwd import TritonForward, _check_softcap, _plain_eager, _score_args
-from distcomm_attention._triton_mask import (
+from distcomm_attention.kernels.triton_fwd import TritonForward, _check_softcap, _plain_eager, _score_args
+from distcomm_attention.kernels.triton_mask import (
     _key_range,
     _load_bounds,
     _load_key_mask,
@@ -74,7 +74,7 @@ from distcomm_attention._triton_mask import (
     key_mask_arg,
     mode_code,
 )
-from distcomm_attention._visibility import BlockMask
+from distcomm_attention.planning.visibility import BlockMask
 
 __all__ = ["TritonBackward", "BackwardConfig", "default_backward_config"]
 

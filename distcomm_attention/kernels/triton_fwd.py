@@ -28,7 +28,7 @@ attention). Rows that never saw a key keep l == 0 and finalise to out = 0, lse =
 Visibility: each step gets a ``BlockMask`` (Note [Visibility]: "full", top-left "causal", or "interval"
 arrays), an optional key padding mask and a softcap, selected in the kernel by the constexprs MODE,
 HAS_KEY_MASK and SOFTCAP. A query tile visits only the key tiles its rows can see, and skips every mask on
-the interior tiles that all its rows see whole (Note [Kernel tiles] in distcomm_attention._triton_mask,
+the interior tiles that all its rows see whole (Note [Kernel tiles] in distcomm_attention.kernels.triton_mask,
 shared with the backward)::
 
              key tiles ->                         causal                     interval (window, documents)
@@ -88,7 +88,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from distcomm_attention._triton_mask import (
+from distcomm_attention.kernels.triton_mask import (
     _key_range,
     _load_bounds,
     _load_key_mask,
@@ -99,7 +99,7 @@ from distcomm_attention._triton_mask import (
     key_mask_arg,
     mode_code,
 )
-from distcomm_attention._visibility import BlockMask
+from distcomm_attention.planning.visibility import BlockMask
 
 __all__ = ["TritonConfig", "TritonForward", "TritonForwardState", "default_config"]
 

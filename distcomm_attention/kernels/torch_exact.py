@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from distcomm_attention._visibility import BlockMask
+from distcomm_attention.planning.visibility import BlockMask
 
 __all__ = ["TorchForward", "TorchBackward", "TorchState"]
 
@@ -104,7 +104,7 @@ class TorchForward:
     ) -> None:
         """Accumulate q[:, q_slice] over (k, v) into the state rows q_slice (``final`` changes nothing here).
 
-        ``mask``: the block's visibility (see distcomm_attention._visibility); ``key_mask``: bool (B, Sk),
+        ``mask``: the block's visibility (see distcomm_attention.planning.visibility); ``key_mask``: bool (B, Sk),
         True = attend; ``softcap``: scores = softcap * tanh(scores / softcap) when > 0.
         """
         q = q[:, q_slice]

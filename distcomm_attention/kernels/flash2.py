@@ -1,7 +1,7 @@
 """FlashAttention-2 backward of one ring block: ``AtenFlashBackward`` and ``FlashAttnBackward``.
 
 Both implement the BackwardKernel contract (``step(dout, q, k, v, out, lse, delta, *, mask, scale, ...)``,
-see distcomm_attention._kernels) for the plain blocks only: ``mask`` "full" or "causal", no key mask, no
+see distcomm_attention.kernels.dispatch) for the plain blocks only: ``mask`` "full" or "causal", no key mask, no
 softcap (the backend selection never gives them anything else). They recompute the probabilities of one
 (q, k) block from the GLOBAL ``lse`` and use the GLOBAL ``out`` (their own ``D = rowsum(dout * out)``; the
 given ``delta`` is not needed).

@@ -1,6 +1,6 @@
 """Per-tile visibility and score helpers shared by the Triton forward and backward kernels.
 
-The kernels execute a ``BlockMask`` (distcomm_attention._visibility, Note [Visibility]); everything they
+The kernels execute a ``BlockMask`` (distcomm_attention.planning.visibility, Note [Visibility]); everything they
 need to know about it is here, as ``@triton.jit`` helpers selected by one ``MODE`` constexpr, plus the
 host-side translation of a ``BlockMask`` and a key padding mask into kernel arguments.
 

@@ -7,11 +7,11 @@ A block backend (cuDNN, flash-attn-4) offers two calls on plain full or causal b
     backward(dout, q, k, v, out, lse, *, causal, scale, softcap) -> dq, dk, dv in q's dtype
 
 ``BlockForward`` turns the first into the ring's ForwardKernel and ``BlockBackward`` the second into its
-BackwardKernel (contracts in distcomm_attention._kernels). ``call_features`` names what a call asks for
+BackwardKernel (contracts in distcomm_attention.kernels.dispatch). ``call_features`` names what a call asks for
 beyond plain full/causal attention, for the backends' capability checks.
 
 A backend with FlashAttention's sliding window and variable-length batches (``takes_windows``) also runs
-"interval" blocks: their band pieces (Note [Band pieces] in distcomm_attention._visibility) become
+"interval" blocks: their band pieces (Note [Band pieces] in distcomm_attention.planning.visibility) become
 ``WindowCall``s, each one kernel call with ``window=(left, right)`` and, for several pieces at once, ``varlen``
 boundaries over packed rows (Note [Window calls]).
 
@@ -50,7 +50,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from distcomm_attention._visibility import BlockMask, Piece, Visibility, pieces_of
+from distcomm_attention.planning.visibility import BlockMask, Piece, Visibility, pieces_of
 
 __all__ = ["BlockForward", "BlockBackward", "MergeState", "merge_block", "call_features", "WindowCall",
            "window_calls", "Varlen"]

@@ -12,8 +12,10 @@ import torch
 
 from distcomm import _check
 from distcomm.ring import RingComm
-from distcomm_attention import _kernels, _validation, layouts
-from distcomm_attention._visibility import RingPlan, Visibility, ring_plan
+from distcomm_attention import _validation
+from distcomm_attention.kernels import dispatch
+from distcomm_attention.planning import layouts
+from distcomm_attention.planning.visibility import RingPlan, Visibility, ring_plan
 
 __all__ = ["Prepared", "prepare"]
 
@@ -45,7 +47,7 @@ def prepare(
         layouts.check_local_length(layout, q.shape[1], comm.size)
         docs = _validation.check_cu_seqlens(cu_seqlens, q.shape[1] * comm.size)
         vis = Visibility(causal, window, docs, attention_mask is not None)
-        return vis, _kernels.select_kernels(backend, q, vis, softcap)
+        return vis, dispatch.select_kernels(backend, q, vis, softcap)
 
     def verify(scale: float) -> None:
         _validation.verify_across_ring(
