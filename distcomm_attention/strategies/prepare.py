@@ -32,19 +32,26 @@ class Prepared(NamedTuple):
 def prepare(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingComm, *, layout: str, causal: bool,
     softmax_scale, window: tuple[int, int], softcap: float, attention_mask, cu_seqlens, backend: str,
-    requires_grad: bool,
+    requires_grad: bool, extra: dict[str, int] | None = None, shards: tuple[int, int] | None = None,
+    planner=None,
 ) -> Prepared:
     """Check this rank's inputs, verify the ring agrees (see Note [Verified signatures]), plan and pick kernels.
 
     Raises the per-rank errors on the rank that sees them and cross-rank disagreements on every rank.
+
+    Strategies other than the ring pass ``extra``: more verified fields (the strategy, its degrees);
+    ``shards``: (ranks, tokens per rank) the layout splits the sequence into, when not (comm.size, local
+    length) (the hybrid's layout runs over its ring dimension); ``planner(vis)``: the strategy's plan
+    instead of this rank's ring plan.
     """
+    ranks, shard_len = shards if shards is not None else (comm.size, None)
     docs = None
 
     def local_checks():
         nonlocal docs
         _validation.check_qkv(q, k, v)
         _validation.check_attention_mask(attention_mask, q)
-        layouts.check_local_length(layout, q.shape[1], comm.size)
+        layouts.check_local_length(layout, q.shape[1] if shard_len is None else shard_len, ranks)
         docs = _validation.check_cu_seqlens(cu_seqlens, q.shape[1] * comm.size)
         vis = Visibility(causal, window, docs, attention_mask is not None)
         return vis, dispatch.select_kernels(backend, q, vis, softcap)
@@ -65,6 +72,7 @@ def prepare(
                 "cu_seqlens": _validation.cu_seqlens_digest(docs),
                 # a rank whose inputs need no grad would skip the backward its peers wait in
                 "requires_grad": int(requires_grad),
+                **(extra or {}),
             },
         )
 
@@ -83,4 +91,6 @@ def prepare(
         vis, (_name, fwd, bwd) = local_checks()
         scale = _validation.check_scale(softmax_scale, q.shape[3])
         verify(scale)
+    if planner is not None:
+        return Prepared(planner(vis), scale, fwd, bwd)
     return Prepared(ring_plan(layout, vis, comm.size, comm.rank, q.shape[1]), scale, fwd, bwd)

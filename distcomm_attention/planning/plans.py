@@ -1,0 +1,97 @@
+"""Block plans of the strategies that hold whole key/value sequences: all-gather KV, Ulysses and the hybrid.
+
+Note [Gathered plans]
+    A rank that holds every key (all-gather KV, or Ulysses after its all-to-all) computes its queries against
+    one key buffer in a single step. ``gathered_plan`` covers exactly the visible pairs with as few, large
+    kernel calls as the rule allows. The buffer is in natural order (global position = buffer index) for the
+    contiguous and zigzag layouts; each maximal run of consecutive query positions is one or two calls:
+
+        causal, no window / documents:   keys [0, p0)  full        +   keys [p0, p0 + m)  causal
+                                          (run of m queries starting at global position p0)
+        anything else:                    one call over the run's visible key range: "full" when every row
+                                          sees the same keys, else "interval" (per-row key ranges, which
+                                          window kernels run as band pieces, Note [Band pieces])
+
+    so a contiguous rank makes 2 calls (1 without a mask) and a zigzag rank 4, where the ring makes up to W.
+    The striped layout has a run per token; its buffer stays in source order (rank 0's tokens, rank 1's, ...)
+    and its plan is the ring plan's blocks of every source, shifted to the source's place in the buffer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from distcomm_attention.planning import layouts
+from distcomm_attention.planning.visibility import Block, RingPlan, Visibility, _block, _query_bounds, ring_plan
+
+__all__ = ["natural_order", "gathered_in_natural_order", "gathered_plan", "local_plan"]
+
+
+def gathered_in_natural_order(layout: str) -> bool:
+    """Whether a gathered key buffer of this layout is re-ordered to natural order (see Note [Gathered plans])."""
+    return layout != "striped"
+
+
+@functools.lru_cache(maxsize=64)
+def natural_order(layout: str, ring_size: int, local_len: int) -> torch.Tensor | None:
+    """Index that puts the source-order concatenation of every rank's shard into natural order
+    (``natural = concat[:, index]``), or None when it already is (contiguous, or a ring of one)."""
+    if layout == "contiguous" or ring_size == 1:
+        return None
+    seq_len = local_len * ring_size
+    order = torch.cat([layouts.positions(layout, seq_len, ring_size, r) for r in range(ring_size)])
+    return torch.argsort(order)
+
+
+def _causal_split(q0: int, row_lo: torch.Tensor, row_hi: torch.Tensor) -> tuple[Block, ...] | None:
+    """A run whose rows see [a, c + i + 1) as a full block [a, c) and a causal block [c, c + m), or None."""
+    m = row_lo.numel()
+    a, c = int(row_lo[0]), int(row_hi[0]) - 1
+    if c < a or not bool((row_lo == a).all()) or not bool((row_hi == c + 1 + torch.arange(m)).all()):
+        return None
+    rows = slice(q0, q0 + m)
+    diag = Block(rows, slice(c, c + m), "causal")
+    return (Block(rows, slice(a, c), "full"), diag) if c > a else (diag,)
+
+
+def _shifted(block: Block, q0: int, k0: int) -> Block:
+    return Block(slice(block.q.start + q0, block.q.stop + q0), slice(block.kv.start + k0, block.kv.stop + k0),
+                 block.mode, block.intervals)
+
+
+@functools.lru_cache(maxsize=256)
+def gathered_plan(layout: str, vis: Visibility, ring_size: int, rank: int, local_len: int) -> RingPlan:
+    """One step: ``rank``'s queries against the whole gathered key buffer (see Note [Gathered plans])."""
+    n, seq_len = local_len, local_len * ring_size
+    if n == 0:
+        return RingPlan((0,), ((),))
+    if not gathered_in_natural_order(layout):
+        ring = ring_plan(layout, vis, ring_size, rank, n)
+        blocks = [_shifted(b, 0, ((rank - t) % ring_size) * n) for t, step in zip(ring.steps, ring.blocks) for b in step]
+        return RingPlan((0,), (tuple(blocks),))
+    pos = layouts.positions(layout, seq_len, ring_size, rank)
+    cu = None if vis.cu_seqlens is None else torch.tensor(vis.cu_seqlens, dtype=torch.int64)
+    first, stop = _query_bounds(vis, pos, cu)
+    lo, hi = first.clamp(0, seq_len), stop.clamp(0, seq_len)
+    hi = torch.maximum(hi, lo)
+    cuts = [0] + ((pos[1:] - pos[:-1]) != 1).nonzero().flatten().add(1).tolist() + [n]
+    blocks: list[Block] = []
+    whole = _block(lo, hi)  # every row seeing the same keys: one call for the whole rank
+    if whole is not None and whole.mode == "full" and whole.q == slice(0, n):
+        return RingPlan((0,), ((whole,),))
+    for s, e in zip(cuts, cuts[1:]):
+        split = _causal_split(s, lo[s:e], hi[s:e]) if vis.plain and vis.causal else None
+        if split is not None:
+            blocks.extend(split)
+            continue
+        block = _block(lo[s:e], hi[s:e])
+        if block is not None:
+            blocks.append(_shifted(block, s, 0))
+    return RingPlan((0,), (tuple(blocks),))
+
+
+def local_plan(vis: Visibility, seq_len: int) -> RingPlan:
+    """The plan of one rank holding the whole sequence in natural order (Ulysses after its all-to-all)."""
+    return gathered_plan("contiguous", vis, 1, 0, seq_len)

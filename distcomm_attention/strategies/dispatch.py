@@ -1,0 +1,155 @@
+"""One context-parallel attention call: resolve the strategy and its groups, prepare, run.
+
+Strategies (see each module's Note):
+
+    "ring"              k, v travel around the group (strategies/ring.py)
+    "ulysses"           all-to-all to head sharding, whole-sequence attention (strategies/ulysses.py)
+    "allgather"         k, v gathered once, dK/dV reduce-scattered (strategies/allgather.py)
+    "hybrid"            Ulysses over a mesh dimension "ulysses" x ring over a dimension "ring"
+    "hybrid_allgather"  Ulysses over "ulysses" x all-gather KV over "ring"
+    "auto"              the cheapest applicable one by the cost model (planning/cost.py)
+
+Layouts: for "ring", "ulysses" and "allgather" the layout splits the sequence over the whole group; for the
+hybrids it splits it over the "ring" dimension, and each of those shards is cut into equal contiguous
+pieces over the "ulysses" dimension (``hybrid_positions``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from distcomm import _groups
+from distcomm.ring import RingComm
+from distcomm_attention.planning import layouts
+from distcomm_attention.planning.plans import gathered_plan, local_plan, natural_order
+from distcomm_attention.planning.visibility import ring_plan
+from distcomm_attention.strategies import allgather as _allgather
+from distcomm_attention.strategies import ulysses as _ulysses
+from distcomm_attention.strategies.prepare import prepare
+from distcomm_attention.strategies.ring import ring_attention
+
+__all__ = ["STRATEGIES", "check_strategy", "resolve_mesh", "hybrid_positions", "run"]
+
+STRATEGIES = ("auto", "ring", "ulysses", "allgather", "hybrid", "hybrid_allgather")
+_CODES = {name: i for i, name in enumerate(STRATEGIES)}
+_HYBRID = ("hybrid", "hybrid_allgather")
+
+
+def check_strategy(strategy) -> None:
+    """Raise ValueError unless ``strategy`` names a strategy."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"`strategy` must be one of {list(STRATEGIES)}, got {strategy!r}")
+
+
+def _is_2d_mesh(group) -> bool:
+    return hasattr(group, "mesh_dim_names") and getattr(group, "ndim", 1) == 2
+
+
+def resolve_mesh(group):
+    """(ulysses group, ring group, verification group) of a 2-D DeviceMesh with dims "ulysses" and "ring"."""
+    if not _is_2d_mesh(group):
+        raise ValueError(
+            "the hybrid strategies need `group` to be a 2-D DeviceMesh with dimensions named 'ulysses' and "
+            f"'ring' (e.g. init_device_mesh(device, (rings, ulysses), mesh_dim_names=('ring', 'ulysses'))), "
+            f"got {type(group).__name__}"
+        )
+    names = tuple(group.mesh_dim_names or ())
+    if sorted(names) != ["ring", "ulysses"]:
+        raise ValueError(f"the hybrid strategies need mesh dimensions named 'ulysses' and 'ring', got {names}")
+    whole = group.size() == _groups.group_size(None)
+    if not whole:
+        raise ValueError(
+            f"the hybrid strategies need the 2-D mesh to span every rank of the default group (so that every "
+            f"rank verifies the call together); the mesh has {group.size()} of {_groups.group_size(None)} ranks"
+        )
+    return group.get_group("ulysses"), group.get_group("ring"), None
+
+
+def hybrid_positions(layout: str, seq_len: int, ring_size: int, ring_rank: int, ulysses_size: int,
+                     ulysses_rank: int) -> torch.Tensor:
+    """Global positions of the tokens of mesh coordinate (ring_rank, ulysses_rank) in the hybrids."""
+    shard = layouts.positions(layout, seq_len, ring_size, ring_rank)
+    n = shard.numel() // ulysses_size
+    return shard[ulysses_rank * n:(ulysses_rank + 1) * n]
+
+
+def _local_attention(layout: str, degree: int, n: int, plan, key_args):
+    """Ulysses' inner attention: rows from source order to natural order, one local plan, and back."""
+    order = natural_order(layout, degree, n)
+
+    def inner(q, k, v, key_mask):
+        if order is not None:
+            idx = order.to(q.device)
+            q, k, v = (t.index_select(1, idx) for t in (q, k, v))
+            key_mask = None if key_mask is None else key_mask.index_select(1, idx)
+        out = ring_attention(q, k, v, RingComm(None) if degree == 1 else key_args["one"], plan=plan,
+                             key_mask=key_mask, **key_args["kw"])
+        if order is not None:
+            out = out.index_select(1, torch.argsort(order).to(out.device))
+        return out
+
+    return inner
+
+
+def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_scale, window, softcap,
+        attention_mask, cu_seqlens, backend: str, requires_grad: bool, choose=None):
+    """Validate, verify, plan and run one call of ``strategy`` (not "auto": ``choose`` resolves it first)."""
+    common = dict(layout=layout, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+                  attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
+                  requires_grad=requires_grad)
+    if strategy in _HYBRID:
+        ulysses_group, ring_group, _ = resolve_mesh(group)
+        comm = RingComm(None)  # verification over the default group: every rank of the mesh
+        wu, wr = _groups.group_size(ulysses_group), _groups.group_size(ring_group)
+        ring_rank = _groups.group_rank(ring_group)
+        n = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
+        extra = {"strategy": _CODES[strategy], "ulysses": wu, "ring": wr}
+
+        def planner(vis):
+            if strategy == "hybrid":
+                return ring_plan(layout, vis, wr, ring_rank, wu * n)
+            return gathered_plan(layout, vis, wr, ring_rank, wu * n)
+
+        plan, scale, fwd, bwd = prepare(q, k, v, comm, extra=extra, shards=(wr, wu * n), planner=planner, **common)
+        _ulysses.check_heads(q.shape[2], k.shape[2], wu)
+        kw = dict(softcap=softcap, scale=scale, fwd=fwd, bwd=bwd)
+        if strategy == "hybrid":
+            ring = RingComm(ring_group)
+
+            def inner(qh, kh, vh, km):
+                return ring_attention(qh, kh, vh, ring, plan=plan, key_mask=km, **kw)
+        else:
+            def inner(qh, kh, vh, km):
+                return _allgather.allgather_attention(qh, kh, vh, _groups.resolve_group(ring_group), layout=layout,
+                                                      plan=plan, key_mask=km, **kw)
+        return _ulysses.ulysses(q, k, v, attention_mask, ulysses_group, wu, inner)
+
+    if _is_2d_mesh(group):
+        raise ValueError(
+            f"strategy {strategy!r} runs over one group; a 2-D DeviceMesh is for strategy='hybrid' or "
+            f"'hybrid_allgather' (or pass one of its dimensions, (mesh, 'ring'))"
+        )
+    comm = RingComm(group)
+    world, rank = comm.size, comm.rank
+    extra = {"strategy": _CODES[strategy]}
+    n = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
+    if strategy == "ring":
+        plan, scale, fwd, bwd = prepare(q, k, v, comm, extra=extra, **common)
+        return ring_attention(q, k, v, comm, plan=plan, key_mask=attention_mask, softcap=softcap, scale=scale,
+                              fwd=fwd, bwd=bwd)
+    if strategy == "allgather":
+        plan, scale, fwd, bwd = prepare(q, k, v, comm, extra=extra, **common,
+                                        planner=lambda vis: gathered_plan(layout, vis, world, rank, n))
+        return _allgather.allgather_attention(q, k, v, comm.group, layout=layout, plan=plan,
+                                              key_mask=attention_mask, softcap=softcap, scale=scale, fwd=fwd,
+                                              bwd=bwd)
+    if strategy == "ulysses":
+        plan, scale, fwd, bwd = prepare(q, k, v, comm, extra=extra, **common,
+                                        planner=lambda vis: local_plan(vis, world * n))
+        _ulysses.check_heads(q.shape[2], k.shape[2], world)
+        one = RingComm(comm.group, 1) if world > 1 else RingComm(None)
+        inner = _local_attention(layout, world, n, plan,
+                                 {"one": one, "kw": dict(softcap=softcap, scale=scale, fwd=fwd, bwd=bwd)})
+        return _ulysses.ulysses(q, k, v, attention_mask, comm.group, world, inner)
+    raise ValueError(f"`strategy` must be one of {list(STRATEGIES)}, got {strategy!r}")
