@@ -13,7 +13,7 @@ from distcomm_attention.strategies.ring import ring_attention
 from distcomm_attention.strategies.prepare import prepare
 from distcomm_attention.planning.visibility import Visibility
 
-__all__ = ["ring_flash_attn", "which_kernels"]
+__all__ = ["ring_flash_attn", "context_parallel_attn", "which_kernels"]
 
 
 def ring_flash_attn(
@@ -160,3 +160,83 @@ def which_kernels(
     docs = None if cu_seqlens is None else (0,)
     vis = Visibility(causal, window, docs, attention_mask is not None)
     return dispatch.choose(backend, q, vis, softcap)
+
+
+def context_parallel_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    strategy: str = "auto",
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    layout: str = "contiguous",
+    group=None,
+    backend: str = "auto",
+    attention_mask: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
+) -> torch.Tensor:
+    """Exact softmax attention over a sequence sharded across ranks, by any context-parallel strategy.
+
+    The same call, inputs and result as :func:`ring_flash_attn`; ``strategy`` decides who talks to whom:
+
+        "ring"              k, v travel around the group, overlapped with compute (``ring_flash_attn``)
+        "ulysses"           all-to-all to head sharding, whole-sequence attention per head group, and back;
+                            heads must divide by the group size (kv heads are split, or replicated when
+                            there are fewer kv heads than ranks)
+        "allgather"         k, v (and the key mask) gathered once, dK / dV reduce-scattered in fp32; best
+                            with GQA, where k, v are small
+        "hybrid"            Ulysses over a mesh dimension "ulysses" x ring over a dimension "ring";
+                            ``group`` is a 2-D DeviceMesh with those dimension names
+        "hybrid_allgather"  Ulysses over "ulysses" x all-gather KV over "ring"
+        "auto"              the fastest by the cost model (``which_strategy`` says what it picks and why)
+
+    Every strategy takes every feature: causal, ``attention_mask`` (all-padding ranks too), windows,
+    softcap, packed documents (``cu_seqlens``), GQA, every layout and backend.
+
+    Args:
+        q, k, v, causal, softmax_scale, backend, attention_mask, window_size, softcap, cu_seqlens: as in
+            :func:`ring_flash_attn`.
+        strategy: see above.
+        layout: which global tokens this rank holds (see ``ring_flash_attn``): over the whole group, or for
+            the hybrids over the "ring" dimension, each shard cut into equal contiguous pieces over the
+            "ulysses" dimension (``shard_sequence(x, layout, group=mesh)`` produces these shards).
+        group: a process group or 1-D DeviceMesh (``None``: the default group), or a 2-D DeviceMesh with
+            dimensions "ulysses" and "ring" for the hybrids.
+
+    Returns:
+        (batch, local_seq, heads, head_dim), like q.
+
+    Raises:
+        TypeError / ValueError: bad input (e.g. heads not divisible by the Ulysses degree, naming both), raised
+            before any communication; cross-rank disagreements (the strategy included): the same error on
+            every rank.
+    """
+    from distcomm_attention.strategies import dispatch as strategies
+
+    strategies.check_strategy(strategy)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _validation.check_is_tensor(name, t)
+    _validation.check_flag("causal", causal)
+    layouts.check_layout(layout)
+    dispatch.check_backend(backend)
+    window = _validation.check_window(window_size)
+    softcap = _validation.check_softcap(softcap)
+    if strategy == "auto":
+        strategy = strategies.choose(q, k, group=group, layout=layout, causal=causal, window=window,
+                                     attention_mask=attention_mask, cu_seqlens=cu_seqlens).strategy
+    if torch.compiler.is_compiling() and strategy != "ring":
+        raise NotImplementedError(
+            f"strategy={strategy!r} does not run under torch.compile yet; use strategy='ring' (compiled as one "
+            f"custom op) or call it outside the compiled region"
+        )
+    if strategy == "ring" and torch.compiler.is_compiling():
+        return ring_flash_attn(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, group=group,
+                               backend=backend, attention_mask=attention_mask, window_size=window_size,
+                               softcap=softcap, cu_seqlens=cu_seqlens)
+    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return strategies.run(q, k, v, strategy=strategy, group=group, layout=layout, causal=causal,
+                          softmax_scale=softmax_scale, window=window, softcap=softcap, attention_mask=attention_mask,
+                          cu_seqlens=cu_seqlens, backend=backend, requires_grad=requires_grad)

@@ -21,15 +21,16 @@ import torch.distributed as dist
 
 from distcomm import _groups
 from distcomm.ring import RingComm
-from distcomm_attention.planning import layouts
+from distcomm_attention import _validation
+from distcomm_attention.planning import cost, layouts
 from distcomm_attention.planning.plans import gathered_plan, local_plan, natural_order
-from distcomm_attention.planning.visibility import ring_plan
+from distcomm_attention.planning.visibility import Visibility, ring_plan
 from distcomm_attention.strategies import allgather as _allgather
 from distcomm_attention.strategies import ulysses as _ulysses
 from distcomm_attention.strategies.prepare import prepare
 from distcomm_attention.strategies.ring import ring_attention
 
-__all__ = ["STRATEGIES", "check_strategy", "resolve_mesh", "hybrid_positions", "run"]
+__all__ = ["STRATEGIES", "check_strategy", "resolve_mesh", "hybrid_positions", "choose", "run"]
 
 STRATEGIES = ("auto", "ring", "ulysses", "allgather", "hybrid", "hybrid_allgather")
 _CODES = {name: i for i, name in enumerate(STRATEGIES)}
@@ -92,9 +93,33 @@ def _local_attention(layout: str, degree: int, n: int, plan, key_args):
     return inner
 
 
+def choose(q, k, *, group, layout: str, causal: bool, window, attention_mask, cu_seqlens,
+           hardware: cost.Hardware | None = None) -> cost.StrategyChoice:
+    """The strategy "auto" runs for this call, with every applicable strategy's prediction (Note [Cost model]).
+
+    Per-rank input checks come first (the same errors as the call itself); nothing is communicated.
+    """
+    _validation.check_qkv(q, k, k)
+    if _is_2d_mesh(group):
+        ulysses_group, ring_group, _ = resolve_mesh(group)
+        u, world = _groups.group_size(ulysses_group), group.size()
+        candidates = ("hybrid", "hybrid_allgather")
+    else:
+        u, world = 1, RingComm(group).size
+        candidates = ("ring", "ulysses", "allgather")
+    docs = _validation.check_cu_seqlens(cu_seqlens, q.shape[1] * world)
+    vis = Visibility(causal, window, docs, attention_mask is not None)
+    call = cost.Call(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.element_size(), layout, vis,
+                     world, u)
+    return cost.choose(call, candidates, hardware or cost.Hardware())
+
+
 def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_scale, window, softcap,
-        attention_mask, cu_seqlens, backend: str, requires_grad: bool, choose=None):
-    """Validate, verify, plan and run one call of ``strategy`` (not "auto": ``choose`` resolves it first)."""
+        attention_mask, cu_seqlens, backend: str, requires_grad: bool):
+    """Validate, verify, plan and run one call of ``strategy`` ("auto": the cost model's pick)."""
+    if strategy == "auto":
+        strategy = choose(q, k, group=group, layout=layout, causal=causal, window=window,
+                          attention_mask=attention_mask, cu_seqlens=cu_seqlens).strategy
     common = dict(layout=layout, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
                   attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
                   requires_grad=requires_grad)

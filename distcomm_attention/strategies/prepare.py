@@ -72,6 +72,7 @@ def prepare(
                 "cu_seqlens": _validation.cu_seqlens_digest(docs),
                 # a rank whose inputs need no grad would skip the backward its peers wait in
                 "requires_grad": int(requires_grad),
+                "strategy": 1,  # the ring (strategies.dispatch.STRATEGIES); other strategies override it
                 **(extra or {}),
             },
         )

@@ -1,0 +1,214 @@
+"""The cost model behind ``strategy="auto"``: predicted time and memory of each strategy for one call.
+
+Note [Cost model]
+    Pure arithmetic on the call's shapes and the plans (no communication, nothing measured at call time,
+    so every rank predicts the same and picks the same strategy). For one forward + backward:
+
+        compute   max over ranks of  sum over the rank's kernel calls of
+                      3.5 * 4 * B * heads * D * visible_pairs / tflops          (the kernel's work)
+                    + call_overhead                                           (launch, small-block losses)
+                    + 4 B D (rows * heads + 2 keys * kv_heads) / state_gbps    (fp32 out / lse / dQ / dK /
+                                                                                dV state the call touches)
+                  (heads: H for the ring and all-gather, H / U for Ulysses' degree U; 3.5 = fwd + bwd)
+        ring      per needed step: max(step compute, hop) with hop = bytes / p2p_bw + latency, where a hop
+                  carries k, v forward and k, v plus fp32 dK, dV backward (Note [Ring attention loop]);
+                  the last hop (dK, dV home) is not hidden
+        ulysses   compute + four all-to-alls forward (q, k, v, out) and four backward (dout, dq, dk, dv),
+                  (U - 1) / U of each tensor leaves the rank, at a2a_bw, not overlapped
+        allgather compute + k, v gathered twice (forward, backward) at allgather_bw + fp32 dK, dV
+                  reduce-scattered at reduce_scatter_bw, not overlapped
+        hybrids   Ulysses over the "ulysses" dimension around a ring / all-gather over "ring"
+
+        memory    the strategy's extra buffers per rank: ring 2 k/v blocks in flight + fp32 dK/dV
+                  accumulators; all-gather S x Hkv x D keys and values (+ fp32 dK/dV in the backward);
+                  Ulysses the head-sharded q, k, v, out of the whole sequence
+
+    The defaults are measured. Compute: fitted (least squares, 3 parameters) to 112 per-rank times of the
+    ring, all-gather and Ulysses plans with flash-attn-4 blocks on one H100 (bf16, d 128, heads 32/32 and
+    32/8, 4k-16k tokens per rank; scripts/bench_strategies.py, docs/bench/strategies.md): 615 TFLOP/s,
+    0.30 ms per block call, 618 GB/s of fp32 state; mean error 3%, worst 18%. Links: NVLink on 2 H200s (ring
+    pass 359 GB/s, all-gather 277, reduce-scatter 272 at 1 GB). ``Hardware`` holds
+    them; pass your own (e.g. inter-node links of 50 GB/s per GPU) to ``which_strategy``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from distcomm_attention.planning.plans import gathered_plan, local_plan
+from distcomm_attention.planning.visibility import RingPlan, Visibility, ring_plan
+
+__all__ = ["Hardware", "Prediction", "StrategyChoice", "predict", "choose"]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Throughputs the model divides by (defaults: one H100 / H200 node, NVLink).
+
+    Attributes:
+        tflops: attention kernel forward + backward throughput on large blocks, TFLOP/s.
+        call_overhead_s: fixed cost of one block's forward + backward calls (launches, small-block losses).
+        state_gbps: rate at which a block call's fp32 state (out, dQ, dK, dV accumulators) is touched.
+        p2p_gbps, a2a_gbps, allgather_gbps, reduce_scatter_gbps: link bandwidths per GPU, GB/s.
+        latency_s: fixed cost of one collective or ring hop.
+    """
+
+    tflops: float = 615.0
+    call_overhead_s: float = 0.30e-3
+    state_gbps: float = 618.0
+    p2p_gbps: float = 360.0
+    a2a_gbps: float = 250.0
+    allgather_gbps: float = 277.0
+    reduce_scatter_gbps: float = 272.0
+    latency_s: float = 20e-6
+
+
+class Prediction(NamedTuple):
+    """One strategy's predicted forward + backward: total, compute and exposed communication seconds,
+    extra memory bytes per rank."""
+
+    seconds: float
+    compute_s: float
+    comm_s: float
+    memory_bytes: int
+
+
+class StrategyChoice(NamedTuple):
+    """``strategy``: the pick; ``predictions``: every applicable strategy's Prediction; ``reason``: why."""
+
+    strategy: str
+    predictions: dict
+    reason: str
+
+
+@dataclass(frozen=True)
+class Call:
+    """The shapes of one call (hashable, for the caches)."""
+
+    batch: int
+    local_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    itemsize: int
+    layout: str
+    vis: Visibility
+    world: int
+    ulysses: int = 1  # the hybrids' Ulysses degree (world = ulysses * ring)
+    extra: tuple = field(default=())
+
+
+def _pairs(block) -> int:
+    """Visible (query, key) pairs of one block."""
+    nq, nk = block.q.stop - block.q.start, block.kv.stop - block.kv.start
+    if block.mode == "full":
+        return nq * nk
+    if block.mode == "causal":
+        return nq * (nq + 1) // 2
+    row_lo, row_hi = block.intervals[0], block.intervals[1]
+    return int((row_hi - row_lo).clamp(min=0).sum())
+
+
+def _step_costs(plan: RingPlan) -> tuple[tuple[int, int, int, int], ...]:
+    """(visible pairs, kernel calls, query rows, key rows) of each step of a plan."""
+    out = []
+    for blocks in plan.blocks:
+        out.append((sum(_pairs(b) for b in blocks), len(blocks), sum(b.q.stop - b.q.start for b in blocks),
+                    sum(b.kv.stop - b.kv.start for b in blocks)))
+    return tuple(out)
+
+
+def _compute_s(pairs: int, calls: int, rows: int, keys: int, c: Call, heads: int, kv_heads: int,
+               hw: Hardware) -> float:
+    flops = 3.5 * 4 * c.batch * heads * c.head_dim * pairs
+    state = 4 * c.batch * c.head_dim * (rows * heads + 2 * keys * kv_heads)
+    return flops / (hw.tflops * 1e12) + calls * hw.call_overhead_s + state / (hw.state_gbps * 1e9)
+
+
+def _transfer_s(nbytes: float, gbps: float, hw: Hardware) -> float:
+    return 0.0 if nbytes <= 0 else hw.latency_s + nbytes / (gbps * 1e9)
+
+
+def _ring_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: Hardware) -> tuple[float, float]:
+    """(compute, exposed communication) of the slowest rank of a ring of ``ranks`` over ``local_len`` tokens."""
+    kv = 2 * c.batch * local_len * kv_heads * c.head_dim
+    hop_fwd = _transfer_s(kv * c.itemsize, hw.p2p_gbps, hw) if ranks > 1 else 0.0
+    hop_bwd = _transfer_s(kv * (c.itemsize + 4), hw.p2p_gbps, hw) if ranks > 1 else 0.0
+    worst = (0.0, 0.0)
+    for r in range(ranks):
+        plan = ring_plan(c.layout, c.vis, ranks, r, local_len)
+        compute = total = 0.0
+        hops = len(plan.steps) > 1
+        for costs in _step_costs(plan):
+            step = _compute_s(*costs, c, heads, kv_heads, hw)
+            compute += step
+            # forward: 1 / 3.5 of the work against the k, v hop; backward: the rest against k, v, dK, dV
+            total += max(step / 3.5, hop_fwd) + max(step * 2.5 / 3.5, hop_bwd) if hops else step
+        total += hop_bwd if hops else 0.0  # dK, dV home
+        if total > sum(worst):
+            worst = (compute, total - compute)
+    return worst
+
+
+def _gathered_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: Hardware):
+    kv = 2 * c.batch * local_len * kv_heads * c.head_dim * (ranks - 1)
+    comm = 2 * _transfer_s(kv * c.itemsize, hw.allgather_gbps, hw) + _transfer_s(kv * 4, hw.reduce_scatter_gbps, hw)
+    compute = max(
+        _compute_s(*_step_costs(gathered_plan(c.layout, c.vis, ranks, r, local_len))[0], c, heads, kv_heads, hw)
+        for r in range(ranks)
+    )
+    return compute, comm if ranks > 1 else 0.0
+
+
+def _a2a_s(c: Call, degree: int, heads: int, kv_heads: int, hw: Hardware) -> float:
+    if degree == 1:
+        return 0.0
+    per_token = c.batch * c.local_len * c.head_dim * c.itemsize * (degree - 1) / degree
+    return 2 * (_transfer_s(per_token * (2 * heads + 2 * kv_heads), hw.a2a_gbps, hw) + 3 * hw.latency_s)
+
+
+def _kv_sent(heads: int, kv_heads: int, degree: int) -> int:
+    """kv heads sent through Ulysses' all-to-all (Note [Ulysses])."""
+    if kv_heads % degree == 0:
+        return kv_heads
+    return degree if (heads // kv_heads) % (heads // degree) == 0 else heads
+
+
+def predict(c: Call, strategy: str, hw: Hardware = Hardware()) -> Prediction | None:
+    """The predicted forward + backward of ``strategy`` for the call, or None where it cannot run."""
+    n, b, d, s = c.local_len, c.batch, c.head_dim, c.local_len * c.world
+    item = c.itemsize
+    if strategy == "ring":
+        compute, comm = _ring_s(c, c.world, n, c.heads, c.kv_heads, hw)
+        mem = b * n * c.kv_heads * d * (4 * item + 8)
+    elif strategy == "allgather":
+        compute, comm = _gathered_s(c, c.world, n, c.heads, c.kv_heads, hw)
+        mem = b * s * c.kv_heads * d * (2 * item + 8)
+    elif strategy in ("ulysses", "hybrid", "hybrid_allgather"):
+        u = c.world if strategy == "ulysses" else c.ulysses
+        if c.heads % u:
+            return None
+        kv_sent = _kv_sent(c.heads, c.kv_heads, u)
+        heads, kv_heads = c.heads // u, kv_sent // u
+        comm = _a2a_s(c, u, c.heads, kv_sent, hw)
+        if strategy == "ulysses":
+            compute = _compute_s(*_step_costs(local_plan(c.vis, s))[0], c, heads, kv_heads, hw)
+            mem = b * s * d * item * (2 * heads + 2 * kv_heads)
+        else:
+            rings = c.world // u
+            inner = _ring_s if strategy == "hybrid" else _gathered_s
+            compute, inner_comm = inner(c, rings, u * n, heads, kv_heads, hw)
+            comm += inner_comm
+            mem = b * u * n * d * item * (2 * heads + 2 * kv_heads)
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}")
+    return Prediction(compute + comm, compute, comm, int(mem))
+
+
+def choose(c: Call, candidates: tuple[str, ...], hw: Hardware = Hardware()) -> StrategyChoice:
+    """The candidate with the least predicted time (ties: the earlier candidate)."""
+    predictions = {name: p for name in candidates if (p := predict(c, name, hw)) is not None}
+    best = min(predictions, key=lambda name: predictions[name].seconds)
+    others = ", ".join(f"{k} {v.seconds * 1e3:.3f} ms" for k, v in predictions.items())
+    return StrategyChoice(best, predictions, f"least predicted fwd+bwd time ({others})")
