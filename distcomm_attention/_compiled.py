@@ -1,4 +1,4 @@
-"""``ring_flash_attn`` under ``torch.compile``: the whole ring as two custom ops.
+"""``ring_flash_attn`` and ``context_parallel_attn`` under ``torch.compile``: each call as two custom ops.
 
 Note [Compiled ring attention]
     Dynamo cannot trace the ring itself: its plan is computed on the host from the call's options (and
@@ -28,7 +28,7 @@ from distcomm_attention.planning import layouts
 from distcomm_attention.strategies.prepare import prepare
 from distcomm_attention.strategies.ring import _no_autocast, ring_backward, ring_forward
 
-__all__ = ["compiled_ring_flash_attn"]
+__all__ = ["compiled_ring_flash_attn", "compiled_context_parallel_attn"]
 
 
 def _group_name(group) -> str:
@@ -150,3 +150,97 @@ def compiled_ring_flash_attn(q, k, v, *, group, ring_size, layout, causal, softm
         window[1], softcap, scale, backend, requires_grad,
     )
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The other strategies (Note [Compiled strategies])
+# ---------------------------------------------------------------------------------------------------------
+#
+# Note [Compiled strategies]
+#     "ulysses" and "allgather" compile as one opaque operator each way, like the ring:
+#
+#         distcomm_attention::cp_attn(q, k, v, key_mask?, cu_seqlens?, group, strategy, ...) -> out
+#         distcomm_attention::cp_attn_backward(dout, q, k, v, ...)                           -> (dq, dk, dv)
+#
+#     At run time the forward runs the eager strategy (validation, cross-rank verification, plan, kernels)
+#     without autograd; the backward runs it again with autograd and differentiates it, so only q, k, v are
+#     saved. That recomputes one forward (about 1 / 3.5 of a forward + backward) where the eager path and
+#     the compiled ring do not. The hybrids take a 2-D mesh, which cannot travel in a graph: they run eagerly.
+
+
+def _run_strategy(q, k, v, key_mask, cu_seqlens, group_name, strategy, layout, causal, window_left, window_right,
+                  softcap, scale, backend, requires_grad):
+    from distcomm_attention.strategies import dispatch as strategies
+
+    return strategies.run(q, k, v, strategy=strategy, group=_resolve_group(group_name), layout=layout,
+                          causal=causal, softmax_scale=scale, window=(window_left, window_right), softcap=softcap,
+                          attention_mask=key_mask, cu_seqlens=cu_seqlens, backend=backend,
+                          requires_grad=requires_grad)
+
+
+@torch.library.custom_op("distcomm_attention::cp_attn", mutates_args=())
+def _cp_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None, group_name: str, strategy: str, layout: str, causal: bool,
+    window_left: int, window_right: int, softcap: float, scale: float, backend: str, requires_grad: bool,
+) -> torch.Tensor:
+    """The forward of ``strategy`` (Note [Compiled strategies]); returns out (B, n, H, D)."""
+    with torch.no_grad():
+        out = _run_strategy(q, k, v, key_mask, cu_seqlens, group_name, strategy, layout, causal, window_left,
+                            window_right, softcap, scale, backend, requires_grad)
+    return out.contiguous()
+
+
+@_cp_attn.register_fake
+def _cp_attn_fake(q, k, v, key_mask, cu_seqlens, group_name, strategy, layout, causal, window_left, window_right,
+                  softcap, scale, backend, requires_grad):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("distcomm_attention::cp_attn_backward", mutates_args=())
+def _cp_attn_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None, group_name: str, strategy: str, layout: str, causal: bool,
+    window_left: int, window_right: int, softcap: float, scale: float, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of ``strategy``: its forward recomputed with autograd, then differentiated."""
+    with torch.enable_grad():
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        out = _run_strategy(qg, kg, vg, key_mask, cu_seqlens, group_name, strategy, layout, causal, window_left,
+                            window_right, softcap, scale, backend, True)
+        grads = torch.autograd.grad(out, (qg, kg, vg), dout)
+    return tuple(g.contiguous() for g in grads)
+
+
+@_cp_attn_backward.register_fake
+def _cp_attn_backward_fake(dout, q, k, v, key_mask, cu_seqlens, group_name, strategy, layout, causal, window_left,
+                           window_right, softcap, scale, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _cp_setup_context(ctx, inputs, output):
+    q, k, v, key_mask, cu_seqlens, *options = inputs
+    ctx.save_for_backward(q, k, v, key_mask, cu_seqlens)
+    ctx.options = options[:-1]  # everything but requires_grad
+
+
+def _cp_backward(ctx, dout):
+    q, k, v, key_mask, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = _cp_attn_backward(dout.contiguous(), q, k, v, key_mask, cu_seqlens, *ctx.options)
+    return (dq, dk, dv) + (None,) * 12
+
+
+_cp_attn.register_autograd(_cp_backward, setup_context=_cp_setup_context)
+
+
+def compiled_context_parallel_attn(q, k, v, *, strategy, group, layout, causal, softmax_scale, window, softcap,
+                                   attention_mask, cu_seqlens, backend) -> torch.Tensor:
+    """``context_parallel_attn`` with strategy "ulysses" or "allgather" inside a compiled region."""
+    _validation.check_qkv(q, k, v)
+    _validation.check_attention_mask(attention_mask, q)
+    scale = _validation.check_scale(softmax_scale, q.shape[3])
+    if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
+    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return _cp_attn(q, k, v, attention_mask, cu_seqlens, _group_name(group), strategy, layout, causal, window[0],
+                    window[1], softcap, scale, backend, requires_grad)

@@ -9,6 +9,7 @@ from distcomm_attention import _validation
 from distcomm_attention.kernels import dispatch
 from distcomm_attention.planning import layouts
 from distcomm_attention.kernels.dispatch import KernelChoice
+from distcomm_attention.strategies import dispatch as strategies
 from distcomm_attention.strategies.ring import ring_attention
 from distcomm_attention.strategies.prepare import prepare
 from distcomm_attention.planning.visibility import Visibility
@@ -214,8 +215,6 @@ def context_parallel_attn(
             before any communication; cross-rank disagreements (the strategy included): the same error on
             every rank.
     """
-    from distcomm_attention.strategies import dispatch as strategies
-
     strategies.check_strategy(strategy)
     for name, t in (("q", q), ("k", k), ("v", v)):
         _validation.check_is_tensor(name, t)
@@ -224,18 +223,28 @@ def context_parallel_attn(
     dispatch.check_backend(backend)
     window = _validation.check_window(window_size)
     softcap = _validation.check_softcap(softcap)
+    compiling = torch.compiler.is_compiling()
     if strategy == "auto":
-        strategy = strategies.choose(q, k, group=group, layout=layout, causal=causal, window=window,
-                                     attention_mask=attention_mask, cu_seqlens=cu_seqlens).strategy
-    if torch.compiler.is_compiling() and strategy != "ring":
-        raise NotImplementedError(
-            f"strategy={strategy!r} does not run under torch.compile yet; use strategy='ring' (compiled as one "
-            f"custom op) or call it outside the compiled region"
+        # the cost model runs on the host; a compiled region runs the ring (Note [Compiled strategies])
+        strategy = "ring" if compiling else strategies.choose(
+            q, k, group=group, layout=layout, causal=causal, window=window, attention_mask=attention_mask,
+            cu_seqlens=cu_seqlens).strategy
+    if compiling:
+        if strategy == "ring":
+            return ring_flash_attn(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, group=group,
+                                   backend=backend, attention_mask=attention_mask, window_size=window_size,
+                                   softcap=softcap, cu_seqlens=cu_seqlens)
+        if strategy in ("hybrid", "hybrid_allgather"):
+            raise NotImplementedError(
+                f"strategy={strategy!r} takes a 2-D DeviceMesh, which cannot travel in a compiled graph; call it "
+                f"outside the compiled region, or compile strategy 'ring', 'ulysses' or 'allgather'"
+            )
+        from distcomm_attention._compiled import compiled_context_parallel_attn
+
+        return compiled_context_parallel_attn(
+            q, k, v, strategy=strategy, group=group, layout=layout, causal=causal, softmax_scale=softmax_scale,
+            window=window, softcap=softcap, attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
         )
-    if strategy == "ring" and torch.compiler.is_compiling():
-        return ring_flash_attn(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, group=group,
-                               backend=backend, attention_mask=attention_mask, window_size=window_size,
-                               softcap=softcap, cu_seqlens=cu_seqlens)
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return strategies.run(q, k, v, strategy=strategy, group=group, layout=layout, causal=causal,
                           softmax_scale=softmax_scale, window=window, softcap=softcap, attention_mask=attention_mask,

@@ -28,7 +28,7 @@ from distcomm_attention.planning.plans import gathered_in_natural_order, natural
 from distcomm_attention.planning.visibility import RingPlan
 from distcomm_attention.strategies.ring import _no_autocast, ring_forward
 
-__all__ = ["allgather_attention", "gather_kv", "local_backward"]
+__all__ = ["AllGatherKV", "allgather_attention", "gather_kv", "local_backward"]
 
 
 def _to_buffer(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
@@ -78,6 +78,32 @@ def local_backward(dout, q, k, v, out, lse, key_mask, plan: RingPlan, softcap: f
     return dq.to(q.dtype), dk, dv
 
 
+class AllGatherKV:
+    """The all-gather computation over ``group`` for one call's plan (shared by the strategy and the hybrid):
+    ``forward(q, k, v, key_mask) -> (out, lse)``, ``backward(dout, q, k, v, out, lse, key_mask) -> (dq, dk,
+    dv)``, every tensor this rank's (see Note [All-gather KV])."""
+
+    def __init__(self, group, layout: str, local_len: int, plan: RingPlan, softcap: float, scale: float, fwd, bwd):
+        self.group, self.plan, self.softcap, self.scale, self.fwd, self.bwd = group, plan, softcap, scale, fwd, bwd
+        world = _groups.group_size(group)
+        self.order = natural_order(layout, world, local_len) if gathered_in_natural_order(layout) else None
+        self.one = RingComm(group, 1) if world > 1 else RingComm(None)
+
+    def forward(self, q, k, v, key_mask):
+        k_all, v_all, km_all = gather_kv(k, v, key_mask, self.group, self.order)
+        return ring_forward(q, k_all, v_all, km_all, self.one, self.plan, self.softcap, self.scale, self.fwd)
+
+    def backward(self, dout, q, k, v, out, lse, key_mask):
+        k_all, v_all, km_all = gather_kv(k, v, key_mask, self.group, self.order)
+        dq, dk_all, dv_all = local_backward(dout, q, k_all, v_all, out, lse, km_all, self.plan, self.softcap,
+                                            self.scale, self.bwd)
+        del k_all, v_all
+        with torch.no_grad():
+            dk = dfunc.reduce_scatter_tensor(_from_buffer(dk_all, self.order), 1, group=self.group)
+            dv = dfunc.reduce_scatter_tensor(_from_buffer(dv_all, self.order), 1, group=self.group)
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
 class _AllGatherKVAttn(torch.autograd.Function):
     """out = attention of this rank's queries to the gathered sequence; see Note [All-gather KV].
 
@@ -85,14 +111,10 @@ class _AllGatherKVAttn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, key_mask, group, layout: str, plan: RingPlan, softcap, scale, fwd, bwd):
-        world = _groups.group_size(group)
-        order = natural_order(layout, world, k.shape[1]) if gathered_in_natural_order(layout) else None
-        k_all, v_all, km_all = gather_kv(k, v, key_mask, group, order)
-        one = RingComm(group, 1) if world > 1 else RingComm(None)
-        out, lse = ring_forward(q, k_all, v_all, km_all, one, plan, softcap, scale, fwd)
+    def forward(ctx, q, k, v, key_mask, computation: AllGatherKV):
+        out, lse = computation.forward(q, k, v, key_mask)
         ctx.save_for_backward(q, k, v, out, lse, key_mask)
-        ctx.group, ctx.order, ctx.plan, ctx.softcap, ctx.scale, ctx.bwd = group, order, plan, softcap, scale, bwd
+        ctx.computation = computation
         return out
 
     @staticmethod
@@ -100,18 +122,13 @@ class _AllGatherKVAttn(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, key_mask = ctx.saved_tensors
         with _no_autocast(dout.device):
-            k_all, v_all, km_all = gather_kv(k, v, key_mask, ctx.group, ctx.order)
-            dq, dk_all, dv_all = local_backward(dout, q, k_all, v_all, out, lse, km_all, ctx.plan, ctx.softcap,
-                                                ctx.scale, ctx.bwd)
-            del k_all, v_all
-            with torch.no_grad():
-                dk = dfunc.reduce_scatter_tensor(_from_buffer(dk_all, ctx.order), 1, group=ctx.group)
-                dv = dfunc.reduce_scatter_tensor(_from_buffer(dv_all, ctx.order), 1, group=ctx.group)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None, None
+            dq, dk, dv = ctx.computation.backward(dout, q, k, v, out, lse, key_mask)
+        return dq, dk, dv, None, None
 
 
 def allgather_attention(q, k, v, group, *, layout: str, plan: RingPlan, key_mask, softcap: float, scale: float,
                         fwd, bwd) -> torch.Tensor:
     """All-gather KV attention (inputs validated and verified; ``group`` resolved): q (B, n, H, D) -> (B, n, H, D)."""
+    computation = AllGatherKV(group, layout, q.shape[1], plan, softcap, scale, fwd, bwd)
     with _no_autocast(q.device):
-        return _AllGatherKVAttn.apply(q, k, v, key_mask, group, layout, plan, softcap, scale, fwd, bwd)
+        return _AllGatherKVAttn.apply(q, k, v, key_mask, computation)

@@ -28,7 +28,7 @@ from distcomm_attention.planning.visibility import Visibility, ring_plan
 from distcomm_attention.strategies import allgather as _allgather
 from distcomm_attention.strategies import ulysses as _ulysses
 from distcomm_attention.strategies.prepare import prepare
-from distcomm_attention.strategies.ring import ring_attention
+from distcomm_attention.strategies.ring import ring_attention, ring_backward, ring_forward
 
 __all__ = ["STRATEGIES", "check_strategy", "resolve_mesh", "hybrid_positions", "choose", "run"]
 
@@ -75,22 +75,35 @@ def hybrid_positions(layout: str, seq_len: int, ring_size: int, ring_rank: int, 
     return shard[ulysses_rank * n:(ulysses_rank + 1) * n]
 
 
-def _local_attention(layout: str, degree: int, n: int, plan, key_args):
-    """Ulysses' inner attention: rows from source order to natural order, one local plan, and back."""
-    order = natural_order(layout, degree, n)
+class _Ring:
+    """A ring over ``comm`` as Ulysses' inner computation (the hybrid's ring dimension, or a ring of one for
+    plain Ulysses, whose rows are put into natural order and back: Note [Ulysses])."""
 
-    def inner(q, k, v, key_mask):
-        if order is not None:
-            idx = order.to(q.device)
-            q, k, v = (t.index_select(1, idx) for t in (q, k, v))
-            key_mask = None if key_mask is None else key_mask.index_select(1, idx)
-        out = ring_attention(q, k, v, RingComm(None) if degree == 1 else key_args["one"], plan=plan,
-                             key_mask=key_mask, **key_args["kw"])
-        if order is not None:
-            out = out.index_select(1, torch.argsort(order).to(out.device))
-        return out
+    def __init__(self, comm: RingComm, plan, softcap: float, scale: float, fwd, bwd, order=None):
+        self.comm, self.plan, self.softcap, self.scale, self.fwd, self.bwd = comm, plan, softcap, scale, fwd, bwd
+        self.order = order
+        self.inverse = None if order is None else torch.argsort(order)
 
-    return inner
+    def _natural(self, *ts):
+        if self.order is None:
+            return ts
+        return tuple(None if t is None else t.index_select(1, self.order.to(t.device)) for t in ts)
+
+    def _source(self, *ts):
+        if self.inverse is None:
+            return ts
+        return tuple(t.index_select(1, self.inverse.to(t.device)) for t in ts)
+
+    def forward(self, q, k, v, key_mask):
+        q, k, v, key_mask = self._natural(q, k, v, key_mask)
+        out, lse = ring_forward(q, k, v, key_mask, self.comm, self.plan, self.softcap, self.scale, self.fwd)
+        return self._source(out)[0], lse
+
+    def backward(self, dout, q, k, v, out, lse, key_mask):
+        dout, q, k, v, out, key_mask = self._natural(dout, q, k, v, out, key_mask)
+        grads = ring_backward(dout, q, k, v, out, lse, key_mask, self.comm, self.plan, self.softcap, self.scale,
+                              self.bwd)
+        return self._source(*grads)
 
 
 def choose(q, k, *, group, layout: str, causal: bool, window, attention_mask, cu_seqlens,
@@ -138,16 +151,11 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
 
         plan, scale, fwd, bwd = prepare(q, k, v, comm, extra=extra, shards=(wr, wu * n), planner=planner, **common)
         _ulysses.check_heads(q.shape[2], k.shape[2], wu)
-        kw = dict(softcap=softcap, scale=scale, fwd=fwd, bwd=bwd)
         if strategy == "hybrid":
-            ring = RingComm(ring_group)
-
-            def inner(qh, kh, vh, km):
-                return ring_attention(qh, kh, vh, ring, plan=plan, key_mask=km, **kw)
+            inner = _Ring(RingComm(ring_group), plan, softcap, scale, fwd, bwd)
         else:
-            def inner(qh, kh, vh, km):
-                return _allgather.allgather_attention(qh, kh, vh, _groups.resolve_group(ring_group), layout=layout,
-                                                      plan=plan, key_mask=km, **kw)
+            inner = _allgather.AllGatherKV(_groups.resolve_group(ring_group), layout, wu * n, plan, softcap, scale,
+                                           fwd, bwd)
         return _ulysses.ulysses(q, k, v, attention_mask, ulysses_group, wu, inner)
 
     if _is_2d_mesh(group):
@@ -174,7 +182,6 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
                                         planner=lambda vis: local_plan(vis, world * n))
         _ulysses.check_heads(q.shape[2], k.shape[2], world)
         one = RingComm(comm.group, 1) if world > 1 else RingComm(None)
-        inner = _local_attention(layout, world, n, plan,
-                                 {"one": one, "kw": dict(softcap=softcap, scale=scale, fwd=fwd, bwd=bwd)})
+        inner = _Ring(one, plan, softcap, scale, fwd, bwd, natural_order(layout, world, n))
         return _ulysses.ulysses(q, k, v, attention_mask, comm.group, world, inner)
     raise ValueError(f"`strategy` must be one of {list(STRATEGIES)}, got {strategy!r}")

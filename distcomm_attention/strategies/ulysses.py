@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import torch
 
+from torch.autograd.function import once_differentiable
+
 import distcomm.functional as dfunc
+from distcomm_attention.strategies.ring import _no_autocast
 
 __all__ = ["check_heads", "kv_head_index", "seq_to_heads", "heads_to_seq", "gather_key_mask", "ulysses"]
 
@@ -52,13 +55,18 @@ def kv_head_index(heads: int, kv_heads: int, degree: int) -> list[int] | None:
     return [h // group for h in range(heads)]
 
 
+def _a2a(send: torch.Tensor, group) -> torch.Tensor:
+    """distcomm's all-to-all of dim 0 (equal splits), outside autograd: the Function below is the adjoint."""
+    with torch.no_grad():
+        return dfunc.all_to_all_single(torch.empty_like(send), send, group=group)
+
+
 def seq_to_heads(x: torch.Tensor, group, degree: int) -> torch.Tensor:
     """(B, n, H, D) sequence-sharded -> (B, W n, H / W, D) head-sharded, rows in source order."""
     if degree == 1:
         return x
     b, n, h, d = x.shape
-    send = x.reshape(b, n, degree, h // degree, d).permute(2, 0, 1, 3, 4).contiguous()
-    recv = dfunc.all_to_all_single(torch.empty_like(send), send, group=group)
+    recv = _a2a(x.reshape(b, n, degree, h // degree, d).permute(2, 0, 1, 3, 4).contiguous(), group)
     return recv.permute(1, 0, 2, 3, 4).reshape(b, degree * n, h // degree, d)
 
 
@@ -68,8 +76,7 @@ def heads_to_seq(y: torch.Tensor, group, degree: int) -> torch.Tensor:
         return y
     b, s, h, d = y.shape
     n = s // degree
-    send = y.reshape(b, degree, n, h, d).permute(1, 0, 2, 3, 4).contiguous()
-    recv = dfunc.all_to_all_single(torch.empty_like(send), send, group=group)
+    recv = _a2a(y.reshape(b, degree, n, h, d).permute(1, 0, 2, 3, 4).contiguous(), group)
     return recv.permute(1, 2, 0, 3, 4).reshape(b, n, degree * h, d)
 
 
@@ -81,16 +88,45 @@ def gather_key_mask(key_mask: torch.Tensor | None, group, degree: int) -> torch.
         return dfunc.all_gather_tensor(key_mask.contiguous().view(torch.uint8), 1, group).view(torch.bool)
 
 
-def ulysses(q, k, v, key_mask, group, degree: int, inner) -> torch.Tensor:
-    """Head-shard q, k, v over ``group``, run ``inner(q, k, v, key_mask)`` on the gathered rows, shard back.
+class _UlyssesAttn(torch.autograd.Function):
+    """out = attention over the whole sequence, head-sharded in between; see Note [Ulysses].
 
-    ``inner`` receives rows in source order (rank 0's tokens, rank 1's, ...) and returns the output in the
-    same order. Differentiable through distcomm's all-to-all.
+    Adjoint: all_to_all <-> all_to_all in the other direction; the kv heads' selection <-> a sum over the
+    copies of each kv head (in fp32). ``inner`` computes the head-sharded attention: ``inner.forward(q, k,
+    v, key_mask) -> (out, lse)`` and ``inner.backward(dout, q, k, v, out, lse, key_mask) -> (dq, dk, dv)``.
     """
-    index = kv_head_index(q.shape[2], k.shape[2], degree)
-    if index is not None:
-        ids = torch.tensor(index, device=k.device)
-        k, v = k.index_select(2, ids), v.index_select(2, ids)
-    qh, kh, vh = (seq_to_heads(t, group, degree) for t in (q, k, v))
-    out = inner(qh, kh, vh, gather_key_mask(key_mask, group, degree))
-    return heads_to_seq(out, group, degree)
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_mask, group, degree: int, inner):
+        kv_heads = k.shape[2]
+        index = kv_head_index(q.shape[2], kv_heads, degree)
+        ids = None if index is None else torch.tensor(index, device=k.device)
+        if ids is not None:
+            k, v = k.index_select(2, ids), v.index_select(2, ids)
+        qh, kh, vh = (seq_to_heads(t, group, degree) for t in (q, k, v))
+        km = gather_key_mask(key_mask, group, degree)
+        out, lse = inner.forward(qh, kh, vh, km)
+        ctx.save_for_backward(qh, kh, vh, out, lse, km, ids)
+        ctx.group, ctx.degree, ctx.inner, ctx.kv_heads = group, degree, inner, kv_heads
+        return heads_to_seq(out, group, degree)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        qh, kh, vh, out, lse, km, ids = ctx.saved_tensors
+        group, degree = ctx.group, ctx.degree
+        dq, dk, dv = ctx.inner.backward(seq_to_heads(dout.contiguous(), group, degree), qh, kh, vh, out, lse, km)
+        dq, dk, dv = (heads_to_seq(t, group, degree) for t in (dq, dk, dv))
+        if ids is not None:  # the copies of each kv head sum to its gradient
+            b, n, _, d = dk.shape
+            acc = torch.float64 if dk.dtype == torch.float64 else torch.float32
+            dk = torch.zeros(b, n, ctx.kv_heads, d, dtype=acc, device=dk.device).index_add_(2, ids, dk.to(acc))
+            dv = torch.zeros(b, n, ctx.kv_heads, d, dtype=acc, device=dv.device).index_add_(2, ids, dv.to(acc))
+            dk, dv = dk.to(dout.dtype), dv.to(dout.dtype)
+        return dq, dk, dv, None, None, None, None
+
+
+def ulysses(q, k, v, key_mask, group, degree: int, inner) -> torch.Tensor:
+    """Head-shard q, k, v over ``group``, run ``inner`` on the gathered rows (source order), shard back."""
+    with _no_autocast(q.device):
+        return _UlyssesAttn.apply(q, k, v, key_mask, group, degree, inner)
