@@ -1,4 +1,5 @@
-"""Public entry points of the attention: ``ring_flash_attn`` and ``which_kernels``."""
+"""Public entry points of the attention: ``ring_flash_attn``, ``context_parallel_attn``, ``which_kernels`` and
+``which_strategy``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from distcomm_attention.strategies.ring import ring_attention
 from distcomm_attention.strategies.prepare import prepare
 from distcomm_attention.planning.visibility import Visibility
 
-__all__ = ["ring_flash_attn", "context_parallel_attn", "which_kernels"]
+__all__ = ["ring_flash_attn", "context_parallel_attn", "which_kernels", "which_strategy"]
 
 
 def ring_flash_attn(
@@ -249,3 +250,38 @@ def context_parallel_attn(
     return strategies.run(q, k, v, strategy=strategy, group=group, layout=layout, causal=causal,
                           softmax_scale=softmax_scale, window=window, softcap=softcap, attention_mask=attention_mask,
                           cu_seqlens=cu_seqlens, backend=backend, requires_grad=requires_grad)
+
+
+def which_strategy(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    group=None,
+    layout: str = "contiguous",
+    causal: bool = False,
+    attention_mask: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    cu_seqlens: torch.Tensor | list[int] | None = None,
+    hardware=None,
+):
+    """Which strategy ``context_parallel_attn(strategy="auto")`` would run for this call, and why (no
+    communication, nothing computed).
+
+    Args:
+        q: (batch, local_seq, heads, head_dim); k: (batch, local_seq, kv_heads, head_dim) (shapes are read).
+        group, layout, causal, attention_mask, window_size, cu_seqlens: as in ``context_parallel_attn``.
+        hardware: a ``distcomm_attention.planning.cost.Hardware`` (kernel throughput, link bandwidths);
+            ``None``: the measured defaults (one H100 / H200 node with NVLink). Pass your own for other
+            machines, e.g. ``Hardware(p2p_gbps=50, a2a_gbps=50, allgather_gbps=50, reduce_scatter_gbps=50)``
+            across nodes.
+
+    Returns:
+        ``StrategyChoice(strategy, predictions, reason)``: the pick, and for every applicable strategy a
+        ``Prediction(seconds, compute_s, comm_s, memory_bytes)`` of one forward + backward (Note [Cost model]
+        in distcomm_attention/planning/cost.py).
+    """
+    _validation.check_flag("causal", causal)
+    layouts.check_layout(layout)
+    window = _validation.check_window(window_size)
+    return strategies.choose(q, k, group=group, layout=layout, causal=causal, window=window,
+                             attention_mask=attention_mask, cu_seqlens=cu_seqlens, hardware=hardware)

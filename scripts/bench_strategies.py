@@ -6,11 +6,17 @@ rank must do even with communication perfectly hidden:
 
     compute-only efficiency = T_single(S) / (W * max_r T_rank)
 
-T_single: one flash-attn-4 forward + backward over the whole sequence (the fastest single-GPU kernel).
+T_single: one flash-attn-4 forward + backward over the whole sequence (the fastest single-GPU kernel; for
+packed documents one flash-attn-4 varlen call over the pack).
 Beside it: the cost model's exposed communication for NVLink and for a 50 GB/s inter-node link, the
 modelled efficiency with it, the cost model's pick and the measured fastest.
 
     python scripts/bench_strategies.py --out docs/bench/strategies.json
+    python scripts/bench_strategies.py --cases 131072x8 --heads 32/8 --docs lognormal,one_long --out docs.json
+
+Document mixes (S = 128k at the default seed): "lognormal" (log-normal lengths, median 2k, capped at 9k),
+"one_long" (one document of S / 2 and documents of 1k after it). Peak memory: the allocator's peak during a
+rank's forward + backward above what the inputs hold.
 """
 
 from __future__ import annotations
@@ -64,15 +70,48 @@ def _timed(fn, iters: int, warmup: int) -> float:
     return start.elapsed_time(stop) / iters / 1e3
 
 
-def _fa4_single(q, k, v, causal):
+def _peak(fn) -> int:
+    """Bytes the allocator's peak rose above its level before ``fn`` ran once."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def documents(kind: str, seq: int, seed: int = 0) -> list[int]:
+    """cu_seqlens of a document mix over ``seq`` tokens (see the module docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "one_long":
+        return [0] + list(range(seq // 2, seq + 1, 1024))
+    cu = [0]
+    while cu[-1] < seq:
+        length = int(min(9216, max(64, float(torch.empty(1).log_normal_(7.6, 0.8, generator=g)))))
+        cu.append(min(seq, cu[-1] + length))
+    return cu
+
+
+def _fa4_single(q, k, v, causal, docs=None):
     from distcomm_attention.kernels import fa4
 
-    func = fa4._interface().flash_attn_func
+    iface = fa4._interface()
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     dout = torch.randn_like(q)
+    if docs is not None:
+        cu = torch.tensor(docs, dtype=torch.int32, device=q.device)
+        longest = max(b - a for a, b in zip(docs, docs[1:]))
+
+        def step():
+            out = iface.flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                               max_seqlen_q=longest, max_seqlen_k=longest, causal=causal)
+            out = out[0] if isinstance(out, tuple) else out
+            torch.autograd.grad(out, (q, k, v), dout[0])
+
+        return step
 
     def step():
-        out = func(q, k, v, causal=causal)
+        out = iface.flash_attn_func(q, k, v, causal=causal)
         out = out[0] if isinstance(out, tuple) else out
         torch.autograd.grad(out, (q, k, v), dout)
 
@@ -90,28 +129,31 @@ def _plan_step(q, k, v, dout, plan, comm, fwd, bwd, scale, single_step: bool):
     return step
 
 
-def bench_case(seq, world, heads, kv_heads, causal, layout, args, fwd, bwd):
+def bench_case(seq, world, heads, kv_heads, causal, layout, args, fwd, bwd, docs=None, mix=None):
     dev, dt, d = torch.device("cuda"), torch.bfloat16, 128
     scale = d ** -0.5
-    vis = Visibility(causal)
+    vis = Visibility(causal, cu_seqlens=None if docs is None else tuple(docs))
     n = seq // world
     g = torch.Generator(device=dev).manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, device=dev, dtype=dt, generator=g)  # noqa: E731
-    res = {"seq": seq, "world": world, "heads": heads, "kv_heads": kv_heads, "causal": causal, "layout": layout}
+    res = {"seq": seq, "world": world, "heads": heads, "kv_heads": kv_heads, "causal": causal, "layout": layout,
+           "documents": mix, "num_documents": None if docs is None else len(docs) - 1}
     q, k, v = rnd(1, seq, heads, d), rnd(1, seq, kv_heads, d), rnd(1, seq, kv_heads, d)
-    res["single_s"] = _timed(_fa4_single(q, k, v, causal), args.iters, args.warmup)
+    res["single_s"] = _timed(_fa4_single(q, k, v, causal, docs), args.iters, args.warmup)
     del q, k, v
-    times = {}
+    times, peaks = {}, {}
     # ring: every rank's whole loop
     ql, kl, vl, dl = rnd(1, n, heads, d), rnd(1, n, kv_heads, d), rnd(1, n, kv_heads, d), rnd(1, n, heads, d)
-    per = [_timed(_plan_step(ql, kl, vl, dl, ring_plan(layout, vis, world, r, n), SimComm(world, r), fwd, bwd,
-                             scale, False), args.iters, args.warmup) for r in range(world)]
-    times["ring"] = per
+    steps = [_plan_step(ql, kl, vl, dl, ring_plan(layout, vis, world, r, n), SimComm(world, r), fwd, bwd, scale,
+                        False) for r in range(world)]
+    times["ring"] = [_timed(f, args.iters, args.warmup) for f in steps]
+    peaks["ring"] = max(_peak(f) for f in steps)
     # all-gather KV: the rank's queries against the gathered buffer
     kg, vg = rnd(1, seq, kv_heads, d), rnd(1, seq, kv_heads, d)
-    per = [_timed(_plan_step(ql, kg, vg, dl, gathered_plan(layout, vis, world, r, n), SimComm(1, 0), fwd, bwd,
-                             scale, True), args.iters, args.warmup) for r in range(world)]
-    times["allgather"] = per
+    steps = [_plan_step(ql, kg, vg, dl, gathered_plan(layout, vis, world, r, n), SimComm(1, 0), fwd, bwd, scale,
+                        True) for r in range(world)]
+    times["allgather"] = [_timed(f, args.iters, args.warmup) for f in steps]
+    peaks["allgather"] = max(_peak(f) for f in steps) + 2 * kg.numel() * kg.element_size()  # + the gathered k, v
     del kg, vg
     # Ulysses: H / W heads over the whole sequence (every rank the same), with the re-ordering it does
     if heads % world == 0:
@@ -129,7 +171,11 @@ def bench_case(seq, world, heads, kv_heads, causal, layout, args, fwd, bwd):
             inner()
 
         times["ulysses"] = [_timed(ulysses_step, args.iters, args.warmup)]
+        # + the head-sharded q, k, v, dout it holds
+        peaks["ulysses"] = _peak(ulysses_step) + sum(t.numel() * t.element_size() for t in (qu, ku, vu, du))
+        del qu, ku, vu, du
     res["rank_s"] = times
+    res["peak_bytes"] = peaks
     res["efficiency"] = {s: res["single_s"] / (world * max(t)) for s, t in times.items()}
     res["imbalance"] = {s: max(t) / (sum(t) / len(t)) for s, t in times.items()}
     call = cost.Call(1, n, heads, kv_heads, d, 2, layout, vis, world)
@@ -156,6 +202,8 @@ def main():
     p.add_argument("--cases", default="32768x8,32768x4,32768x2,131072x8",
                    help="seq x world pairs, comma separated")
     p.add_argument("--heads", default="32/32,32/8", help="heads/kv_heads pairs")
+    p.add_argument("--docs", default="", help="document mixes (lognormal, one_long): causal packed batches")
+    p.add_argument("--layouts", default="contiguous,zigzag", help="layouts of the document rows")
     p.add_argument("--backend", default="fa4")
     p.add_argument("--iters", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
@@ -168,12 +216,18 @@ def main():
         seq, world = map(int, case.split("x"))
         for hh in args.heads.split(","):
             heads, kv_heads = map(int, hh.split("/"))
-            for causal, layout in ((True, "zigzag"), (False, "contiguous")):
-                r = bench_case(seq, world, heads, kv_heads, causal, layout, args, fwd, bwd)
+            variants = [(True, "zigzag", None), (False, "contiguous", None)]
+            if args.docs:
+                variants = [(True, lay, mix) for mix in args.docs.split(",") for lay in args.layouts.split(",")]
+            for causal, layout, mix in variants:
+                docs = None if mix is None else documents(mix, seq)
+                r = bench_case(seq, world, heads, kv_heads, causal, layout, args, fwd, bwd, docs, mix)
                 rows.append(r)
                 eff = " ".join(f"{s} {e:.2f}" for s, e in r["efficiency"].items())
                 nv = r["nvlink"]
-                print(f"S={seq} W={world} {heads}/{kv_heads} {'causal ' + layout if causal else 'full ' + layout}: "
+                what = f"{mix} docs {layout}" if mix else ("causal " if causal else "full ") + layout
+                imb = " ".join(f"{s} {e:.2f}" for s, e in r["imbalance"].items())
+                print(f"S={seq} W={world} {heads}/{kv_heads} {what}: max/mean {imb} | "
                       f"single {r['single_s'] * 1e3:.2f} ms | compute-only eff {eff} | nvlink modelled "
                       + " ".join(f"{s} {m['modelled_efficiency']:.2f}" for s, m in nv["model"].items())
                       + f" | pick {nv['pick']} fastest {nv['fastest']} ({nv['pick_vs_fastest']:.3f}x)"

@@ -47,7 +47,7 @@ def test_strategy_at_world_one(case, backend, strategy, dtype):
     _assert_criterion(case, (out, qg.grad, kg.grad, vg.grad), refs, lows)
 
 
-@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("backend", ["fa4", "cudnn", "triton"])
