@@ -161,13 +161,13 @@ def bench_case(seq, world, heads, kv_heads, causal, layout, args, fwd, bwd, docs
         hk = kv_heads // world if index is None else len(index) // world
         qu, ku, vu, du = rnd(1, seq, heads // world, d), rnd(1, seq, hk, d), rnd(1, seq, hk, d), rnd(1, seq, heads // world, d)
         order = natural_order(layout, world, n)
+        order = None if order is None else order.to(dev)
         inner = _plan_step(qu, ku, vu, du, local_plan(vis, seq), SimComm(1, 0), fwd, bwd, scale, False)
 
         def ulysses_step():
-            if order is not None:
-                idx = order.to(dev)
-                for t in (qu, ku, vu, du):
-                    t.index_select(1, idx)
+            if order is not None:  # Ulysses puts q, k, v, dout into natural order and out, dq, dk, dv back
+                for t in (qu, ku, vu, du, qu, ku, vu, du):
+                    t.index_select(1, order)
             inner()
 
         times["ulysses"] = [_timed(ulysses_step, args.iters, args.warmup)]

@@ -83,16 +83,24 @@ class _Ring:
         self.comm, self.plan, self.softcap, self.scale, self.fwd, self.bwd = comm, plan, softcap, scale, fwd, bwd
         self.order = order
         self.inverse = None if order is None else torch.argsort(order)
+        self._on_device: dict = {}
+
+    def _index(self, which: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``which`` (order or inverse) on ``device``, copied there once per call."""
+        key = (id(which), str(device))
+        if key not in self._on_device:
+            self._on_device[key] = which.to(device, non_blocking=True)
+        return self._on_device[key]
 
     def _natural(self, *ts):
         if self.order is None:
             return ts
-        return tuple(None if t is None else t.index_select(1, self.order.to(t.device)) for t in ts)
+        return tuple(None if t is None else t.index_select(1, self._index(self.order, t.device)) for t in ts)
 
     def _source(self, *ts):
         if self.inverse is None:
             return ts
-        return tuple(t.index_select(1, self.inverse.to(t.device)) for t in ts)
+        return tuple(t.index_select(1, self._index(self.inverse, t.device)) for t in ts)
 
     def forward(self, q, k, v, key_mask):
         q, k, v, key_mask = self._natural(q, k, v, key_mask)
