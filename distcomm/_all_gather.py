@@ -8,10 +8,14 @@
 
 Every op here is linear, so its backward is the transposed collective (Note [Gradient convention] in
 :mod:`distcomm.functional`), built from the other op's autograd Function so double backward works.
-``all_gather_tensor``'s adjoint is the Function behind :func:`distcomm.functional.reduce_scatter_tensor`;
-the others use this module's variable-size reduce-scatter, whose own adjoint is ``all_gather_variable``.
-``_all_gather_base`` writes into its output argument (Note [Writing into output arguments] in
-:mod:`distcomm._movement_args`).
+``all_gather_tensor``'s Function lives in :mod:`distcomm._reduce_scatter`, beside its adjoint, the Function
+behind :func:`distcomm.functional.reduce_scatter_tensor` (an adjoint pair in one module, so the two modules
+do not import each other); the others use this module's variable-size reduce-scatter, whose own adjoint is
+``all_gather_variable``. ``_all_gather_base`` writes into its output argument (Note [Writing into output
+arguments] in :mod:`distcomm._movement_args`).
+
+Under ``torch.compile`` the public functions hand their validated arguments to the compiled path (Note
+[Import direction of the compiled path] in :mod:`distcomm._dispatch`).
 
 Note [Variable sizes]
     ``all_gather_variable`` with equal sizes is one all_gather_into_tensor. With uneven sizes (gloo and
@@ -40,18 +44,12 @@ from torch.autograd import Function
 
 from distcomm import _check
 from distcomm._all_to_all import _raw_all_to_all
+from distcomm._dispatch import compiled_path
 from distcomm._movement_args import _needs_graph, _require_tensor, _require_writable, _setup, _written
 from distcomm._reduce import _adjoint
 from distcomm._reduce_ops import _SUM_OP
 from distcomm._reduce_raw import _raw_all_gather_dim, _raw_reduce_scatter_dim, _raw_reduce_scatter_into
-from distcomm._reduce_scatter import _ReduceScatterTensor
-
-
-def _compiled_module():
-    """distcomm._compiled, imported when first compiling (it imports torch._dynamo, slow to import)."""
-    from distcomm import _compiled
-
-    return _compiled
+from distcomm._reduce_scatter import _AllGatherTensor
 
 
 __all__ = ["all_gather", "_all_gather_base", "all_gather_tensor", "all_gather_variable"]
@@ -137,20 +135,6 @@ class _AllGather(Function):
             return None, None, None, _sum_entries(grads, group, n)
         stacked = torch.stack(grads)
         return None, None, None, _ReduceScatterVariable.apply(stacked, 0, (1,) * n, group, ctx.rank).squeeze(0)
-
-
-class _AllGatherTensor(Function):
-    """y = cat(x_0, ..., x_{W-1}; dim) on every rank. Adjoint: reduce_scatter_tensor(SUM) along dim."""
-
-    @staticmethod
-    def forward(ctx, tensor, dim, group, n):
-        ctx.dim, ctx.group, ctx.n = dim, group, n
-        return _raw_all_gather_dim(tensor, dim, group, n)
-
-    @staticmethod
-    def backward(ctx, grad):
-        args = (grad, ctx.dim, _SUM_OP, ctx.group, ctx.n)
-        return _adjoint(_ReduceScatterTensor, _raw_reduce_scatter_dim, *args), None, None, None
 
 
 def _gather_concat(x: torch.Tensor, dim: int, sizes: tuple[int, ...], group) -> torch.Tensor:
@@ -240,7 +224,7 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     _require_tensor("tensor", tensor)
     group, n, rank = _setup(group)
     if torch.compiler.is_compiling():
-        return _compiled_module().all_gather(tensor, group)
+        return compiled_path().all_gather(tensor, group)
     if n > 1 and _check.is_check_mode():
         _check.check_same("all_gather", tensor, group, requires_grad=_needs_graph(tensor))
     return _AllGather.apply(group, n, rank, tensor)
@@ -264,7 +248,7 @@ def all_gather_tensor(tensor: torch.Tensor, dim: int = 0, group: dist.ProcessGro
     dim = _normalize_dim(dim, tensor)
     group, n, _ = _setup(group)
     if torch.compiler.is_compiling():
-        return _compiled_module().all_gather_tensor(tensor, dim, group)
+        return compiled_path().all_gather_tensor(tensor, dim, group)
     if n > 1 and _check.is_check_mode():
         _check.check_same("all_gather_tensor", tensor, group, requires_grad=_needs_graph(tensor))
     return _AllGatherTensor.apply(tensor, dim, group, n)
@@ -327,7 +311,7 @@ def all_gather_variable(
     group, n, rank = _setup(group)
     compiling = torch.compiler.is_compiling()
     if sizes is None and n > 1 and compiling:
-        return _compiled_module().all_gather_variable_eagerly(tensor, dim, None, group)
+        return compiled_path().all_gather_variable_eagerly(tensor, dim, None, group)
     checking = n > 1 and _check.is_check_mode() and not compiling
     if sizes is not None:
         if type(sizes) is not list and (isinstance(sizes, torch.Tensor) or not isinstance(sizes, Sequence)):
@@ -349,7 +333,7 @@ def all_gather_variable(
     elif sizes is None or checking:
         sizes = _learn_sizes(tensor, dim, sizes, _needs_graph(tensor), group, n)
     if compiling:
-        return _compiled_module().all_gather_variable(tensor, dim, sizes, group), sizes
+        return compiled_path().all_gather_variable(tensor, dim, sizes, group), sizes
     return _AllGatherVariable.apply(tensor, dim, tuple(sizes), group, rank), sizes
 
 
@@ -398,7 +382,7 @@ def _all_gather_base(
             f"{tuple(input_tensor.shape)} on {n} ranks it must be one of {allowed}"
         )
     if torch.compiler.is_compiling():
-        return _compiled_module().all_gather_base(output_tensor, input_tensor, group)
+        return compiled_path().all_gather_base(output_tensor, input_tensor, group)
     needs_grad = _needs_graph(input_tensor)
     if n > 1 and _check.is_check_mode():
         _check.check_same("_all_gather_base", input_tensor, group, requires_grad=needs_grad)

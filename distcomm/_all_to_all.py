@@ -6,6 +6,9 @@
 Both write into their output arguments (Note [Writing into output arguments] in
 :mod:`distcomm._movement_args`). ``all_gather_variable`` sends uneven sizes through the raw all_to_all
 here (Note [Variable sizes] in :mod:`distcomm._all_gather`).
+
+Under ``torch.compile`` the public functions hand their validated arguments to the compiled path (Note
+[Import direction of the compiled path] in :mod:`distcomm._dispatch`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from distcomm import _check
+from distcomm._dispatch import compiled_path
 from distcomm._movement_args import (
     _is_direct,
     _needs_graph,
@@ -27,13 +31,6 @@ from distcomm._movement_args import (
     _written,
 )
 from distcomm._reduce import _adjoint
-
-
-def _compiled_module():
-    """distcomm._compiled, imported when first compiling (it imports torch._dynamo, slow to import)."""
-    from distcomm import _compiled
-
-    return _compiled
 
 
 __all__ = ["all_to_all", "all_to_all_single"]
@@ -244,7 +241,7 @@ def all_to_all(
     for i, o in enumerate(outputs):
         _require_writable("output_tensor_list", o, inputs[0], i)
     if torch.compiler.is_compiling():
-        return _compiled_module().all_to_all(outputs, inputs, group)
+        return compiled_path().all_to_all(outputs, inputs, group)
     needs_grad = _needs_graph(*inputs)
     _check_all_to_all("all_to_all", inputs, outputs, needs_grad, group, n)
     if not needs_grad:
@@ -289,7 +286,7 @@ def all_to_all_single(
     out_splits = _require_splits("output_split_sizes", output_split_sizes, n, output.shape[0], "output")
     in_splits = _require_splits("input_split_sizes", input_split_sizes, n, input.shape[0], "input")
     if torch.compiler.is_compiling():
-        return _compiled_module().all_to_all_single(output, input, out_splits, in_splits, group, n)
+        return compiled_path().all_to_all_single(output, input, out_splits, in_splits, group, n)
     needs_grad = _needs_graph(input)
     if n > 1 and _check.is_check_mode():
         _check_all_to_all_single(input, out_splits or [output.shape[0] // n] * n,

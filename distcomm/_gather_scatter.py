@@ -6,6 +6,9 @@
 
 Both are linear: the backward is the transposed collective (Note [Gradient convention] in
 :mod:`distcomm.functional`), built from the other op's autograd Function so double backward works.
+
+Under ``torch.compile`` the public functions hand their validated arguments to the compiled path (Note
+[Import direction of the compiled path] in :mod:`distcomm._dispatch`).
 """
 
 from __future__ import annotations
@@ -17,15 +20,9 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from distcomm import _check, _groups
+from distcomm._dispatch import compiled_path
 from distcomm._movement_args import _needs_graph, _require_tensor, _require_tensor_list, _setup
 from distcomm._reduce import _adjoint
-
-
-def _compiled_module():
-    """distcomm._compiled, imported when first compiling (it imports torch._dynamo, slow to import)."""
-    from distcomm import _compiled
-
-    return _compiled
 
 
 __all__ = ["gather", "scatter"]
@@ -122,7 +119,7 @@ def gather(tensor: torch.Tensor, dst: int = 0, group: dist.ProcessGroup | None =
     group, n, rank = _setup(group)
     dst_rank = _groups.check_rank_in_group("dst", dst, group)
     if torch.compiler.is_compiling():
-        return _compiled_module().gather(tensor, dst_rank, group)
+        return compiled_path().gather(tensor, dst_rank, group)
     if n > 1 and _check.is_check_mode():
         _check.check_same("gather", tensor, group, requires_grad=_needs_graph(tensor))
     return _Gather.apply(dst_rank, group, n, rank, tensor)
@@ -160,12 +157,12 @@ def scatter(
         if is_src:
             raise ValueError(f"`tensors` must hold {n} tensors on the source rank (global rank {src}), got None")
         if n > 1 and torch.compiler.is_compiling():
-            return _compiled_module().scatter_eagerly(None, src, group)
+            return compiled_path().scatter_eagerly(None, src, group)
         tensors = []
     else:
         tensors = _require_tensor_list("tensors", tensors, n)
     if torch.compiler.is_compiling():
-        return _compiled_module().scatter(tensors, src_rank, _needs_graph(*tensors), group)
+        return compiled_path().scatter(tensors, src_rank, _needs_graph(*tensors), group)
     if n == 1:
         if not _same_kind(tensors):
             raise _differing_source_tensors(src)

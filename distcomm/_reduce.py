@@ -5,6 +5,8 @@ Public (re-exported by :mod:`distcomm.functional`): the drop-ins ``all_reduce``,
 helpers every backward uses (``_adjoint``, ``_first_order_only``) live here too. ``reduce_scatter`` and
 ``reduce_scatter_tensor`` are in :mod:`distcomm._reduce_scatter`; ReduceOp parsing, argument checks and
 backend emulation in :mod:`distcomm._reduce_ops`; the raw collectives in :mod:`distcomm._reduce_raw`.
+Under ``torch.compile`` the public functions hand their validated arguments to the compiled path (Note
+[Import direction of the compiled path] in :mod:`distcomm._dispatch`).
 
 Note [Reduction gradients]
     N ranks in the group; rank j holds x_j; the training loss is the sum of the per-rank losses,
@@ -56,6 +58,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from distcomm import _check, _groups
+from distcomm._dispatch import compiled_path
 from distcomm._reduce_ops import (
     _AVG,
     _DIFFERENTIABLE_OPS,
@@ -73,13 +76,6 @@ from distcomm._reduce_ops import (
     _require_tensor,
 )
 from distcomm._reduce_raw import _count_dtype, _others_product, _raw_all_reduce, _raw_broadcast, _raw_reduce
-
-
-def _compiled_module():
-    """distcomm._compiled, imported when first compiling (it imports torch._dynamo, slow to import)."""
-    from distcomm import _compiled
-
-    return _compiled
 
 
 __all__ = ["all_reduce", "reduce", "broadcast"]
@@ -228,12 +224,12 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: dist.ProcessGroup |
     """
     _require_tensor("tensor", tensor)
     compiling = torch.compiler.is_compiling()
-    op = _compiled_module().parse_op(op) if compiling else _parse_op(op)
+    op = compiled_path().parse_op(op) if compiling else _parse_op(op)
     group, size, _ = _groups.resolve(group)
     needs_grad = _needs_grad(tensor)
     _check_op("all_reduce", op, tensor, needs_grad, group)
     if compiling:
-        return _compiled_module().all_reduce(tensor, op, group)
+        return compiled_path().all_reduce(tensor, op, group)
     if size > 1 and _check.is_check_mode():
         _agree("all_reduce", tensor, group, op=op.kind.value, requires_grad=needs_grad)
     return _AllReduce.apply(tensor, op, group, size)
@@ -257,13 +253,13 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: dist.ProcessG
     """
     _require_tensor("tensor", tensor)
     compiling = torch.compiler.is_compiling()
-    op = _compiled_module().parse_op(op) if compiling else _parse_op(op)
+    op = compiled_path().parse_op(op) if compiling else _parse_op(op)
     group, size, rank = _groups.resolve(group)
     dst_rank = _groups.check_rank_in_group("dst", dst, group)
     needs_grad = _needs_grad(tensor)
     _check_op("reduce", op, tensor, needs_grad, group)
     if compiling:
-        return _compiled_module().reduce(tensor, dst_rank, op, group)
+        return compiled_path().reduce(tensor, dst_rank, op, group)
     if size > 1 and _check.is_check_mode():
         _agree("reduce", tensor, group, op=op.kind.value, dst=dst, requires_grad=needs_grad)
     return _Reduce.apply(tensor, dst, op, group, size, rank == dst_rank)
@@ -287,7 +283,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = 
     group, size, rank = _groups.resolve(group)
     src_rank = _groups.check_rank_in_group("src", src, group)
     if torch.compiler.is_compiling():
-        return _compiled_module().broadcast(tensor, src_rank, group)
+        return compiled_path().broadcast(tensor, src_rank, group)
     if size > 1 and _check.is_check_mode():
         _agree("broadcast", tensor, group, src=src, requires_grad=_needs_grad(tensor))
     return _Broadcast.apply(tensor, src, group, size, rank == src_rank)

@@ -6,7 +6,11 @@ of x_j is reduced into y_r, so x̄_j[slice r] uses g_r through the per-op factor
 gradients] in :mod:`distcomm._reduce`: the backward all-gathers the grads (SUM: that alone). The adjoints:
 
     reduce_scatter          <->  _AllGatherList (every rank's grad, shapes may differ), defined here
-    reduce_scatter_tensor   <->  all_gather_tensor (:mod:`distcomm._all_gather`)
+    reduce_scatter_tensor   <->  _AllGatherTensor, defined here too (each backward is written with the
+                                 other); its public function ``all_gather_tensor`` is in :mod:`distcomm._all_gather`
+
+Under ``torch.compile`` the public functions hand their validated arguments to the compiled path (Note
+[Import direction of the compiled path] in :mod:`distcomm._dispatch`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from distcomm import _check, _groups
+from distcomm._dispatch import compiled_path
 from distcomm._reduce import _adjoint, _first_order_only, _local_vjp, _save_for_vjp
 from distcomm._reduce_ops import (
     _AVG,
@@ -40,13 +45,6 @@ from distcomm._reduce_raw import (
     _raw_reduce_scatter_stacked,
     _stack_padded,
 )
-
-
-def _compiled_module():
-    """distcomm._compiled, imported when first compiling (it imports torch._dynamo, slow to import)."""
-    from distcomm import _compiled
-
-    return _compiled
 
 
 __all__ = ["reduce_scatter", "reduce_scatter_tensor"]
@@ -138,9 +136,6 @@ class _ReduceScatter(Function):
 
 def _all_gather_tensor(tensor: torch.Tensor, dim: int, group, size: int) -> torch.Tensor:
     """all_gather_tensor along ``dim`` (the adjoint of reduce_scatter_tensor SUM) of ``tensor``."""
-    # Imported here: distcomm._all_gather imports this module.
-    from distcomm._all_gather import _AllGatherTensor
-
     return _adjoint(_AllGatherTensor, _raw_all_gather_dim, tensor, dim, group, size)
 
 
@@ -172,6 +167,24 @@ class _ReduceScatterTensor(Function):
             mask = x == _raw_all_gather_dim(y, dim, group, size)
             count = _raw_reduce_scatter_dim(mask.to(_count_dtype(size)), dim, _SUM_OP, group, size)
         return _all_gather_tensor(grad / count, dim, group, size) * mask, None, None, None, None
+
+
+class _AllGatherTensor(Function):
+    """y = cat(x_0, ..., x_{W-1}; dim) on every rank. Adjoint: reduce_scatter_tensor(SUM) along dim.
+
+    The Function behind :func:`distcomm.functional.all_gather_tensor` (public in :mod:`distcomm._all_gather`),
+    kept beside its adjoint :class:`_ReduceScatterTensor`: each backward is written with the other.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor, dim, group, n):
+        ctx.dim, ctx.group, ctx.n = dim, group, n
+        return _raw_all_gather_dim(tensor, dim, group, n)
+
+    @staticmethod
+    def backward(ctx, grad):
+        args = (grad, ctx.dim, _SUM_OP, ctx.group, ctx.n)
+        return _adjoint(_ReduceScatterTensor, _raw_reduce_scatter_dim, *args), None, None, None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -207,7 +220,7 @@ def reduce_scatter(
         if not isinstance(t, torch.Tensor):
             _require_tensor(f"input_list[{i}]", t)
     compiling = torch.compiler.is_compiling()
-    op = _compiled_module().parse_op(op) if compiling else _parse_op(op)
+    op = compiled_path().parse_op(op) if compiling else _parse_op(op)
     group, size, rank = _groups.resolve(group)
     if len(input_list) != size:
         raise ValueError(
@@ -232,7 +245,7 @@ def reduce_scatter(
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in input_list)
     _check_op("reduce_scatter", op, output, needs_grad, group)
     if compiling:
-        return _compiled_module().reduce_scatter(output, input_list, op, group, rank)
+        return compiled_path().reduce_scatter(output, input_list, op, group, rank)
     if size > 1 and _check.is_check_mode():
         _agree(
             "reduce_scatter",
@@ -275,7 +288,7 @@ def reduce_scatter_tensor(
         )
     dim %= ndim
     compiling = torch.compiler.is_compiling()
-    op = _compiled_module().parse_op(op) if compiling else _parse_op(op)
+    op = compiled_path().parse_op(op) if compiling else _parse_op(op)
     group, size, _ = _groups.resolve(group)
     if tensor.shape[dim] % size:
         raise ValueError(
@@ -285,7 +298,7 @@ def reduce_scatter_tensor(
     needs_grad = _needs_grad(tensor)
     _check_op("reduce_scatter_tensor", op, tensor, needs_grad, group)
     if compiling:
-        return _compiled_module().reduce_scatter_tensor(tensor, dim, op, group)
+        return compiled_path().reduce_scatter_tensor(tensor, dim, op, group)
     if size > 1 and _check.is_check_mode():
         _agree("reduce_scatter_tensor", tensor, group, op=op.kind.value, dim=dim, requires_grad=needs_grad)
     return _ReduceScatterTensor.apply(tensor, dim, op, group, size)

@@ -4,7 +4,7 @@ Write ``import distcomm.functional as F`` where you had ``import torch.distribut
 names, signatures, defaults and return types are the same (``src``/``dst`` are global ranks), plus extras
 (``all_gather_variable``, ``all_gather_tensor``, ``reduce_scatter_tensor``, ``ring_pass``).
 Every function also compiles with ``torch.compile(fullgraph=True)``, forward and backward (Note [Compiled
-collectives] in :mod:`distcomm._compile_ops`).
+collectives] in :mod:`distcomm._compile.ops`).
 
 ``group`` is, everywhere: ``None`` (the default group), a ``ProcessGroup``, a 1-D ``DeviceMesh`` such as
 ``mesh["cp"]``, or ``(mesh, dim_name)`` for one dim of a multi-dimensional mesh (resolved per call in

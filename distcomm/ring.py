@@ -12,6 +12,9 @@ Note [Ring layout]
     isend/irecv pairs, which never block each other), so every rank may post in the same order without
     deadlock. ``RingComm.send_recv`` returns at once; compute on the current block while the next one is
     in flight and call ``wait()`` only when it is needed.
+
+Under ``torch.compile`` ``ring_pass`` hands its validated arguments to the compiled path (Note [Import
+direction of the compiled path] in :mod:`distcomm._dispatch`).
 """
 
 from __future__ import annotations
@@ -20,13 +23,7 @@ import torch
 import torch.distributed as dist
 
 from distcomm import _check, _groups
-
-
-def _compiled_module():
-    """distcomm._compiled, imported when first compiling (it imports torch._dynamo, slow to import)."""
-    from distcomm import _compiled
-
-    return _compiled
+from distcomm._dispatch import compiled_path
 
 
 __all__ = ["RingComm", "RingHandle", "ring_pass"]
@@ -218,8 +215,8 @@ def ring_pass(
         if size == 1 or shift % size == 0:
             return tensor
         if recv_shape is None:
-            return _compiled_module().ring_pass_eagerly(tensor, shift, group, ring_size)
-        return _compiled_module().ring_pass(tensor, shift, size, recv_shape, group)
+            return compiled_path().ring_pass_eagerly(tensor, shift, group, ring_size)
+        return compiled_path().ring_pass(tensor, shift, size, recv_shape, group)
     comm = RingComm(group, ring_size)
     if comm.size == 1 or shift % comm.size == 0:
         return tensor

@@ -1,4 +1,4 @@
-"""torch.compile of the collectives (distcomm._compile_ops, distcomm._compiled).
+"""torch.compile of the collectives (distcomm._compile.ops, distcomm._compile.path).
 
 Layers, cheapest first:
 1. in-process, no process group: compiled ops are the world-of-one identity, like eager;
@@ -610,6 +610,8 @@ def test_fake_shapes_come_from_the_arguments():
     """Output shapes depend only on an op's arguments (group size, this rank's position), never on the
     process: Inductor reuses a compiled graph wherever its text and inputs match, on any rank or world."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import distcomm._compile.ops  # noqa: F401  (registers torch.ops.distcomm, else loaded on first compile)
 
     ops = torch.ops.distcomm
     with FakeTensorMode():  # this process has no group: a world of one, rank 0

@@ -1,9 +1,10 @@
 """The compiled path of the public functions: what they run under ``torch.compile``.
 
 Each public function of :mod:`distcomm.functional` validates its arguments, then, when
-``torch.compiler.is_compiling()``, hands the validated arguments to the function of the same name here,
-which calls the custom ops of :mod:`distcomm._compile_ops` (Note [Compiled collectives] there). Forms
-the ops do not cover are rewritten with them:
+``torch.compiler.is_compiling()``, hands the validated arguments to the function of the same name here
+(reached through :func:`distcomm._dispatch.compiled_path`, Note [Import direction of the compiled path]
+there), which calls the custom ops of :mod:`distcomm._compile.ops` (Note [Compiled collectives] there).
+Forms the ops do not cover are rewritten with them:
 
     op                           compiled as
     all_reduce / reduce /        the op of the same name; PREMUL_SUM as SUM of factor * x
@@ -25,8 +26,8 @@ import torch
 import torch.nn.functional as nnf
 
 from distcomm import _all_gather, _gather_scatter
-from distcomm import _compile_ops as _ops
 from distcomm import ring as _ring
+from distcomm._compile import ops as _ops
 from distcomm._reduce_ops import _PREMUL_SUM, ReduceOp, _Op, _parse_op, _premul_op
 
 __all__: list[str] = []
@@ -169,19 +170,19 @@ def ring_pass(tensor: torch.Tensor, shift: int, ring_size: int, recv_shape, grou
 
 @torch.compiler.disable(reason="all_gather_variable without `sizes` learns them with a host sync; pass `sizes`")
 def all_gather_variable_eagerly(tensor, dim, sizes, group):
-    """all_gather_variable outside the compiled graph (Note [Compiled collectives] in distcomm._compile_ops)."""
+    """all_gather_variable outside the compiled graph (Note [Compiled collectives] in distcomm._compile.ops)."""
     return _all_gather.all_gather_variable(tensor, dim, sizes, group)
 
 
 @torch.compiler.disable(reason="scatter without tensors off the source learns their shape with a host sync; pass "
                         "placeholder tensors")
 def scatter_eagerly(tensors, src, group):
-    """scatter outside the compiled graph (Note [Compiled collectives] in distcomm._compile_ops)."""
+    """scatter outside the compiled graph (Note [Compiled collectives] in distcomm._compile.ops)."""
     return _gather_scatter.scatter(tensors, src, group)
 
 
 @torch.compiler.disable(reason="ring_pass without `recv_shape` learns the incoming shape with a host sync; pass "
                         "`recv_shape`")
 def ring_pass_eagerly(tensor, shift, group, ring_size):
-    """ring_pass outside the compiled graph (Note [Compiled collectives] in distcomm._compile_ops)."""
+    """ring_pass outside the compiled graph (Note [Compiled collectives] in distcomm._compile.ops)."""
     return _ring.ring_pass(tensor, shift, group, ring_size)

@@ -3,7 +3,7 @@
 Note [Compiled collectives]
     Under ``torch.compile`` (``torch.compiler.is_compiling()``) each public function of
     :mod:`distcomm.functional` validates its arguments as in eager mode, then calls one of the ops below
-    (through :mod:`distcomm._compiled`) instead of its autograd Function:
+    (through :mod:`distcomm._compile.path`) instead of its autograd Function:
 
         F.all_reduce(x, op=MAX)                      eager:     _AllReduce.apply(x, op, group, size)
               │ compiling
@@ -24,7 +24,9 @@ Note [Compiled collectives]
       AOTAutograd and Inductor treat them like any other op, except that they are registered as having side
       effects (``torch.fx.has_side_effect``): dead-code elimination keeps a collective whose result a rank
       does not use, since its peers wait for it. The graph keeps them in program order.
-    - The data-movement ops import their raw collectives at call time (those modules import this one).
+    - The ops run the eager modules' raw collectives, imported at the top: the compiled path imports the
+      eager modules, never the other way (Note [Import direction of the compiled path] in
+      :mod:`distcomm._dispatch`).
     - PREMUL_SUM is the SUM of ``factor * x`` (Note [Backend emulation]); the multiplication is an ordinary
       graph op whose own gradient supplies conj(factor).
     - First order only: torch.compile does not differentiate a compiled backward again (double backward
@@ -36,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from distcomm import _groups, _reduce_raw
+from distcomm import _all_gather, _all_to_all, _gather_scatter, _groups, _reduce_raw, ring
 from distcomm._reduce_ops import _OPS
 
 __all__: list[str] = []
@@ -243,8 +245,6 @@ all_gather_tensor.register_autograd(_all_gather_tensor_backward, setup_context=_
 @torch.library.custom_op("distcomm::all_gather_variable", mutates_args=())
 def all_gather_variable(x: torch.Tensor, dim: int, sizes: list[int], group_name: str) -> torch.Tensor:
     """cat(x_0, ..., x_{W-1}; dim), rank r's x of size sizes[r] along ``dim`` (Note [Variable sizes])."""
-    from distcomm import _all_gather
-
     group, _, _ = _group(group_name)
     return _all_gather._gather_concat(x, dim, tuple(sizes), group)
 
@@ -253,8 +253,6 @@ def all_gather_variable(x: torch.Tensor, dim: int, sizes: list[int], group_name:
 def reduce_scatter_variable(x: torch.Tensor, dim: int, sizes: list[int], rank: int, group_name: str) -> torch.Tensor:
     """Rank j's slice (sizes[j] along ``dim``) of sum_r x_r: the transpose of all_gather_variable (``rank``:
     this rank's position in the group)."""
-    from distcomm import _all_gather
-
     group, _, rank = _group(group_name)
     return _contiguous(_all_gather._reduce_scatter_concat(x, dim, tuple(sizes), group, rank))
 
@@ -264,8 +262,6 @@ def all_to_all_single(
     x: torch.Tensor, output_split_sizes: list[int], input_split_sizes: list[int], group_name: str
 ) -> torch.Tensor:
     """Rows input_split_sizes[j] of x go to rank j; rank i's rows arrive in order (output_split_sizes[i])."""
-    from distcomm import _all_to_all
-
     group, size, _ = _group(group_name)
     out_shape = (sum(output_split_sizes), *x.shape[1:])
     return _all_to_all._all_to_all_single_fresh(group, size, out_shape, output_split_sizes, input_split_sizes, x)
@@ -274,8 +270,6 @@ def all_to_all_single(
 @torch.library.custom_op("distcomm::gather", mutates_args=())
 def gather(x: torch.Tensor, dst: int, group_size: int, group_name: str) -> list[torch.Tensor]:
     """(x_0, ..., x_{W-1}) on the group rank ``dst``, zeros elsewhere."""
-    from distcomm import _gather_scatter
-
     group, size, rank = _group(group_name)
     return list(_gather_scatter._raw_gather(dst, group, size, rank, x))
 
@@ -288,8 +282,6 @@ def scatter(tensors: list[torch.Tensor], src: int, requires_grad: bool | None, g
     first, so compiled and eager ranks interoperate, and every rank's tensors and flag are checked against
     the source's. ``None``: no exchange (gather's backward, whose grads have the same shape everywhere).
     """
-    from distcomm import _gather_scatter
-
     group, size, rank = _group(group_name)
     if size > 1 and requires_grad is not None:
         _gather_scatter._exchange(tensors, rank == src, src, group, requires_grad, placeholders=True)
@@ -301,8 +293,6 @@ def scatter(tensors: list[torch.Tensor], src: int, requires_grad: bool | None, g
 @torch.library.custom_op("distcomm::ring_pass", mutates_args=())
 def ring_pass(x: torch.Tensor, shift: int, ring_size: int, recv_shape: list[int], group_name: str) -> torch.Tensor:
     """y = x of the ring member ``shift`` positions to the left (Note [Ring layout] in distcomm.ring)."""
-    from distcomm import ring
-
     group, _, _ = _group(group_name)
     comm = ring.RingComm(group, ring_size)
     (out,) = comm.send_recv(x, shift=shift, recv_like=[recv_shape]).wait()
