@@ -1,0 +1,700 @@
+"""Layers 1-2: the context-parallel strategies of ``context_parallel_attn`` (ring, Ulysses, all-gather KV, the
+hybrids and "auto").
+
+Layer 1 (pure functions, no process group): Ulysses' kv-head routing sends every query head its own kv head
+(split, replicated or expanded); the gathered plan of all-gather KV / Ulysses covers each visible
+(query, key) pair exactly once with the promised few kernel calls; the cost model behind "auto" is
+well-formed, picks its minimum and moves towards the strategy that moves the fewest bytes on slow links.
+Single process without a process group: every strategy is plain attention.
+Layer 2 (gloo worlds of 1, 2, 3, 4 and 8 CPU ranks): outputs and q/k/v gradients of every strategy, every
+layout, causal and not, with padding (all-padding ranks included), windows, softcap, packed documents and
+GQA/MQA (kv heads fewer than the Ulysses degree: replicated and expanded), against the float64 reference
+on the whole sequence (``_reference.attention_reference``, which shares no code with the strategies); the
+hybrids on 2-D DeviceMeshes sharded by ``hybrid_positions``; bad calls raise before any communication, and
+cross-rank disagreements (the strategy included) raise the same error on every rank instead of hanging.
+"""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distcomm_attention._reference import attention_reference
+from distcomm_attention.api import context_parallel_attn, which_strategy
+from distcomm_attention.planning import cost, layouts
+from distcomm_attention.planning.plans import gathered_in_natural_order, gathered_plan, local_plan
+from distcomm_attention.planning.visibility import Visibility, ring_plan, visible_mask
+from distcomm_attention.strategies import dispatch
+from distcomm_attention.strategies.ulysses import kv_head_index
+from tests.dist_harness import run_world
+
+FP64 = dict(rtol=1e-10, atol=1e-12)
+ONE_D = ("ring", "ulysses", "allgather")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors in this process: one intra-op thread, as the ranks use (several threads spin-wait for each
+    other on a loaded 2-core machine and made these tests 20x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layer 1: Ulysses' kv-head routing
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _ulysses_kv_of_each_query_head(heads, kv_heads, degree):
+    """Simulate Ulysses' head sharding: the GLOBAL kv head each global query head is attended with."""
+    index = kv_head_index(heads, kv_heads, degree)
+    sent = list(range(kv_heads)) if index is None else list(index)  # kv heads in the all-to-all, rank-major
+    assert len(sent) % degree == 0, (heads, kv_heads, degree, sent)
+    per_q, per_kv = heads // degree, len(sent) // degree
+    assert per_q % per_kv == 0, (heads, kv_heads, degree, sent)  # local GQA must be well-formed
+    seen = {}
+    for r in range(degree):
+        local_kv = sent[r * per_kv:(r + 1) * per_kv]
+        for j in range(per_q):  # the kernels' rule on each rank: local query head j uses local kv j // group
+            seen[r * per_q + j] = local_kv[j // (per_q // per_kv)]
+    return index, seen
+
+
+def test_kv_head_index_routes_every_query_head_to_its_kv_head():
+    """Every (heads, kv_heads, degree): each rank's query heads find exactly the kv head of global GQA."""
+    paths = set()
+    for heads in range(1, 25):
+        for kv_heads in (x for x in range(1, heads + 1) if heads % x == 0):
+            for degree in (d for d in range(1, 9) if heads % d == 0):
+                index, seen = _ulysses_kv_of_each_query_head(heads, kv_heads, degree)
+                group = heads // kv_heads
+                assert seen == {h: h // group for h in range(heads)}, (heads, kv_heads, degree, index)
+                per_rank = heads // degree
+                if kv_heads % degree == 0:
+                    assert index is None  # split: traffic at kv size
+                    paths.add("split")
+                elif group % per_rank == 0:
+                    assert len(index) == degree  # replicated: one kv head per rank
+                    paths.add("replicate")
+                else:
+                    assert len(index) == heads  # expanded: one kv head per query head
+                    paths.add("expand")
+                sent = kv_heads if index is None else len(index)
+                assert cost._kv_sent(heads, kv_heads, degree) == sent  # the cost model counts the same traffic
+    assert paths == {"split", "replicate", "expand"}
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, degree, want",
+    [
+        (8, 8, 4, None),  # split
+        (8, 4, 4, None),  # split, one kv head per rank
+        (8, 2, 4, [0, 0, 1, 1]),  # kv heads fewer than ranks: replicated
+        (8, 1, 4, [0, 0, 0, 0]),  # MQA: replicated
+        (6, 2, 3, [0, 0, 0, 1, 1, 1]),  # a rank's query heads straddle two kv heads: expanded
+        (6, 3, 2, [0, 0, 1, 1, 2, 2]),  # expanded
+    ],
+)
+def test_kv_head_index_examples(heads, kv_heads, degree, want):
+    """The three routings on hand-checked examples (the cheapest one applicable is chosen)."""
+    assert kv_head_index(heads, kv_heads, degree) == want
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layer 1: the gathered plan (all-gather KV, Ulysses, hybrid_allgather)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _coverage(plan, n, s):
+    """(n, s) int: how many of the plan's kernel calls mark each (query row, buffer key) pair visible."""
+    assert plan.steps == (0,) and len(plan.blocks) == 1, "a gathered plan is a single step"
+    count = torch.zeros(n, s, dtype=torch.int64)
+    for block in plan.blocks[0]:
+        q0, q1, _ = block.q.indices(n)
+        k0, k1, _ = block.kv.indices(s)
+        nq, nk = q1 - q0, k1 - k0
+        assert nq > 0 and nk > 0, f"empty kernel call {block}"
+        if block.mode == "full":
+            sub = torch.ones(nq, nk, dtype=torch.bool)
+        elif block.mode == "causal":
+            assert nq == nk, block
+            sub = torch.ones(nq, nk, dtype=torch.bool).tril()
+        else:
+            assert block.mode == "interval", block
+            lo, hi, clo, chi = (a.long() for a in block.intervals)
+            j, i = torch.arange(nk), torch.arange(nq)
+            sub = (lo[:, None] <= j) & (j < hi[:, None])
+            assert torch.equal(sub, (clo[None, :] <= i[:, None]) & (i[:, None] < chi[None, :])), "inverse intervals"
+            for a in (lo, hi, clo, chi):
+                assert bool((a[1:] >= a[:-1]).all()), "interval bounds must be nondecreasing"
+        assert sub.any(), f"kernel call with no visible pair {block}"
+        count[q0:q1, k0:k1] += sub.long()
+    return count
+
+
+def _buffer_positions(layout, seq, w):
+    """Global position of each row of the gathered key buffer (natural or source order)."""
+    if gathered_in_natural_order(layout):
+        return torch.arange(seq)
+    return torch.cat([layouts.positions(layout, seq, w, src) for src in range(w)])
+
+
+GATHERED_VIS = [
+    Visibility(),
+    Visibility(causal=True),
+    Visibility(causal=True, key_mask=True),  # not "plain": one call per run
+    Visibility(causal=True, window=(5, -1)),
+    Visibility(window=(3, 2)),
+    Visibility(window=(0, 0)),
+    Visibility(window=(60, 60)),  # wider than the sequence
+    Visibility(causal=True, cu_seqlens=(0, 1, 9, 10, 23, 47, 48)),
+    Visibility(cu_seqlens=(0, 12, 13, 48)),
+    Visibility(causal=True, window=(4, -1), cu_seqlens=(0, 7, 30, 48)),
+    Visibility(window=(2, 6), cu_seqlens=(0, 5, 6, 40, 48), key_mask=True),
+]
+
+
+@pytest.mark.parametrize("layout", layouts.LAYOUTS)
+@pytest.mark.parametrize("vis", GATHERED_VIS, ids=str)
+def test_gathered_plan_covers_exactly_the_visible_pairs(layout, vis):
+    """Every visible (query, key) pair is computed exactly once and nothing invisible is: W = 1..8."""
+    seq = 48
+    for w in (1, 2, 3, 4, 6, 8):
+        n = seq // w
+        buf = _buffer_positions(layout, seq, w)
+        for r in range(w):
+            plan = gathered_plan(layout, vis, w, r, n)
+            count = _coverage(plan, n, seq)
+            assert int(count.max()) <= 1, f"a pair computed twice: w={w} rank={r}"
+            want = visible_mask(vis, layouts.positions(layout, seq, w, r), buf)
+            assert torch.equal(count.bool(), want), f"w={w} rank={r}"
+
+
+@pytest.mark.parametrize("w", [1, 2, 3, 4, 8])
+def test_gathered_plan_call_counts(w):
+    """Plain causal: contiguous 2 kernel calls per rank (1 on rank 0), zigzag at most 4, none with per-row
+    interval arrays; full attention one call (contiguous, zigzag): gathering means fewer, larger calls."""
+    n = 16
+    causal, full = Visibility(causal=True), Visibility()
+    for r in range(w):
+        contiguous = gathered_plan("contiguous", causal, w, r, n).blocks[0]
+        assert len(contiguous) == (1 if r == 0 else 2), (w, r, contiguous)
+        assert sorted(b.mode for b in contiguous) == (["causal"] if r == 0 else ["causal", "full"])
+        zigzag = gathered_plan("zigzag", causal, w, r, n).blocks[0]
+        assert len(zigzag) <= 4
+        # rank 0: chunk 0 has no prefix; rank W-1: chunks W-1 and W are adjacent, one run
+        assert len(zigzag) == (1 if w == 1 else 3 if r == 0 else 2 if r == w - 1 else 4), (w, r, zigzag)
+        assert all(b.mode in ("full", "causal") for b in zigzag)
+        ring_calls = sum(len(step) for step in ring_plan("contiguous", causal, w, r, n).blocks)
+        assert ring_calls == r + 1 >= len(contiguous)  # the ring makes one call per source it sees
+        striped = gathered_plan("striped", causal, w, r, n).blocks[0]
+        assert len(striped) == w  # the ring plan's blocks, one per source
+        for layout in ("contiguous", "zigzag"):  # natural-order buffers: one call over everything
+            (block,) = gathered_plan(layout, full, w, r, n).blocks[0]
+            assert block.mode == "full" and block.q == slice(0, n) and block.kv == slice(0, n * w)
+        # striped keeps the buffer in source order and the ring plan's blocks: one full call per source
+        assert [b.mode for b in gathered_plan("striped", full, w, r, n).blocks[0]] == ["full"] * w
+    (block,) = local_plan(causal, n * w).blocks[0]  # Ulysses' whole-sequence plan: one causal call
+    assert block.mode == "causal" and block.kv == slice(0, n * w)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layer 1: the cost model
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _call(world=4, heads=8, kv_heads=2, layout="zigzag", vis=Visibility(causal=True), local_len=512, ulysses=1,
+          batch=1, head_dim=64, itemsize=2):
+    return cost.Call(batch, local_len, heads, kv_heads, head_dim, itemsize, layout, vis, world, ulysses)
+
+
+def test_predict_refuses_ulysses_when_heads_do_not_divide():
+    """heads % degree != 0: Ulysses (and a hybrid of that Ulysses degree) cannot run, so "auto" never picks it."""
+    c = _call(world=4, heads=6, kv_heads=2)
+    assert cost.predict(c, "ulysses") is None
+    assert cost.predict(c, "ring") is not None and cost.predict(c, "allgather") is not None
+    choice = cost.choose(c, ("ring", "ulysses", "allgather"))
+    assert "ulysses" not in choice.predictions and choice.strategy in ("ring", "allgather")
+    assert cost.predict(_call(world=8, heads=6, kv_heads=2, ulysses=4), "hybrid") is None
+    assert cost.predict(_call(world=8, heads=6, kv_heads=2, ulysses=4), "hybrid_allgather") is None
+    assert cost.predict(_call(world=8, heads=6, kv_heads=2, ulysses=2), "hybrid") is not None
+
+
+CALLS = [
+    _call(world=w, heads=h, kv_heads=hkv, layout=layout, vis=vis, local_len=n)
+    for w in (2, 4, 8)
+    for h, hkv in ((8, 8), (8, 2), (32, 1))
+    for layout in layouts.LAYOUTS
+    for vis in (Visibility(), Visibility(causal=True), Visibility(causal=True, window=(100, -1)))
+    for n in (64, 4096)
+]
+
+
+def test_predictions_are_positive_and_choose_takes_the_minimum():
+    """Every applicable prediction is positive and consistent, and ``choose`` returns its argmin."""
+    for c in CALLS:
+        candidates = ("ring", "ulysses", "allgather")
+        for name in candidates:
+            p = cost.predict(c, name)
+            assert p is not None, (c, name)
+            assert p.seconds > 0 and p.compute_s > 0 and p.comm_s > 0 and p.memory_bytes > 0, (c, name, p)
+            assert p.seconds == pytest.approx(p.compute_s + p.comm_s)
+        choice = cost.choose(c, candidates)
+        assert set(choice.predictions) == set(candidates)
+        best = min(p.seconds for p in choice.predictions.values())
+        assert choice.predictions[choice.strategy].seconds == best
+        assert all(name in choice.reason for name in candidates)
+    for u in (2, 4):  # the hybrids on a 2-D mesh of 8
+        c = _call(world=8, heads=8, kv_heads=2, ulysses=u)
+        choice = cost.choose(c, ("hybrid", "hybrid_allgather"))
+        assert all(p.seconds > 0 and p.memory_bytes > 0 for p in choice.predictions.values())
+        assert choice.predictions[choice.strategy].seconds == min(p.seconds for p in choice.predictions.values())
+
+
+def _bytes_moved(c, strategy):
+    """Bytes one rank sends for a forward + backward, counted from what each strategy transfers."""
+    w, item = c.world, c.itemsize
+    kv = 2 * c.batch * c.local_len * c.kv_heads * c.head_dim  # k and v elements of one shard
+    if strategy == "ring":  # k, v W - 1 hops forward; k, v, fp32 dK, dV W - 1 hops backward, dK, dV home
+        return (w - 1) * kv * item + (w - 1) * kv * (item + 4) + kv * 4
+    if strategy == "allgather":  # k, v gathered twice, fp32 dK, dV reduce-scattered
+        return (w - 1) * kv * (2 * item + 4)
+    index = kv_head_index(c.heads, c.kv_heads, w)
+    sent = c.kv_heads if index is None else len(index)
+    token = c.batch * c.local_len * c.head_dim * item * (w - 1) / w
+    return 2 * token * (2 * c.heads + 2 * sent)  # q, k, v, out forward; dout, dq, dk, dv backward
+
+
+def test_slow_links_prefer_the_strategy_moving_fewest_bytes():
+    """When the links are the bottleneck, "auto" picks the strategy that moves the fewest bytes (Ulysses for
+    many kv heads, all-gather KV for few): the model's direction, counted independently here."""
+    slow = cost.Hardware(tflops=1e9, call_overhead_s=0.0, p2p_gbps=1e-3, a2a_gbps=1e-3, allgather_gbps=1e-3,
+                         reduce_scatter_gbps=1e-3, latency_s=0.0)
+    picked = set()
+    for h, hkv in ((32, 32), (32, 8), (32, 1), (16, 1)):
+        c = _call(world=8, heads=h, kv_heads=hkv, local_len=4096, head_dim=128)
+        candidates = ("ring", "ulysses", "allgather")
+        moved = {s: _bytes_moved(c, s) for s in candidates}
+        fewest = min(moved, key=moved.get)
+        choice = cost.choose(c, candidates, slow)
+        assert choice.strategy == fewest, (h, hkv, moved, choice.reason)
+        picked.add(fewest)
+        # and every strategy's exposed communication ranks like its bytes
+        comm = {s: choice.predictions[s].comm_s for s in candidates}
+        assert sorted(candidates, key=comm.get)[0] == fewest
+    assert picked == {"ulysses", "allgather"}, "the cases should exercise both directions"
+
+
+def test_allgather_memory_grows_with_world_ring_does_not():
+    """The memory column: all-gather holds the whole sequence's k, v; the ring two blocks, whatever W."""
+    mem = {w: {s: cost.predict(_call(world=w), s).memory_bytes for s in ("ring", "allgather")} for w in (2, 8)}
+    assert mem[2]["ring"] == mem[8]["ring"]
+    assert mem[8]["allgather"] == 4 * mem[2]["allgather"] > mem[8]["ring"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Cases and the float64 reference
+# ---------------------------------------------------------------------------------------------------------
+
+HEADS = {  # (heads, kv_heads) per world: Ulysses splits, replicates (kv < W) and expands kv heads; the last
+    # entry's heads do not divide by W (no Ulysses: ring, all-gather, and "auto" must avoid Ulysses)
+    1: [(4, 2), (4, 1), (2, 2)],
+    2: [(4, 2), (4, 1), (6, 3), (2, 2), (3, 1)],
+    3: [(6, 3), (6, 1), (6, 2), (4, 2)],
+    4: [(8, 2), (8, 1), (4, 4), (12, 3), (6, 2)],
+    8: [(8, 2), (8, 1), (16, 8), (24, 3), (4, 4)],
+}
+
+
+def _inputs(case):
+    """Global float64 q, k, v, dout and the key padding mask (None, or (b, seq) with ``pad`` positions off)."""
+    g = torch.Generator().manual_seed(case["seed"])
+    b, h, hkv, d, seq = case["b"], case["h"], case["hkv"], case["d"], case["seq"]
+    q = torch.randn(b, seq, h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, seq, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, seq, hkv, d, generator=g, dtype=torch.float64)
+    dout = torch.randn(b, seq, h, d, generator=g, dtype=torch.float64)
+    mask = None
+    if case.get("pad") is not None:
+        mask = torch.ones(b, seq, dtype=torch.bool)
+        for row, off in enumerate(case["pad"]):
+            mask[row, list(off)] = False
+    return q, k, v, dout, mask
+
+
+def _options(case):
+    return dict(causal=case["causal"], window_size=case.get("window", (-1, -1)), softcap=case.get("softcap", 0.0),
+                cu_seqlens=case.get("docs"), softmax_scale=case.get("scale"))
+
+
+_REFERENCES: dict = {}
+
+
+def _expected(case):
+    """The float64 reference of the whole sequence (computed once per inputs and options: the strategies and
+    the ranks of a case share it)."""
+    key = repr(sorted((name, value) for name, value in case.items() if name != "strategy"))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference(case)
+    return _REFERENCES[key]
+
+
+def _reference(case):
+    q, k, v, dout, mask = _inputs(case)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = attention_reference(q, k, v, attention_mask=mask, **_options(case))
+    if case.get("no_grad"):
+        return {"out": out.detach()}
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    if case.get("q_only"):
+        return {"out": out.detach(), "dq": grads[0]}
+    return dict(zip(("out", "dq", "dk", "dv"), (out.detach(), *grads)))
+
+
+def _run_local(case, index, group=None):
+    """This rank's call: the global inputs at positions ``index``, the strategy, its outputs and gradients."""
+    q, k, v, dout, mask = _inputs(case)
+    q, k, v, dout = (t.index_select(1, index) for t in (q, k, v, dout))
+    local_mask = None if mask is None else mask.index_select(1, index)
+    kwargs = dict(strategy=case["strategy"], layout=case["layout"], attention_mask=local_mask, group=group,
+                  **_options(case))
+    if case.get("no_grad"):
+        with torch.no_grad():
+            return {"out": context_parallel_attn(q, k, v, **kwargs)}
+    if case.get("q_only"):  # frozen k, v
+        q.requires_grad_()
+        out = context_parallel_attn(q, k, v, **kwargs)
+        out.backward(dout)
+        assert k.grad is None and v.grad is None
+        return {"out": out.detach(), "dq": q.grad}
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = context_parallel_attn(q, k, v, **kwargs)
+    out.backward(dout)
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _compare(case, got, index, where):
+    want = _expected(case)
+    assert set(got) == set(want), (got.keys(), case)
+    for name, ref in want.items():
+        assert not got[name].isnan().any(), f"{name} has NaN at {where}, case {case}"
+        torch.testing.assert_close(got[name], ref.index_select(1, index), **FP64,
+                                   msg=lambda m, name=name: f"{name} at {where}, case {case}: {m}")
+
+
+def _feature_sets(seq, n, off_rank):
+    """Each feature alone and combined; ``off_rank``: the positions of a rank whose keys are all padding."""
+    return [
+        dict(),
+        dict(pad=[range(seq - 5, seq)]),  # padding at the end
+        dict(pad=[off_rank, range(n // 2, seq)], b=2),  # a rank's keys all padding (row 0); almost all (row 1)
+        dict(window=(3, -1)),
+        dict(window=(0, 0)),  # only the diagonal
+        dict(window=(2, 1), softcap=0.5),
+        dict(softcap=2.0, scale=0.3),
+        dict(docs=sorted({0, 1, 2, 3, seq - 2, seq - 1, seq})),  # one-token documents and one spanning ranks
+        dict(docs=sorted({x for x in (0, 3, n + 1, 2 * n + 3) if x < seq} | {seq})),  # odd lengths
+        dict(docs=[0, seq // 2, seq], window=(4, -1), pad=[(1, 2)], softcap=1.5),  # combined
+        dict(window=(5, 2), docs=[0, 5, seq], no_grad=True),  # forward only
+        dict(window=(6, -1), pad=[range(seq // 2, seq // 2 + 3)], q_only=True),  # k, v frozen: only dq
+    ]
+
+
+def _strategy_cases(w, small=False):
+    """(case, strategy) grid of one world: every layout x causal x feature set, GQA cycling through HEADS[w]."""
+    n = 8
+    seq = n * w
+    cases, i = [], 0
+    for layout in layouts.LAYOUTS:
+        off_rank = layouts.positions(layout, seq, w, w // 2).tolist()
+        sets = _feature_sets(seq, n, off_rank)
+        if small:
+            sets = [sets[2], sets[3], sets[8], sets[9]]
+        for causal in (False, True):
+            for features in sets:
+                h, hkv = HEADS[w][i % len(HEADS[w])]
+                for strategy in ONE_D + ("auto",):
+                    if strategy == "ulysses" and h % w:
+                        continue
+                    case = dict(layout=layout, causal=causal, b=1, h=h, hkv=hkv, d=8, seq=seq, seed=1000 * w + i,
+                                strategy=strategy)
+                    case.update(features)
+                    cases.append(case)
+                i += 1
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layer 1 / single process: no process group
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_every_strategy_without_a_process_group():
+    """No init_process_group: ring, Ulysses, all-gather and "auto" are plain attention and equal the reference."""
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("this process has a process group")
+    index = torch.arange(8)
+    for case in _strategy_cases(1):
+        _compare(case, _run_local(case, index), index, f"single process, {case['strategy']}")
+
+
+def test_single_process_errors():
+    """An unknown strategy, and the hybrids without a 2-D mesh, raise a clear ValueError."""
+    q = torch.zeros(1, 4, 2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"`strategy` must be one of \[.*'hybrid_allgather'\], got 'rung'"):
+        context_parallel_attn(q, q, q, strategy="rung")
+    for strategy in ("hybrid", "hybrid_allgather"):
+        with pytest.raises(ValueError, match=r"hybrid strategies need `group` to be a 2-D DeviceMesh.*'ulysses'"):
+            context_parallel_attn(q, q, q, strategy=strategy)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layer 2: ring, Ulysses, all-gather and "auto" on gloo worlds
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _strategies_rank(rank, world, small):
+    results, choices = [], []
+    for case in _strategy_cases(world, small):
+        index = layouts.positions(case["layout"], case["seq"], world, rank)
+        results.append(_run_local(case, index))
+        if case["strategy"] == "auto":
+            q, k, _, _, mask = _inputs(case)
+            choice = which_strategy(q.index_select(1, index), k.index_select(1, index), layout=case["layout"],
+                                    causal=case["causal"], window_size=case.get("window", (-1, -1)),
+                                    attention_mask=None if mask is None else mask.index_select(1, index),
+                                    cu_seqlens=case.get("docs"))
+            choices.append((case["h"], choice.strategy, {s: p.seconds for s, p in choice.predictions.items()}))
+    return results, choices
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_strategies_match_reference(world):
+    """ring / ulysses / allgather / auto x every layout x causal x features x GQA: outputs and gradients equal
+    the float64 reference on every rank, never NaN; "auto" picks the same argmin on every rank."""
+    small = world == 8
+    got = run_world(_strategies_rank, world, small, timeout=120)
+    for i, case in enumerate(_strategy_cases(world, small)):
+        for r in range(world):
+            index = layouts.positions(case["layout"], case["seq"], world, r)
+            _compare(case, got[r][0][i], index, f"rank {r} of {world}, strategy {case['strategy']}")
+    choices = got[0][1]
+    for r in range(world):
+        assert got[r][1] == choices, "ranks must pick the same strategy"
+    assert len(choices) == sum(case["strategy"] == "auto" for case in _strategy_cases(world, small))
+    for heads, strategy, seconds in choices:
+        assert seconds[strategy] == min(seconds.values())
+        assert set(seconds) == (set(ONE_D) - {"ulysses"} if heads % world else set(ONE_D))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layer 2: the hybrids on 2-D meshes
+# ---------------------------------------------------------------------------------------------------------
+
+HYBRID_HEADS = {1: [(4, 2), (2, 1)], 2: [(4, 1), (4, 2), (6, 3)], 4: [(8, 2), (8, 1), (12, 3), (8, 4)]}
+
+
+def _hybrid_cases(rings, ulysses):
+    """Every layout x causal x features, GQA with kv heads fewer than the Ulysses degree, both hybrids."""
+    n = 4  # tokens per rank; the ring shard holds ulysses * n
+    world = rings * ulysses
+    seq = n * world
+    cases, i = [], 0
+    for layout in layouts.LAYOUTS:
+        off = dispatch.hybrid_positions(layout, seq, rings, rings - 1, ulysses, 0).tolist()
+        sets = [
+            dict(),
+            dict(pad=[off, range(n // 2, seq)], b=2),  # one rank's keys all padding; almost all of row 1
+            dict(window=(3, -1)),
+            dict(docs=sorted({x for x in (0, 1, 3, n + 1, 2 * n + 3) if x < seq} | {seq})),
+            dict(docs=[0, seq // 2 + 1, seq], window=(4, 2), pad=[(1, 2)], softcap=1.5),
+        ]
+        for causal in (False, True):
+            for features in sets:
+                h, hkv = HYBRID_HEADS[ulysses][i % len(HYBRID_HEADS[ulysses])]
+                strategies = ("hybrid", "hybrid_allgather") + (("auto",) if not features else ())
+                for strategy in strategies:
+                    case = dict(layout=layout, causal=causal, b=1, h=h, hkv=hkv, d=8, seq=seq, strategy=strategy,
+                                seed=7000 + 100 * world + i)
+                    case.update(features)
+                    cases.append(case)
+                i += 1
+    return cases
+
+
+def _mesh(shape, names):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _hybrid_rank(rank, world, meshes):
+    out = []
+    for shape, names in meshes:
+        mesh = _mesh(shape, names)
+        sizes = dict(zip(names, shape))
+        r, u = mesh.get_local_rank("ring"), mesh.get_local_rank("ulysses")
+        results = []
+        for case in _hybrid_cases(sizes["ring"], sizes["ulysses"]):
+            index = dispatch.hybrid_positions(case["layout"], case["seq"], sizes["ring"], r, sizes["ulysses"], u)
+            results.append(_run_local(case, index, group=mesh))
+        out.append(((r, u), results))
+    return out
+
+
+@pytest.mark.parametrize(
+    "world, meshes",
+    [
+        (2, [((1, 2), ("ring", "ulysses")), ((2, 1), ("ring", "ulysses"))]),  # degenerate dimensions
+        (4, [((2, 2), ("ring", "ulysses")), ((2, 2), ("ulysses", "ring"))]),  # 2x2, either dimension order
+        (8, [((2, 4), ("ring", "ulysses"))]),  # 2 rings x Ulysses 4
+    ],
+    ids=["1x2+2x1", "2x2", "2x4"],
+)
+def test_hybrids_match_reference(world, meshes):
+    """hybrid / hybrid_allgather (and "auto" on a mesh) on 2-D gloo meshes: every rank's tokens, at the positions
+    ``hybrid_positions`` gives, equal the float64 reference: outputs and gradients, GQA, padding, windows,
+    documents."""
+    got = run_world(_hybrid_rank, world, meshes, timeout=120)
+    for m, (shape, names) in enumerate(meshes):
+        sizes = dict(zip(names, shape))
+        coords = sorted(got[r][m][0] for r in range(world))
+        assert coords == sorted(itertools.product(range(sizes["ring"]), range(sizes["ulysses"])))
+        for i, case in enumerate(_hybrid_cases(sizes["ring"], sizes["ulysses"])):
+            for r in range(world):
+                (ring_rank, u_rank), results = got[r][m]
+                index = dispatch.hybrid_positions(case["layout"], case["seq"], sizes["ring"], ring_rank,
+                                                  sizes["ulysses"], u_rank)
+                _compare(case, results[i], index, f"mesh {shape} {names} coordinate {(ring_rank, u_rank)}")
+
+
+def test_hybrid_positions_partition_the_sequence():
+    """The hybrids' shards: every global position exactly once, each ring shard cut into contiguous pieces."""
+    for layout in layouts.LAYOUTS:
+        for rings, ulysses in ((1, 4), (2, 2), (2, 4), (4, 2), (3, 2)):
+            seq = 4 * rings * ulysses
+            pieces = [dispatch.hybrid_positions(layout, seq, rings, r, ulysses, u)
+                      for r in range(rings) for u in range(ulysses)]
+            assert sorted(torch.cat(pieces).tolist()) == list(range(seq))
+            for r in range(rings):
+                shard = torch.cat(pieces[r * ulysses:(r + 1) * ulysses])
+                assert torch.equal(shard, layouts.positions(layout, seq, rings, r))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layer 2: errors before any communication, disagreements on every rank
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _error(fn):
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _in_sync(world):
+    """A collective right after an error: all ranks still pair up (an error raised after a rank had started
+    communicating would mismatch this all-reduce, hang it or abort the process)."""
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return float(t) == world * (world + 1) / 2
+
+
+def _errors_1d_rank(rank, world):
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    q3 = torch.randn(1, 4, 3, 8, dtype=torch.float64)
+    out = {}
+    out["heads"] = _error(lambda: context_parallel_attn(q3, q3, q3, strategy="ulysses"))
+    out["heads_sync"] = _in_sync(world)
+    # per-rank mistakes on rank 0 only: its peers go straight to the next collective
+    if rank == 0:
+        out["unknown"] = _error(lambda: context_parallel_attn(q, q, q, strategy="rung"))
+        out["hybrid_1d"] = _error(lambda: context_parallel_attn(q, q, q, strategy="hybrid", group=dist.group.WORLD))
+    out["local_sync"] = _in_sync(world)
+    mine = {0: "ring"}.get(rank, "allgather")
+    out["ring_vs_allgather"] = _error(lambda: context_parallel_attn(q, q, q, strategy=mine, causal=True))
+    mine = {0: "ulysses"}.get(rank, "ring")
+    out["ulysses_vs_ring"] = _error(lambda: context_parallel_attn(q, q, q, strategy=mine))
+    out["disagree_sync"] = _in_sync(world)
+    return out
+
+
+def test_errors_one_dimensional_group():
+    """Ulysses with heads not divisible by the degree names both numbers on every rank; an unknown strategy
+    and the hybrid on a 1-D group raise before communicating; ranks disagreeing on the strategy all raise the
+    same error (no hang), and the world stays usable."""
+    world = 2
+    got = run_world(_errors_1d_rank, world, timeout=60)
+    assert all(g["heads_sync"] and g["local_sync"] and g["disagree_sync"] for g in got)
+    assert got[0]["heads"] is not None and got[0]["heads"] == got[1]["heads"]
+    assert got[0]["heads"].startswith("ValueError: ") and "heads=3 is not divisible by the degree 2" in got[0]["heads"]
+    assert got[0]["unknown"].startswith("ValueError: `strategy` must be one of")
+    assert "'rung'" in got[0]["unknown"]
+    assert "2-D DeviceMesh" in got[0]["hybrid_1d"]
+    for key in ("ring_vs_allgather", "ulysses_vs_ring"):
+        assert got[0][key] is not None and got[0][key] == got[1][key], key
+        assert "disagree" in got[0][key] and "strategy=" in got[0][key], got[0][key]
+
+
+def _errors_mesh_rank(rank, world):
+    mesh = _mesh((2, 2), ("ring", "ulysses"))
+    misnamed = _mesh((2, 2), ("dp", "cp"))
+    q = torch.randn(1, 4, 4, 8, dtype=torch.float64)
+    q3 = torch.randn(1, 4, 3, 8, dtype=torch.float64)
+    q6 = torch.randn(1, 4, 6, 8, dtype=torch.float64)
+    out = {}
+    if rank == 0:  # a 2-D mesh for a 1-D strategy: raised on this rank alone, before communicating
+        out["mesh_ulysses"] = _error(lambda: context_parallel_attn(q, q, q, strategy="ulysses", group=mesh))
+        out["mesh_ring"] = _error(lambda: context_parallel_attn(q, q, q, strategy="ring", group=mesh))
+        out["mesh_allgather"] = _error(lambda: context_parallel_attn(q, q, q, strategy="allgather", group=mesh))
+        out["misnamed"] = _error(lambda: context_parallel_attn(q, q, q, strategy="hybrid", group=misnamed))
+    out["local_sync"] = _in_sync(world)
+    out["heads_hybrid"] = _error(lambda: context_parallel_attn(q3, q3, q3, strategy="hybrid", group=mesh))
+    out["heads_ulysses"] = _error(lambda: context_parallel_attn(q6, q6, q6, strategy="ulysses"))
+    mine = "hybrid" if rank == 0 else "hybrid_allgather"
+    out["hybrid_disagree"] = _error(lambda: context_parallel_attn(q, q, q, strategy=mine, group=mesh))
+    out["sync"] = _in_sync(world)
+    return out
+
+
+def test_errors_on_a_mesh():
+    """A 2-D mesh passed to a 1-D strategy, or a mesh without dimensions "ring" and "ulysses" to a hybrid, raises
+    before communicating; the hybrid's Ulysses degree must divide the heads (both numbers named, every rank);
+    hybrid vs hybrid_allgather: the same error everywhere."""
+    world = 4
+    got = run_world(_errors_mesh_rank, world, timeout=60)
+    assert all(g["local_sync"] and g["sync"] for g in got)
+    for strategy in ONE_D:
+        msg = got[0][f"mesh_{strategy}"]
+        assert msg is not None and f"strategy '{strategy}' runs over one group" in msg and "2-D DeviceMesh" in msg
+    assert "mesh dimensions named 'ulysses' and 'ring', got ('dp', 'cp')" in got[0]["misnamed"], got[0]["misnamed"]
+    for key, heads, degree in (("heads_hybrid", 3, 2), ("heads_ulysses", 6, 4)):
+        assert all(g[key] == got[0][key] for g in got), key
+        assert f"heads={heads} is not divisible by the degree {degree}" in got[0][key], got[0][key]
+    assert got[0]["hybrid_disagree"] is not None and all(g["hybrid_disagree"] == got[0]["hybrid_disagree"] for g in got)
+    assert "disagree" in got[0]["hybrid_disagree"]
+
+
+def _hybrid_vs_1d_rank(rank, world, hybrid_rank):
+    mesh = _mesh((1, world), ("ring", "ulysses"))
+    q = torch.randn(1, 4, 4, 8, dtype=torch.float64)
+    if rank == hybrid_rank:
+        msg = _error(lambda: context_parallel_attn(q, q, q, strategy="hybrid", group=mesh))
+    else:
+        msg = _error(lambda: context_parallel_attn(q, q, q, strategy="ulysses"))
+    return msg, _in_sync(world)
+
+
+@pytest.mark.parametrize("hybrid_rank", [0, 1])
+def test_hybrid_vs_one_dimensional_strategy_disagreement(hybrid_rank):
+    """One rank "hybrid" (2-D mesh), its peer "ulysses" (default group): the same ValueError on every rank, not
+    a crashed or hung collective."""
+    got = run_world(_hybrid_vs_1d_rank, 2, hybrid_rank, timeout=30)
+    assert got[0][0] is not None and got[0][0] == got[1][0], got
+    assert "disagree" in got[0][0]
+    assert all(sync for _, sync in got)
