@@ -10,8 +10,10 @@ Note [All-gather KV]
                    dQ, dK, dV      =  block calls; dK, dV summed in fp32 over the whole buffer
                    dk, dv          <- reduce_scatter(dK, dV) in fp32, then rounded to the input dtype once
 
-    The partial dK/dV sums cross the wire in fp32, the ring's rule: summing W rounded bf16 partials would
-    add up to W roundings where the ring rounds once. Compared with the ring: the same FLOPs, no chain of
+    The partial dK/dV sums cross the wire in fp32, the ring's rule: a bf16 reduce-scatter rounds at every
+    hop. Measured on exact partial gradients of causal attention (docs/bench/strategies.md, "Reduction
+    precision"): a bf16 reduction's max error is 1.5-2.5x that of fp32-then-round at W = 2-8 and 8.2x at
+    W = 16, for twice the reduce-scatter bytes. Compared with the ring: the same FLOPs, no chain of
     W dependent hops, fewer and larger kernel calls (a contiguous rank makes 2, a zigzag rank 4), and
     S x Hkv x D of key/value memory per rank during the call instead of n x Hkv x D.
 """
