@@ -48,7 +48,7 @@ def _is_2d_mesh(group) -> bool:
 
 
 def resolve_mesh(group):
-    """(ulysses group, ring group, verification group) of a 2-D DeviceMesh with dims "ulysses" and "ring"."""
+    """(ulysses group, ring group) of a 2-D DeviceMesh with dimensions "ulysses" and "ring", spanning every rank."""
     if not _is_2d_mesh(group):
         raise ValueError(
             "the hybrid strategies need `group` to be a 2-D DeviceMesh with dimensions named 'ulysses' and "
@@ -64,7 +64,7 @@ def resolve_mesh(group):
             f"the hybrid strategies need the 2-D mesh to span every rank of the default group (so that every "
             f"rank verifies the call together); the mesh has {group.size()} of {_groups.group_size(None)} ranks"
         )
-    return group.get_group("ulysses"), group.get_group("ring"), None
+    return group.get_group("ulysses"), group.get_group("ring")
 
 
 def hybrid_positions(layout: str, seq_len: int, ring_size: int, ring_rank: int, ulysses_size: int,
@@ -122,7 +122,7 @@ def choose(q, k, *, group, layout: str, causal: bool, window, attention_mask, cu
     """
     _validation.check_qkv(q, k, k)
     if _is_2d_mesh(group):
-        ulysses_group, ring_group, _ = resolve_mesh(group)
+        ulysses_group, _ = resolve_mesh(group)
         u, world = _groups.group_size(ulysses_group), group.size()
         candidates = ("hybrid", "hybrid_allgather")
     else:
@@ -145,7 +145,7 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
                   attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
                   requires_grad=requires_grad)
     if strategy in _HYBRID:
-        ulysses_group, ring_group, _ = resolve_mesh(group)
+        ulysses_group, ring_group = resolve_mesh(group)
         comm = RingComm(None)  # verification over the default group: every rank of the mesh
         wu, wr = _groups.group_size(ulysses_group), _groups.group_size(ring_group)
         ring_rank = _groups.group_rank(ring_group)
