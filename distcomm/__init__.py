@@ -15,4 +15,4 @@ __all__ = [
     "set_check_mode",
     "is_check_mode",
 ]
-__version__ = "0.1.0"
+from distcomm._version import __version__  # noqa: E402

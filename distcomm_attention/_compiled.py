@@ -14,7 +14,9 @@ Note [Compiled ring attention]
     operators do exactly what the eager path does (``prepare.prepare``: per-rank checks, cross-rank
     verification, plan, kernel choice; then ``ring.ring_forward`` / ``ring_backward``). The process group
     travels as its name (``ProcessGroup.group_name``, "" for the default group), resolved at run time the
-    way PyTorch's functional collectives resolve theirs.
+    way PyTorch's functional collectives resolve theirs. A layout left out travels as "" and is resolved from
+    the layout record when the operators run (Note [Layout record] in sharding.py), in the forward and again
+    in the backward: shard the inputs before the forward, as the eager path needs too.
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ def _resolve_group(name: str):
 def _prepared(q, k, v, key_mask, cu_seqlens, group_name, ring_size, layout, causal, window_left, window_right,
               softcap, scale, backend, requires_grad):
     comm = RingComm(_resolve_group(group_name), ring_size or None)
-    prepared = prepare(
-        q, k, v, comm, layout=layout, causal=causal, softmax_scale=scale, window=(window_left, window_right),
+    prepared = prepare(  # layout "": left out, resolved for the ring here at run time (Note [Layout record])
+        q, k, v, comm, layout=layout or None, causal=causal, softmax_scale=scale, window=(window_left, window_right),
         softcap=softcap, attention_mask=key_mask, cu_seqlens=cu_seqlens, backend=backend,
         requires_grad=requires_grad,
     )
@@ -146,7 +148,7 @@ def compiled_ring_flash_attn(q, k, v, *, group, ring_size, layout, causal, softm
         cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     out, _lse = _ring_attn(
-        q, k, v, attention_mask, cu_seqlens, _group_name(group), ring_size or 0, layout, causal, window[0],
+        q, k, v, attention_mask, cu_seqlens, _group_name(group), ring_size or 0, layout or "", causal, window[0],
         window[1], softcap, scale, backend, requires_grad,
     )
     return out

@@ -3,7 +3,9 @@
 Per-rank facts (types, ranks of tensors, dtypes, devices, head counts, lengths vs the layout) raise at once
 on the rank that sees them. Cross-rank facts (shapes, dtypes, layout and mask that differ between the ring's
 ranks) would make the ring hang or compute garbage: :func:`verify_across_ring` exchanges a small metadata
-vector around the ring and every rank of the ring raises the same ValueError. In distcomm's check mode the
+vector around the ring and every rank of the ring raises the same ValueError, naming the fields that differ
+and each rank's values in the caller's terms (shapes and dtypes, layout names, floats, True/False, document
+boundaries); those values travel in a second exchange that only a disagreement pays for. In distcomm's check mode the
 exchange comes first and the per-rank shape checks after it, so that a rank whose shapes differ from its
 peers' (e.g. a local length the layout cannot split on one rank only) fails together with them instead of
 raising alone while they wait in the exchange.
@@ -20,17 +22,18 @@ Note [Verified signatures]
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
+from typing import NamedTuple
 
 import torch
 
 from distcomm import _check
 from distcomm.ring import RingComm
 
-__all__ = ["check_is_tensor", "check_qkv", "check_flag", "check_scale", "verify_across_ring"]
+__all__ = ["check_is_tensor", "check_qkv", "check_flag", "check_scale", "Shown", "render_ints", "verify_across_ring"]
 
-_DTYPE_CODES = {dt: i for i, dt in enumerate(_check._DTYPES)}
 _verified: set[tuple] = set()
 
 
@@ -96,18 +99,116 @@ def float_bits(value: float) -> int:
     return struct.unpack("<q", struct.pack("<d", value))[0]
 
 
-def _describe(op: str, names: list[str], rows: list[list[int]], extra_names: list[str]) -> str:
-    per_rank = []
-    for pos, row in enumerate(rows):
-        parts, i = [], 0
-        for name in names:
-            ndim, code = row[i], row[i + 1]
-            dtype = _check._DTYPES[code] if 0 <= code < len(_check._DTYPES) else "?"
-            parts.append(f"{name}={tuple(row[i + 2 : i + 2 + ndim])} {dtype}")
-            i += 2 + _check.MAX_DIMS
-        parts += [f"{n}={val}" for n, val in zip(extra_names, row[i:])]
-        per_rank.append(f"ring position {pos}: " + ", ".join(parts))
-    return f"{op}: the ranks of the ring disagree on shapes, dtypes or options ({'; '.join(per_rank)})"
+class Shown(NamedTuple):
+    """A verified option compared by ``value`` alone and shown in a disagreement as ``text`` (e.g. a layout
+    with where it came from: ``Shown("zigzag", "'zigzag' (recorded by shard_sequence)")``)."""
+
+    value: object
+    text: str
+
+
+def _digest(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+def _is_ints(value) -> bool:
+    return isinstance(value, tuple) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+
+
+def _encode(value) -> int:
+    """One int64 standing for a verified option: ints and bools as themselves, floats by their bits, int
+    tuples (document boundaries) by a digest of their values, anything else by a digest of its repr."""
+    if isinstance(value, Shown):
+        return _encode(value.value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float_bits(value)
+    if _is_ints(value):
+        return _digest(struct.pack(f"<{len(value)}q", *value))
+    return _digest(repr(value).encode())
+
+
+def render_ints(values: tuple[int, ...], *, head: int = 4, tail: int = 2) -> str:
+    """A list of ints as written, or its first and last entries and its length when it is long."""
+    if len(values) <= head + tail + 1:
+        return str(list(values))
+    shown = ", ".join(map(str, values[:head])) + ", ..., " + ", ".join(map(str, values[-tail:]))
+    return f"[{shown}] ({len(values)} entries)"
+
+
+def _render(value) -> str:
+    """A verified value in the user's terms: shape and dtype of a tensor, True/False, floats as floats,
+    strings quoted, boundaries as a list."""
+    if isinstance(value, Shown):
+        return value.text
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {value.dtype}"
+    if _is_ints(value):
+        return render_ints(value)
+    return repr(value)
+
+
+def _tensor_code(t: torch.Tensor, op: str) -> list[int]:
+    if t.dim() > _check.MAX_DIMS:
+        raise ValueError(f"{op}: tensors of more than {_check.MAX_DIMS} dims are not supported")
+    return [t.dim(), _check.dtype_code(t.dtype)] + list(t.shape) + [0] * (_check.MAX_DIMS - t.dim())
+
+
+_TEXT_BYTES = 256  # per field and rank in the second exchange of a disagreement
+_HINTS = {
+    "layout": "pass the same `layout=` (or `sharding=`) on every rank",
+    "requires_grad": "q, k and v must need grad on every rank or on none (a rank without grads would skip the "
+                     "backward its peers wait in)",
+}
+
+
+def _positions(ranks: list[int]) -> str:
+    """``[0]`` -> "ring position 0"; ``[0, 2, 3, 4]`` -> "ring positions 0, 2-4"."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+    return f"ring position{'s' if len(ranks) > 1 else ''} {text}"
+
+
+def _describe(op: str, names: list[str], texts: list[list[str]]) -> str:
+    """The message of a disagreement: the differing fields, and each group of ring positions with the values
+    it passed (``texts[r][i]``: ring position r's value of ``names[i]``)."""
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for pos, row in enumerate(texts):
+        groups.setdefault(tuple(row), []).append(pos)
+    clauses = [
+        f"{_positions(ranks)}: " + ", ".join(f"{name}={text}" for name, text in zip(names, row))
+        for row, ranks in groups.items()
+    ]
+    hints = "".join(f"; {_HINTS[n]}" for n in names if n in _HINTS)
+    fields = ", ".join(f"`{n}`" for n in names)
+    return (
+        f"{op}: the ranks of the ring disagree on {fields} ({'; '.join(clauses)}); every rank of the ring must "
+        f"pass the same shapes, dtypes and options{hints}"
+    )
+
+
+def _exchange_texts(comm: RingComm, texts: list[str], device: torch.device) -> list[list[str]]:
+    """Every ring member's ``texts`` (the same number everywhere), each cut to ``_TEXT_BYTES`` bytes of UTF-8."""
+    row: list[int] = []
+    for text in texts:
+        data = text.encode()
+        if len(data) > _TEXT_BYTES:
+            data = data[: _TEXT_BYTES - 3] + b"..."
+        data = data.ljust(_TEXT_BYTES, b"\0")
+        row += [int.from_bytes(data[i : i + 8], "little", signed=True) for i in range(0, _TEXT_BYTES, 8)]
+    per = _TEXT_BYTES // 8
+    out = []
+    for ints in comm.all_gather_ints(row, device):
+        raw = [b"".join(x.to_bytes(8, "little", signed=True) for x in ints[i * per : (i + 1) * per])
+               for i in range(len(texts))]
+        out.append([r.rstrip(b"\0").decode(errors="ignore") for r in raw])
+    return out
 
 
 def _group_key(group) -> str:
@@ -120,30 +221,50 @@ def verify_across_ring(
     op: str,
     comm: RingComm | None,
     tensors: dict[str, torch.Tensor],
-    extra: dict[str, int] | None = None,
+    extra: dict[str, object] | None = None,
 ) -> None:
     """Raise the same ValueError on every rank of the ring unless all ranks agree on ``tensors``' shapes and
-    dtypes and on the ``extra`` ints. Outside check mode, each signature is verified once (see
-    Note [Verified signatures])."""
+    dtypes and on the ``extra`` options. Outside check mode, each signature is verified once (see
+    Note [Verified signatures]).
+
+    ``extra`` values are bools, ints, floats, strings, None, tuples of ints (compared by a digest) or
+    :class:`Shown`. One exchange of one int per option (and 2 + MAX_DIMS per tensor); only when the ranks
+    disagree, a second exchange of the differing fields as text, so that the message (the same on every
+    rank) names each differing field and every rank's value as the user wrote it.
+    """
     if comm is None or comm.size == 1:
         return
     extra = extra or {}
-    signature = (op, tuple(comm.ranks), _group_key(comm.group)) + tuple(
-        (name, tuple(t.shape), t.dtype, t.device.type) for name, t in tensors.items()
-    ) + tuple(extra.items())
+    names = list(tensors) + list(extra)
+    values = list(tensors.values()) + list(extra.values())
+    codes = [_tensor_code(t, op) for t in tensors.values()] + [[_encode(v)] for v in extra.values()]
+    row = [x for code in codes for x in code]
+    signature = (op, tuple(comm.ranks), _group_key(comm.group), tuple(names), tuple(row),
+                 tuple(t.device.type for t in tensors.values()))
     if not _check.is_check_mode() and signature in _verified:
         return
-    row: list[int] = []
-    for t in tensors.values():
-        if t.dim() > _check.MAX_DIMS:
-            raise ValueError(f"{op}: tensors of more than {_check.MAX_DIMS} dims are not supported")
-        row += [t.dim(), _DTYPE_CODES.get(t.dtype, len(_check._DTYPES))] + list(t.shape)
-        row += [0] * (_check.MAX_DIMS - t.dim())
-    row += list(extra.values())
-    rows = comm.all_gather_ints(row, next(iter(tensors.values())).device)
-    if any(r != rows[0] for r in rows):
-        raise ValueError(_describe(op, list(tensors), rows, list(extra)))
-    _verified.add(signature)
+    device = next(iter(tensors.values())).device
+    rows = comm.all_gather_ints(row, device)
+    if all(r == rows[0] for r in rows):
+        _verified.add(signature)
+        return
+    # Every rank holds the same rows, so every rank finds the same fields and joins the second exchange.
+    differing, spans, start = [], [], 0
+    for i, code in enumerate(codes):
+        end = start + len(code)
+        if any(r[start:end] != rows[0][start:end] for r in rows):
+            differing.append(i)
+            spans.append((start, end))
+        start = end
+    texts = _exchange_texts(comm, [_render(values[i]) for i in differing], device)
+    for j, (lo, hi) in enumerate(spans):  # long boundary lists that differ only where they are not shown
+        seen: dict[str, set] = {}
+        for r, row in enumerate(rows):
+            seen.setdefault(texts[r][j], set()).add(tuple(row[lo:hi]))
+        for r, row in enumerate(rows):
+            if len(seen[texts[r][j]]) > 1:
+                texts[r][j] += f" (digest {row[lo] & 0xFFFFFFFF:08x})"
+    raise ValueError(_describe(op, [names[i] for i in differing], texts))
 
 
 def check_window(window_size) -> tuple[int, int]:
@@ -225,11 +346,3 @@ def check_cu_seqlens(cu_seqlens, global_len: int) -> tuple[int, ...] | None:
     return values
 
 
-def cu_seqlens_digest(values: tuple[int, ...] | None) -> int:
-    """A 63-bit digest of the document boundaries, so ranks can check they were given the same ones."""
-    if values is None:
-        return -1
-    import hashlib
-
-    data = struct.pack(f"<{len(values)}q", *values)
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1

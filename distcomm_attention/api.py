@@ -14,6 +14,7 @@ from distcomm_attention.strategies import dispatch as strategies
 from distcomm_attention.strategies.ring import ring_attention
 from distcomm_attention.strategies.prepare import prepare
 from distcomm_attention.planning.visibility import Visibility
+from distcomm_attention.sharding import Sharding, merge_sharding
 
 __all__ = ["ring_flash_attn", "context_parallel_attn", "which_kernels", "which_strategy"]
 
@@ -25,7 +26,7 @@ def ring_flash_attn(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
-    layout: str = "contiguous",
+    layout: str | None = None,
     ring_size: int | None = None,
     group=None,
     backend: str = "auto",
@@ -33,6 +34,7 @@ def ring_flash_attn(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     cu_seqlens: torch.Tensor | list[int] | None = None,
+    sharding: Sharding | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across a ring of ranks (ring flash attention).
 
@@ -61,7 +63,10 @@ def ring_flash_attn(
             "zigzag": the sequence cut into 2W equal chunks, rank r holds chunk r then chunk 2W-1-r
                 (local_seq must be even; balanced causal work);
             "striped": token t on rank t mod W, in increasing t (balanced causal work).
-            ``shard_sequence`` produces these shards.
+            ``shard_sequence`` produces these shards. ``None`` (default): ``sharding``'s layout if given, else
+            the layout ``shard_sequence`` recorded for this ring in this process, else "contiguous" (Note
+            [Layout record] in sharding.py: several recorded layouts are an error on every rank, and the
+            resolved layout is verified across the ring). A layout passed here is never overridden.
         ring_size: ranks per ring. ``None``: the whole group. Smaller (dividing the group size): independent
             rings of consecutive group ranks, each carrying its own sequence (sequence parallel inside a
             ring, batch parallel across rings).
@@ -88,6 +93,9 @@ def ring_flash_attn(
             spanning several ranks) with every layout. Pass a CPU tensor or a list: a CUDA tensor is read
             back to the host (one sync). ``cu_seqlens_from_position_ids`` builds it from position ids that
             restart at 0 for each document.
+        sharding: a :class:`Sharding` (layout, group and ring size in one handle: the explicit way to attend
+            with the layout the inputs were sharded with, ``s.shard(x)``). ``layout``, ``group`` or
+            ``ring_size`` passed beside it must repeat its values (ValueError otherwise).
 
     A query that sees no key at all (padding, a window or a document that leaves it nothing) outputs
     zeros and gets zero gradients.
@@ -106,7 +114,9 @@ def ring_flash_attn(
     for name, t in (("q", q), ("k", k), ("v", v)):
         _validation.check_is_tensor(name, t)
     _validation.check_flag("causal", causal)
-    layouts.check_layout(layout)
+    layout, group, ring_size = merge_sharding(sharding, layout, group, ring_size)
+    if layout is not None:  # None: resolved for the ring in prepare (Note [Layout record])
+        layouts.check_layout(layout)
     dispatch.check_backend(backend)
     window = _validation.check_window(window_size)
     softcap = _validation.check_softcap(softcap)

@@ -9,6 +9,7 @@ from distcomm_attention import _validation
 from distcomm_attention.kernels import dispatch
 from distcomm_attention.planning import layouts
 from distcomm_attention.api import ring_flash_attn
+from distcomm_attention.sharding import Sharding, merge_sharding
 
 __all__ = ["RingAttention"]
 
@@ -29,12 +30,16 @@ class RingAttention(nn.Module):
         kv_heads: key/value heads (``None``: ``heads``); ``heads`` must be a multiple (GQA/MQA).
         causal: causal mask over global token positions.
         layout: how the sequence is sharded ("contiguous", "zigzag", "striped"; see ``ring_flash_attn``).
+            ``None`` (default): resolved at each call like ``ring_flash_attn``'s (``sharding``'s layout, else
+            the one ``shard_sequence`` recorded for the ring, else "contiguous"; Note [Layout record]).
         ring_size: ranks per ring (``None``: the whole group).
         group: process group of the ring (a 1-D DeviceMesh or ``(mesh, dim_name)`` too).
         backend: kernel backend, as in ``ring_flash_attn``.
         bias: whether the projections have biases.
         window_size: (left, right) sliding window over global positions, as in ``ring_flash_attn``.
         softcap: attention logit soft-capping (0: off), as in ``ring_flash_attn``.
+        sharding: a :class:`Sharding` giving layout, group and ring size at once (the explicit handle);
+            ``layout``, ``group`` or ``ring_size`` beside it must repeat its values.
 
     Shapes:
         input (batch, local_seq, dim), this rank's shard of the sequence -> output of the same shape.
@@ -51,13 +56,15 @@ class RingAttention(nn.Module):
         dim_head: int = 64,
         kv_heads: int | None = None,
         causal: bool = False,
-        layout: str = "contiguous",
+        layout: str | None = None,
         ring_size: int | None = None,
         group=None,
         backend: str = "auto",
         bias: bool = False,
         window_size: tuple[int, int] = (-1, -1),
         softcap: float = 0.0,
+        *,
+        sharding: Sharding | None = None,
     ):
         super().__init__()
         _positive_int("dim", dim)
@@ -66,7 +73,9 @@ class RingAttention(nn.Module):
         kv_heads = heads if kv_heads is None else _positive_int("kv_heads", kv_heads)
         if heads % kv_heads:
             raise ValueError(f"`heads`={heads} must be a multiple of `kv_heads`={kv_heads}")
-        layouts.check_layout(layout)
+        layout, group, ring_size = merge_sharding(sharding, layout, group, ring_size)
+        if layout is not None:
+            layouts.check_layout(layout)
         dispatch.check_backend(backend)
         self.heads, self.kv_heads, self.dim_head = heads, kv_heads, dim_head
         self.causal, self.layout, self.ring_size, self.group, self.backend = causal, layout, ring_size, group, backend

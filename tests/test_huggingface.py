@@ -1,15 +1,18 @@
 """The Hugging Face transformers integration (skipped without transformers), cheapest first.
 
-1. in-process: argument errors, ``shard_inputs`` on one process (label shift, packed boundaries, target
-   count), the attention function's refusals, and the ring model on one process == the model with
-   transformers' own ``sdpa`` attention (float64 on CPU: exact; ``eager`` runs its softmax in float32);
+1. in-process: argument errors, ``register`` with a ``Sharding``, ``shard_inputs`` on one process (label
+   shift, packed boundaries, target count), the attention function's refusals, what check mode accepts
+   (padding, cumsum ids, packed documents) and rejects (restarts without boundaries, jumps, bad shapes), and
+   the ring model on one process == the model with transformers' own ``sdpa`` attention (float64 on CPU:
+   exact; ``eager`` runs its softmax in float32);
 2. gloo world of 2 ranks: a tiny randomly initialised Llama (no downloads) with ``attn_implementation`` set
    to the ring, each rank given its shard of the batch, against the same weights run on the whole batch in
    one process with ``sdpa``: logits at each rank's positions, the per-rank losses adding up to the batch's
-   loss, and parameter gradients summed over ranks equal to the single-process ones; contiguous and zigzag
-   layouts, a padding mask (left and right padding), packed documents (position ids restarting per document
-   vs transformers' own packed-sequence mask), a Mistral sliding window, and check mode catching local
-   position ids on every rank;
+   loss, and parameter gradients summed over ranks equal to the single-process ones; contiguous, zigzag and
+   striped layouts, a padding mask (left and right padding, arange or attention-mask cumsum position ids),
+   packed documents (position ids restarting per document vs transformers' own packed-sequence mask), a
+   Mistral sliding window, all with and without check mode; check mode catching local position ids and
+   packed documents without boundaries on every rank;
 4. GPU (marked ``gpu2``): the same padded batch in bf16/fp16 on 2 GPUs (NCCL, Triton kernels), with the
    flash-attn criterion against the fp32 model: errors at most 2x those of sdpa in the same dtype.
 """
@@ -78,6 +81,55 @@ def test_register_argument_errors(kwargs, match):
     """Bad options are refused at registration, naming the value and what is allowed."""
     with pytest.raises(ValueError, match=match):
         ring_hf.register(**kwargs)
+
+
+def test_register_with_a_sharding():
+    """``register`` takes a ``Sharding`` (the layout ``shard_inputs`` and the attention both use); the default
+    stays zigzag; a layout beside a sharding that says otherwise is refused, naming both."""
+    import distcomm_attention as da
+
+    assert ring_hf.register("ring_attention_test_default").sharding == da.Sharding("zigzag")
+    ring = ring_hf.register("ring_attention_test_sharding", sharding=da.Sharding("striped"))
+    assert ring.layout == "striped" and ring.sharding == da.Sharding("striped")
+    with pytest.raises(ValueError, match=r"`layout`='zigzag' conflicts with `sharding`=Sharding\(layout='striped'"):
+        ring_hf.register("ring_attention_test_conflict", layout="zigzag", sharding=da.Sharding("striped"))
+
+
+def _check_positions(ring, position_ids, mask=None, cu_seqlens=None, n=SEQ):
+    """Run the attention function in check mode on one process with these position ids; the error or None."""
+    q = torch.randn(2, 4, n, 16, dtype=torch.float64)
+    kv = torch.randn(2, 2, n, 16, dtype=torch.float64)
+    try:
+        with distcomm.check_mode():
+            ring(torch.nn.Module(), q, kv, kv, mask, position_ids=position_ids, cu_seq_lens_q=cu_seqlens)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_check_mode_accepts_what_the_ring_computes_correctly():
+    """Check mode accepts every numbering the unchecked ring computes correctly (left and right padding with
+    arange or attention-mask cumsum ids, a start other than 0, packed documents restarting at 0 with their
+    boundaries) and rejects ids that restart inside a document or jump, and ids of the wrong shape."""
+    ring = ring_hf.register("ring_attention_test_check_positions", layout="zigzag")
+    mask = torch.ones(2, SEQ, dtype=torch.bool)
+    mask[0, :3] = False  # left padding
+    mask[1, -5:] = False  # right padding
+    cumsum = (mask.long().cumsum(-1) - 1).masked_fill(~mask, 1)  # transformers' generate / training convention
+    arange = torch.arange(SEQ)[None]
+    packed = _packed_position_ids()
+    for ids, m, cu in [(arange, None, None), (arange.expand(2, SEQ), mask, None), (cumsum, mask, None),
+                       (arange + 7, None, None), (packed, None, torch.tensor([0, 5, 12, 16]))]:
+        assert _check_positions(ring, ids, m, cu) is None, (ids, m, cu)
+    restart = "position id minus global position is -12 to 0 on ring position 0; in each row it must be one constant"
+    assert restart in (_check_positions(ring, packed) or "")  # boundaries not given: attention would cross them
+    jump = arange.clone()
+    jump[0, 8:] += 1
+    assert re.match(r"position_ids given to the model are not the global positions of the ranks' tokens under "
+                    r"layout='zigzag' \(row 0: position id minus global position is 0 to 1 on ring position 0",
+                    _check_positions(ring, jump) or "")
+    wrong_shape = "must be (batch or 1, local_seq) on every rank of the ring, got ring position 0: (2, 8) for 2 rows of 16"
+    assert wrong_shape in (_check_positions(ring, arange.expand(2, SEQ)[:, :8]) or "")
 
 
 def test_shard_inputs_on_one_process():
@@ -201,21 +253,27 @@ def _cases():
     """(name, layout, shard_inputs keywords) of every world-2 case, built identically in the parent."""
     ids = _ids()
     padded_labels = ids.masked_fill(~_padding_mask(), -100)
+    mask = _padding_mask()
+    cumsum = (mask.long().cumsum(-1) - 1).masked_fill(~mask, 1)  # transformers' generate / training position ids
     return [
         ("contiguous", "contiguous", dict(input_ids=ids, labels=ids)),
         ("zigzag", "zigzag", dict(input_ids=ids, labels=ids)),
-        ("padding", "zigzag", dict(input_ids=ids, labels=padded_labels, attention_mask=_padding_mask())),
+        ("padding", "zigzag", dict(input_ids=ids, labels=padded_labels, attention_mask=mask)),
+        ("padding_cumsum", "zigzag", dict(input_ids=ids, labels=padded_labels, attention_mask=mask,
+                                          position_ids=cumsum)),
+        ("padding_striped", "striped", dict(input_ids=ids, labels=padded_labels, attention_mask=mask,
+                                            position_ids=cumsum)),
         ("packed", "zigzag", dict(input_ids=_ids(1, seed=2), labels=_ids(1, seed=2), position_ids=_packed_position_ids())),
     ]
 
 
-def _hf_rank(rank, world):
+def _hf_rank(rank, world, check):
     out = {}
     for name, layout, full in _cases():
         ring = ring_hf.register(f"ring_attention_{name}", layout=layout)
         model = _model(ring.name)
         inputs = ring.shard_inputs(**full)
-        with distcomm.check_mode(name == "packed"):  # check mode verifies the restarting positions
+        with distcomm.check_mode(check):  # check mode must accept every input computed correctly without it
             res = model(**inputs)
         loss = _summed_loss(res.logits, inputs["shift_labels"], inputs["num_items_in_batch"])
         loss.backward()
@@ -225,20 +283,35 @@ def _hf_rank(rank, world):
         }
     ring = ring_hf.register("ring_attention_window", layout="zigzag")  # Mistral: sliding window of 5
     model = _mistral(ring.name)
-    res = model(**ring.shard_inputs(input_ids=_ids()))
+    with distcomm.check_mode(check):
+        res = model(**ring.shard_inputs(input_ids=_ids()))
     res.logits.sum().backward()
     out["window"] = {"logits": res.logits.detach(), "grads": {n: p.grad for n, p in model.named_parameters()}}
     # Local position ids (the model's default) are caught in check mode, on every rank (rank 0's
     # contiguous shard happens to start at 0, so only rank 1's ids are wrong).
     ring = ring_hf.register("ring_attention_check", layout="contiguous")
     local = ring.shard_inputs(input_ids=_ids())["input_ids"]
+    out["check_error"] = _error_of(lambda: _model(ring.name)(input_ids=local, use_cache=False))
+    # Zigzag shards with the model's own local ids: wrong on both ranks.
+    ring = ring_hf.register("ring_attention_check_zigzag", layout="zigzag")
+    local = ring.shard_inputs(input_ids=_ids())["input_ids"]
+    out["check_error_zigzag"] = _error_of(lambda: _model(ring.name)(input_ids=local, use_cache=False))
+    # Packed documents without their boundaries: attention would cross them.
+    ring = ring_hf.register("ring_attention_check_packed", layout="zigzag")
+    inputs = ring.shard_inputs(input_ids=_ids(1, seed=2), position_ids=_packed_position_ids())
+    del inputs["cu_seq_lens_q"], inputs["cu_seq_lens_k"]
+    out["check_error_packed"] = _error_of(lambda: _model(ring.name)(**inputs))
+    return out
+
+
+def _error_of(fn):
+    """The ValueError ``fn`` raises in check mode, or None."""
     try:
         with distcomm.check_mode():
-            _model(ring.name)(input_ids=local, use_cache=False)
-        out["check_error"] = None
+            fn()
     except ValueError as e:
-        out["check_error"] = str(e)
-    return out
+        return str(e)
+    return None
 
 
 def _reference(name, full):
@@ -250,7 +323,7 @@ def _reference(name, full):
     labels = full["labels"]
     targets = torch.full_like(labels, -100)
     targets[:, :-1] = labels[:, 1:]
-    if "position_ids" in full:  # packed: the next token must be in the same document
+    if name == "packed":  # the next token must be in the same document
         pos = full["position_ids"].expand_as(labels)
         targets[:, :-1][pos[:, 1:] == 0] = -100
         # the documents matter: with a mask given, transformers does not split them, and logits change
@@ -262,19 +335,22 @@ def _reference(name, full):
     return logits.detach(), loss.detach(), {n: p.grad for n, p in model.named_parameters()}, targets
 
 
-def test_llama_ring_equals_single_process():
+@pytest.mark.parametrize("check", [False, True], ids=["unchecked", "check_mode"])
+def test_llama_ring_equals_single_process(check):
     """A Llama model with ring attention on 2 ranks == the same weights on the whole batch in one process:
     logits, losses (summed over ranks) and parameter gradients (summed over ranks), for contiguous and zigzag
-    shards, padded batches and packed documents (and a Mistral sliding window across shards); local position
-    ids are refused in check mode on every rank."""
+    shards, padded batches (left and right padding; arange or attention-mask cumsum position ids) and packed
+    documents (and a Mistral sliding window across shards), with and without check mode, which must accept all
+    of them; local position ids, on contiguous or zigzag shards, and packed documents without their boundaries
+    are refused in check mode on every rank."""
     world = 2
-    results = run_world(_hf_rank, world, timeout=180)
+    results = run_world(_hf_rank, world, check, timeout=180)
     for name, layout, full in _cases():
         logits, loss, grads, targets = _reference(name, full)
         got = [results[r][name] for r in range(world)]
         for rank, res in enumerate(got):
             want = layouts.shard(logits, layout, world, rank)
-            if name == "padding":  # padded queries attend to nothing real: compare real tokens only
+            if "attention_mask" in full:  # padded queries attend to nothing real: compare real tokens only
                 real = layouts.shard(_padding_mask(), layout, world, rank)
                 res["logits"], want = res["logits"][real], want[real]
             torch.testing.assert_close(res["logits"], want, **FP64, msg=f"{name} logits rank {rank}")
@@ -291,9 +367,17 @@ def test_llama_ring_equals_single_process():
     for pname, p in model.named_parameters():
         torch.testing.assert_close(sum(results[r]["window"]["grads"][pname] for r in range(world)), p.grad, **FP64)
     assert (_mistral("sdpa", sliding_window=None)(input_ids=_ids(), use_cache=False).logits - logits).abs().max() > 1e-3
-    for rank in range(world):
-        assert re.match(r"position_ids given to the model are not the global positions of the ranks' tokens "
-                        r"under layout='contiguous' \(on at least one rank\)", results[rank]["check_error"] or "")
+    for key, expect in [
+        ("check_error", r"position_ids given to the model are not the global positions of the ranks' tokens under "
+                        r"layout='contiguous' \(row 0: position id minus global position is 0 on ring position 0, "
+                        r"-8 on ring position 1; in each row it must be one constant over the real tokens"),
+        ("check_error_zigzag", r"under layout='zigzag' \(row 0: position id minus global position is -8 to 0 on "
+                               r"ring position 0, -4 on ring position 1"),
+        ("check_error_packed", r"under layout='zigzag' \(row 0: position id minus global position is -12 to 0 on "
+                               r"ring position 0, -5 to 0 on ring position 1"),
+    ]:
+        assert results[0][key] is not None and re.search(expect, results[0][key]), (key, results[0][key])
+        assert results[1][key] == results[0][key], key
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -34,9 +34,18 @@ Note [Hugging Face integration]
     - Packed documents: position ids restart at 0 for each document and ``cu_seq_lens_q`` (transformers'
       keyword; ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` on the full batch produces it)
       holds the boundaries of the WHOLE sequence. Without it, attention would cross documents: position ids
-      alone cannot tell this rank where the other ranks' documents start. In distcomm's check mode
-      (``DISTCOMM_CHECK=1``) every call verifies that the position ids are the global ones of this layout
-      (restarting at each boundary) and raises on every rank if not.
+      alone cannot tell this rank where the other ranks' documents start.
+    - Check mode (``DISTCOMM_CHECK=1`` or ``distcomm.check_mode()``): every call verifies, across the ring,
+      that in each batch row and each document of ``cu_seq_lens_q`` the real (unpadded) tokens' position ids
+      advance by one per global position of this layout, from any start. That is what the ring computes
+      correctly: arange ids, left or right padding (with ids numbered from the first real token, as
+      ``attention_mask.cumsum(-1) - 1`` gives them in generate and training), packed documents restarting
+      at 0. It rejects what would be wrong, e.g. the model's own local ``arange`` on every rank, ids sharded
+      with another layout, or a restart inside a document that ``cu_seq_lens_q`` does not mark (attention
+      would cross it), with the same error on every rank of the ring.
+    - Layout: ``register`` defaults to "zigzag", and ``shard_inputs`` and the attention function read the
+      same registered layout (``ring.sharding``), so they agree by construction; the attention passes it to
+      ``ring_flash_attn`` explicitly, never leaving it to the layout record of ``shard_sequence``.
     - Gradients: distcomm's convention (the total loss is the sum of the per-rank losses). Rank r's loss
       is its share of the batch's mean, so the parameters' gradient is the SUM of the ranks' gradients
       over the ring: ``all_reduce(p.grad)`` over the ring's group, or, under DDP/FSDP averaging over
@@ -49,11 +58,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import distcomm
 from distcomm.ring import RingComm
-from distcomm_attention import BACKENDS, position_ids, ring_flash_attn, shard_sequence
+from distcomm_attention import BACKENDS, Sharding, ring_flash_attn
+from distcomm_attention.sharding import merge_sharding
 from distcomm_attention.planning import layouts
 
 try:
@@ -72,10 +81,11 @@ IGNORE_INDEX = -100  # transformers' label for "no target"
 def register(
     name: str = "ring_attention",
     *,
-    layout: str = "zigzag",
+    layout: str | None = None,
     ring_size: int | None = None,
     group=None,
     backend: str = "auto",
+    sharding: Sharding | None = None,
 ) -> RingAttentionHF:
     """Register ring attention with transformers under ``name``; load models with ``attn_implementation=name``.
 
@@ -83,15 +93,20 @@ def register(
         name: the attention implementation's name (``AttentionInterface`` and ``AttentionMaskInterface``).
             Registering the same name again replaces the options. It may not contain "flash": transformers
             takes any such name for a flash-attn kernel to load.
-        layout: how sequences are sharded: "contiguous", "zigzag" (default; balanced causal work) or
-            "striped". ``shard_inputs`` shards with the same layout.
+        layout: how sequences are sharded: "contiguous", "zigzag" (``None``: ``sharding``'s layout, else
+            "zigzag", balanced causal work) or "striped". ``shard_inputs`` shards with the same layout that
+            the attention uses.
         ring_size: ranks per ring (``None``: the whole group); smaller rings are data parallel.
         group: the ring's group: a ProcessGroup, 1-D DeviceMesh or ``(mesh, "cp")`` (``None``: default group).
         backend: ``ring_flash_attn``'s backend.
+        sharding: a :class:`~distcomm_attention.Sharding` giving layout, group and ring size at once;
+            ``layout``, ``group`` or ``ring_size`` beside it must repeat its values.
 
     Returns:
-        The registered :class:`RingAttentionHF` (its ``name`` and ``shard_inputs``).
+        The registered :class:`RingAttentionHF` (its ``name``, ``sharding`` and ``shard_inputs``).
     """
+    layout, group, ring_size = merge_sharding(sharding, layout, group, ring_size)
+    layout = "zigzag" if layout is None else layout
     impl = RingAttentionHF(name, layout=layout, ring_size=ring_size, group=group, backend=backend)
     AttentionInterface.register(name, impl)
     AttentionMaskInterface.register(name, impl.mask)
@@ -120,6 +135,11 @@ class RingAttentionHF:
         layouts.check_layout(self.layout)
         if self.backend not in BACKENDS:
             raise ValueError(f"Invalid backend {self.backend!r}. Must be one of: {', '.join(map(repr, BACKENDS))}")
+
+    @property
+    def sharding(self) -> Sharding:
+        """The sharding ``shard_inputs`` and the attention use (``.shard``, ``.gather``, ``.position_ids``)."""
+        return Sharding(self.layout, group=self.group, ring_size=self.ring_size)
 
     # -- the attention function transformers calls ---------------------------------------------------
 
@@ -158,7 +178,7 @@ class RingAttentionHF:
         window = _window(kwargs.get("sliding_window"), causal)
         cu_seqlens = _boundaries(kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
         if distcomm.is_check_mode():
-            self._verify_positions(kwargs.get("position_ids"), cu_seqlens, query)
+            self._verify_positions(kwargs.get("position_ids"), cu_seqlens, query, attention_mask)
         out = ring_flash_attn(
             query.transpose(1, 2),
             key.transpose(1, 2),
@@ -224,8 +244,10 @@ class RingAttentionHF:
         _check_2d("position_ids", position_ids, seq, batch)
         cu_seqlens = _packed_boundaries(position_ids, attention_mask)
 
+        sharding = self.sharding
+
         def shard(t: torch.Tensor) -> torch.Tensor:  # contiguous: transformers views labels with .view(-1)
-            return shard_sequence(t, self.layout, ring_size=self.ring_size, group=self.group).contiguous()
+            return sharding.shard(t).contiguous()
 
         inputs: dict[str, Any] = {"input_ids" if input_ids is not None else "inputs_embeds": shard(tokens)}
         inputs["position_ids"] = shard(position_ids)
@@ -246,30 +268,68 @@ class RingAttentionHF:
         inputs["use_cache"] = False
         return inputs
 
-    def _verify_positions(self, given: torch.Tensor | None, cu_seqlens, query: torch.Tensor) -> None:
-        """Check mode: the model's position ids are this layout's global positions (restarting at each
-        document boundary); raised on every rank of the group, since the ring would otherwise hang."""
+    def _verify_positions(self, given: torch.Tensor | None, cu_seqlens, query: torch.Tensor,
+                          attention_mask: torch.Tensor | None) -> None:
+        """Check mode: in each batch row and document, the real tokens' position ids are their global positions
+        under this layout plus one constant (Note [Hugging Face integration]). Decided on the ring's gathered
+        facts, so every rank of the ring raises the same error (the ring would otherwise hang)."""
         if given is None:
             return
         comm = RingComm(self.group, self.ring_size)
-        local = query.shape[2]
-        expected = position_ids(local, self.layout, ring_size=comm.size, group=self.group).to(given.device)
-        if cu_seqlens is not None:
-            bounds = torch.as_tensor(cu_seqlens, device=given.device).long()
-            expected = expected - bounds[torch.searchsorted(bounds, expected, right=True) - 1]
-        bad = torch.tensor(
-            [int(given.shape[-1] != local or not bool((given == expected).all()))], device=query.device
-        )
-        if comm.group is not None:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=comm.group)
-        if bad.item():
+        batch, local = query.shape[0], query.shape[2]
+        bounds = None if cu_seqlens is None else [int(x) for x in torch.as_tensor(cu_seqlens).flatten().tolist()]
+        docs = 1 if bounds is None else max(len(bounds) - 1, 1)
+        ids = given.reshape(1, -1) if given.dim() == 1 else given
+        rows, cols = (ids.shape[0], ids.shape[1]) if ids.dim() == 2 else (-1, -1)
+        try:
+            layouts.check_global_length(self.layout, local * comm.size, comm.size)
+            splits = 1
+        except ValueError:  # ring_flash_attn reports it
+            splits = 0
+        heads = comm.all_gather_ints([local, batch, docs, splits, rows, cols], query.device)
+        wrong = [(p, h) for p, h in enumerate(heads) if h[5] != h[0] or h[4] not in (1, h[1])]
+        if wrong:
+            shapes = "; ".join(f"ring position {p}: {'more than 2 dims' if h[4] < 0 else (h[4], h[5])} for "
+                               f"{h[1]} rows of {h[0]} tokens" for p, h in wrong)
             raise ValueError(
-                f"position_ids given to the model are not the global positions of the ranks' tokens under "
-                f"layout={self.layout!r}{' restarting at each document of cu_seq_lens_q' if cu_seqlens is not None else ''} "
-                "(on at least one rank): build the inputs with `shard_inputs`, or pass "
-                "`position_ids=distcomm_attention.position_ids(local_seq, layout)` (and, for packed documents, "
-                "the global `cu_seq_lens_q`)"
+                f"position_ids given to the model must be (batch or 1, local_seq) on every rank of the ring, got "
+                f"{shapes}: build the inputs with `shard_inputs`"
             )
+        if any(h[:4] != heads[0][:4] for h in heads) or not heads[0][3]:
+            return  # shapes, documents or a length the layout cannot split: ring_flash_attn says so on every rank
+        real = attention_mask.bool() if isinstance(attention_mask, torch.Tensor) \
+            and tuple(attention_mask.shape) == (batch, local) else torch.ones(batch, local, dtype=torch.bool)
+        pos = layouts.positions(self.layout, local * comm.size, comm.size, comm.rank).to(ids.device)
+        offset = ids.long().expand(batch, local) - pos
+        doc = torch.zeros_like(pos) if bounds is None else \
+            (torch.searchsorted(torch.tensor(bounds, device=pos.device), pos, right=True) - 1).clamp(0, docs - 1)
+        cell = (torch.arange(batch, device=pos.device)[:, None] * docs + doc).expand(batch, local)
+        real = real.to(ids.device)
+        big = 2**62
+        lo = torch.full((batch * docs,), big, dtype=torch.long, device=ids.device)
+        hi = torch.full((batch * docs,), -big, dtype=torch.long, device=ids.device)
+        lo = lo.scatter_reduce(0, cell[real], offset[real], "amin")
+        hi = hi.scatter_reduce(0, cell[real], offset[real], "amax")
+        gathered = torch.tensor(comm.all_gather_ints(lo.tolist() + hi.tolist(), query.device))
+        lows, highs = gathered[:, : batch * docs], gathered[:, batch * docs :]
+        low, high = lows.min(0).values, highs.max(0).values
+        bad = ((low < high) & (low != big)).nonzero().flatten()  # cells with real tokens and two offsets
+        if not bad.numel():
+            return
+        j = int(bad[0])
+        where = f"row {j // docs}" + (f", document {j % docs} of cu_seq_lens_q" if bounds is not None else "")
+        per_rank = ", ".join(
+            f"{int(lows[p, j])}" + ("" if lows[p, j] == highs[p, j] else f" to {int(highs[p, j])}")
+            + f" on ring position {p}" for p in range(len(heads)) if lows[p, j] != big
+        )
+        raise ValueError(
+            f"position_ids given to the model are not the global positions of the ranks' tokens under "
+            f"layout={self.layout!r} ({where}: position id minus global position is {per_rank}; in each row"
+            f"{' and document' if bounds is not None else ''} it must be one constant over the real tokens, i.e. "
+            "ids advancing by one per global position from any start, as after left or right padding): build "
+            "the inputs with `shard_inputs`, or pass `position_ids=ring.sharding.position_ids(local_seq)` "
+            "(and, for packed documents, the global `cu_seq_lens_q`)"
+        )
 
 
 def _window(sliding_window, causal: bool) -> tuple[int, int]:

@@ -16,6 +16,7 @@ from distcomm_attention import _validation
 from distcomm_attention.kernels import dispatch
 from distcomm_attention.planning import layouts
 from distcomm_attention.planning.visibility import RingPlan, Visibility, ring_plan
+from distcomm_attention.sharding import resolve_layout
 
 __all__ = ["Prepared", "prepare"]
 
@@ -30,22 +31,29 @@ class Prepared(NamedTuple):
 
 
 def prepare(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingComm, *, layout: str, causal: bool,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: RingComm, *, layout: str | None, causal: bool,
     softmax_scale, window: tuple[int, int], softcap: float, attention_mask, cu_seqlens, backend: str,
-    requires_grad: bool, extra: dict[str, int] | None = None, shards: tuple[int, int] | None = None,
+    requires_grad: bool, extra: dict[str, object] | None = None, shards: tuple[int, int] | None = None,
     planner=None,
 ) -> Prepared:
     """Check this rank's inputs, verify the ring agrees (see Note [Verified signatures]), plan and pick kernels.
 
     Raises the per-rank errors on the rank that sees them and cross-rank disagreements on every rank.
 
-    Strategies other than the ring pass ``extra``: more verified fields (the strategy, its degrees);
-    ``shards``: (ranks, tokens per rank) the layout splits the sequence into, when not (comm.size, local
-    length) (the hybrid's layout runs over its ring dimension); ``planner(vis)``: the strategy's plan
-    instead of this rank's ring plan.
+    ``layout=None`` is resolved for ``comm``'s ring from the layout ``shard_sequence`` recorded
+    (Note [Layout record] in sharding.py); the resolved layout is verified across the ring, and an ambiguous
+    record raises after the exchange, on every rank alike.
+
+    Strategies other than the ring pass ``extra``: more verified fields (the strategy, by name or by its index
+    in ``strategies.dispatch.STRATEGIES``, and its degrees); ``shards``: (ranks, tokens per rank) the layout
+    splits the sequence into, when not (comm.size, local length) (the hybrid's layout runs over its ring
+    dimension); ``planner(vis)``: the strategy's plan instead of this rank's ring plan.
     """
     ranks, shard_len = shards if shards is not None else (comm.size, None)
+    resolved = resolve_layout(layout, comm)
+    layout = resolved.layout
     docs = None
+    docs_field = None  # the verified cu_seqlens: the boundaries, None, or why this rank's are invalid
 
     def local_checks():
         nonlocal docs
@@ -57,35 +65,40 @@ def prepare(
         return vis, dispatch.select_kernels(backend, q, vis, softcap)
 
     def verify(scale: float) -> None:
-        _validation.verify_across_ring(
-            "ring_flash_attn",
-            comm,
-            {"q": q, "k": k, "v": v},
-            extra={
-                "layout": layouts.LAYOUTS.index(layout),
-                "causal": int(causal),
-                "softmax_scale": _validation.float_bits(scale),
-                "window_left": window[0],
-                "window_right": window[1],
-                "softcap": _validation.float_bits(softcap),
-                "attention_mask": int(attention_mask is not None),
-                "cu_seqlens": _validation.cu_seqlens_digest(docs),
-                # a rank whose inputs need no grad would skip the backward its peers wait in
-                "requires_grad": int(requires_grad),
-                "strategy": 1,  # the ring (strategies.dispatch.STRATEGIES); other strategies override it
-                **(extra or {}),
-            },
-        )
+        fields = {
+            "layout": resolved.field,
+            "causal": causal,
+            "softmax_scale": scale,
+            "window_left": window[0],
+            "window_right": window[1],
+            "softcap": softcap,
+            "attention_mask": attention_mask is not None,
+            "cu_seqlens": docs if docs_field is None else docs_field,
+            # a rank whose inputs need no grad would skip the backward its peers wait in
+            "requires_grad": requires_grad,
+            # other strategies override these (the hybrids' degrees): every rank verifies the same fields
+            "strategy": "ring",
+            "ulysses": 0,
+            "ring": 0,
+            **(extra or {}),
+        }
+        if isinstance(fields["strategy"], int):  # an index into STRATEGIES: shown by name
+            from distcomm_attention.strategies.dispatch import STRATEGIES  # (dispatch imports this module)
 
-    if _check.is_check_mode():
+            fields["strategy"] = STRATEGIES[fields["strategy"]]
+        _validation.verify_across_ring("ring_flash_attn", comm, {"q": q, "k": k, "v": v}, extra=fields)
+
+    if _check.is_check_mode() or resolved.ambiguous:
         # Cross-rank facts first: ranks whose shapes differ then all raise the same error, instead of one
-        # raising a local error while its peers wait in the exchange (see Note [Verified signatures]).
+        # raising a local error while its peers wait in the exchange (see Note [Verified signatures]); an
+        # ambiguous layout is raised after the exchange, by every rank alike (Note [Layout record]).
         if isinstance(q, torch.Tensor) and q.dim() == 4:  # the boundaries are part of the signature
             try:
                 docs = _validation.check_cu_seqlens(cu_seqlens, q.shape[1] * comm.size)
-            except (TypeError, ValueError):
-                docs = None  # reported by the local checks below, on this rank
+            except (TypeError, ValueError) as e:  # reported by the local checks below, on this rank
+                docs_field = _validation.Shown(("invalid", str(e)), f"invalid here ({e})")
         verify(_validation.check_scale(softmax_scale, q.shape[-1] if q.dim() else 1))
+        resolved.raise_if_ambiguous("ring_flash_attn")
         vis, (_name, fwd, bwd) = local_checks()
         scale = _validation.check_scale(softmax_scale, q.shape[3])
     else:
