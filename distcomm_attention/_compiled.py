@@ -174,7 +174,7 @@ def _run_strategy(q, k, v, key_mask, cu_seqlens, group_name, strategy, layout, c
                   softcap, scale, backend, requires_grad):
     from distcomm_attention.strategies import dispatch as strategies
 
-    return strategies.run(q, k, v, strategy=strategy, group=_resolve_group(group_name), layout=layout,
+    return strategies.run(q, k, v, strategy=strategy, group=_resolve_group(group_name), layout=layout or None,
                           causal=causal, softmax_scale=scale, window=(window_left, window_right), softcap=softcap,
                           attention_mask=key_mask, cu_seqlens=cu_seqlens, backend=backend,
                           requires_grad=requires_grad)
@@ -244,5 +244,5 @@ def compiled_context_parallel_attn(q, k, v, *, strategy, group, layout, causal, 
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return _cp_attn(q, k, v, attention_mask, cu_seqlens, _group_name(group), strategy, layout, causal, window[0],
+    return _cp_attn(q, k, v, attention_mask, cu_seqlens, _group_name(group), strategy, layout or "", causal, window[0],
                     window[1], softcap, scale, backend, requires_grad)

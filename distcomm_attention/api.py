@@ -182,13 +182,14 @@ def context_parallel_attn(
     strategy: str = "auto",
     causal: bool = False,
     softmax_scale: float | None = None,
-    layout: str = "contiguous",
+    layout: str | None = None,
     group=None,
     backend: str = "auto",
     attention_mask: torch.Tensor | None = None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     cu_seqlens: torch.Tensor | list[int] | None = None,
+    sharding: Sharding | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across ranks, by any context-parallel strategy.
 
@@ -214,9 +215,12 @@ def context_parallel_attn(
         strategy: see above.
         layout: which global tokens this rank holds (see ``ring_flash_attn``): over the whole group, or for
             the hybrids over the "ring" dimension, each shard cut into equal contiguous pieces over the
-            "ulysses" dimension (``shard_sequence(x, layout, group=mesh)`` produces these shards).
+            "ulysses" dimension (``shard_sequence(x, layout, group=mesh)`` produces these shards). ``None``:
+            the ``sharding``'s, else the layout ``shard_sequence`` recorded for this group, else "contiguous"
+            (as in ``ring_flash_attn``).
         group: a process group or 1-D DeviceMesh (``None``: the default group), or a 2-D DeviceMesh with
             dimensions "ulysses" and "ring" for the hybrids.
+        sharding: a :class:`Sharding` giving layout and group at once (its ``ring_size`` must be ``None``).
 
     Returns:
         (batch, local_seq, heads, head_dim), like q.
@@ -227,10 +231,17 @@ def context_parallel_attn(
             every rank.
     """
     strategies.check_strategy(strategy)
+    layout, group, ring_size = merge_sharding(sharding, layout, group, None)
+    if ring_size is not None:
+        raise ValueError(
+            f"context_parallel_attn runs over the whole group: a `sharding` with ring_size={ring_size} is for "
+            f"ring_flash_attn (independent rings inside the group)"
+        )
     for name, t in (("q", q), ("k", k), ("v", v)):
         _validation.check_is_tensor(name, t)
     _validation.check_flag("causal", causal)
-    layouts.check_layout(layout)
+    if layout is not None:
+        layouts.check_layout(layout)
     dispatch.check_backend(backend)
     window = _validation.check_window(window_size)
     softcap = _validation.check_softcap(softcap)
@@ -267,7 +278,7 @@ def which_strategy(
     k: torch.Tensor,
     *,
     group=None,
-    layout: str = "contiguous",
+    layout: str | None = None,
     causal: bool = False,
     attention_mask: torch.Tensor | None = None,
     window_size: tuple[int, int] = (-1, -1),
@@ -291,7 +302,8 @@ def which_strategy(
         in distcomm_attention/planning/cost.py).
     """
     _validation.check_flag("causal", causal)
-    layouts.check_layout(layout)
+    if layout is not None:
+        layouts.check_layout(layout)
     window = _validation.check_window(window_size)
     return strategies.choose(q, k, group=group, layout=layout, causal=causal, window=window,
                              attention_mask=attention_mask, cu_seqlens=cu_seqlens, hardware=hardware)

@@ -8,7 +8,8 @@ from torch import nn
 from distcomm_attention import _validation
 from distcomm_attention.kernels import dispatch
 from distcomm_attention.planning import layouts
-from distcomm_attention.api import ring_flash_attn
+from distcomm_attention.strategies.dispatch import check_strategy
+from distcomm_attention.api import context_parallel_attn, ring_flash_attn
 from distcomm_attention.sharding import Sharding, merge_sharding
 
 __all__ = ["RingAttention"]
@@ -40,6 +41,9 @@ class RingAttention(nn.Module):
         softcap: attention logit soft-capping (0: off), as in ``ring_flash_attn``.
         sharding: a :class:`Sharding` giving layout, group and ring size at once (the explicit handle);
             ``layout``, ``group`` or ``ring_size`` beside it must repeat its values.
+        strategy: "ring" (default: ``ring_flash_attn``), or any strategy of ``context_parallel_attn``
+            ("ulysses", "allgather", "hybrid", "hybrid_allgather", "auto"), which run over the whole
+            ``group`` (``ring_size`` must be None).
 
     Shapes:
         input (batch, local_seq, dim), this rank's shard of the sequence -> output of the same shape.
@@ -65,6 +69,7 @@ class RingAttention(nn.Module):
         softcap: float = 0.0,
         *,
         sharding: Sharding | None = None,
+        strategy: str = "ring",
     ):
         super().__init__()
         _positive_int("dim", dim)
@@ -74,6 +79,11 @@ class RingAttention(nn.Module):
         if heads % kv_heads:
             raise ValueError(f"`heads`={heads} must be a multiple of `kv_heads`={kv_heads}")
         layout, group, ring_size = merge_sharding(sharding, layout, group, ring_size)
+        check_strategy(strategy)
+        if strategy != "ring" and ring_size is not None:
+            raise ValueError(f"`strategy`={strategy!r} runs over the whole group: `ring_size`={ring_size} applies to "
+                             f"strategy 'ring' only")
+        self.strategy = strategy
         if layout is not None:
             layouts.check_layout(layout)
         dispatch.check_backend(backend)
@@ -104,24 +114,18 @@ class RingAttention(nn.Module):
         q, k, v = self.to_qkv(x).split(
             [self.heads * self.dim_head, self.kv_heads * self.dim_head, self.kv_heads * self.dim_head], dim=-1
         )
-        out = ring_flash_attn(
-            q.view(b, n, self.heads, self.dim_head),
-            k.view(b, n, self.kv_heads, self.dim_head),
-            v.view(b, n, self.kv_heads, self.dim_head),
-            causal=self.causal,
-            layout=self.layout,
-            ring_size=self.ring_size,
-            group=self.group,
-            backend=self.backend,
-            attention_mask=attention_mask,
-            window_size=self.window_size,
-            softcap=self.softcap,
-            cu_seqlens=cu_seqlens,
-        )
+        q, k, v = (t.view(b, n, h, self.dim_head) for t, h in ((q, self.heads), (k, self.kv_heads), (v, self.kv_heads)))
+        options = dict(causal=self.causal, layout=self.layout, group=self.group, backend=self.backend,
+                       attention_mask=attention_mask, window_size=self.window_size, softcap=self.softcap,
+                       cu_seqlens=cu_seqlens)
+        if self.strategy == "ring":
+            out = ring_flash_attn(q, k, v, ring_size=self.ring_size, **options)
+        else:
+            out = context_parallel_attn(q, k, v, strategy=self.strategy, **options)
         return self.to_out(out.reshape(b, n, self.heads * self.dim_head))
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.heads}, kv_heads={self.kv_heads}, dim_head={self.dim_head}, causal={self.causal}, "
-            f"layout={self.layout!r}, ring_size={self.ring_size}, backend={self.backend!r}"
+            f"layout={self.layout!r}, ring_size={self.ring_size}, backend={self.backend!r}, strategy={self.strategy!r}"
         )

@@ -182,7 +182,8 @@ def position_ids(
             ``shard_sequence`` recorded for this ring in this process, else "contiguous" (Note [Layout
             record]; an explicit layout is never overridden). Required with ``rank``.
         ring_size: ranks per ring (``None``: the whole group).
-        group: process group of the ring: a ProcessGroup, a 1-D DeviceMesh or ``(mesh, dim_name)``.
+        group: process group of the ring: a ProcessGroup, a 1-D DeviceMesh or ``(mesh, dim_name)``; a 2-D
+            DeviceMesh ("ulysses", "ring"): the positions of this rank's hybrid shard.
         rank: the positions of this ring position instead of this process's (needs ``ring_size`` and
             ``layout``; no process group is consulted), e.g. to prepare every rank's inputs in one process.
         device: where to put the result (default: CPU).
@@ -206,6 +207,15 @@ def position_ids(
             f"`rank`={rank!r} needs an explicit `layout` (no process group is consulted, so no layout recorded "
             f"by shard_sequence applies); pass one of {', '.join(map(repr, layouts.LAYOUTS))}"
         )
+    mesh = _mesh_coords(group, ring_size) if rank is None else None
+    if mesh is not None:  # the hybrids' shards of a 2-D mesh
+        comm, rings, ring_rank, degree, piece = mesh
+        resolved = resolve_layout(layout, comm)
+        resolved.raise_if_ambiguous("position_ids")
+        seq_len = local_seq * rings * degree
+        layouts.check_local_length(resolved.layout, local_seq * degree, rings, name="`local_seq` x ulysses size")
+        ids = layouts.hybrid_positions(resolved.layout, seq_len, rings, ring_rank, degree, piece)
+        return ids if device is None else ids.to(device)
     comm, ring_size, rank = _ring_position(ring_size, group, rank)
     resolved = resolve_layout(layout, comm)
     resolved.raise_if_ambiguous("position_ids")  # nothing is communicated here: no peer waits
@@ -217,6 +227,34 @@ def position_ids(
 def _check_dim(dim) -> None:
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"`dim` must be an int, got {dim!r}")
+
+
+def _mesh_coords(group, ring_size) -> tuple[RingComm, int, int, int, int] | None:
+    """For a 2-D DeviceMesh with dimensions "ulysses" and "ring" (the hybrid strategies): (the default
+    group's ring, ring size, ring position, Ulysses size, Ulysses position); None for any other group."""
+    if not (hasattr(group, "mesh_dim_names") and getattr(group, "ndim", 1) == 2):
+        return None
+    if ring_size is not None:
+        raise ValueError("`ring_size` does not apply to a 2-D mesh: its 'ring' dimension is the ring")
+    names = tuple(group.mesh_dim_names or ())
+    if sorted(names) != ["ring", "ulysses"]:
+        raise ValueError(f"a 2-D mesh shards for the hybrid strategies: its dimensions must be named 'ulysses' "
+                         f"and 'ring', got {names}")
+    coords = group.get_coordinate()
+    ring_rank, ulysses_rank = coords[names.index("ring")], coords[names.index("ulysses")]
+    sizes = dict(zip(names, group.mesh.shape))
+    return RingComm(None), sizes["ring"], ring_rank, sizes["ulysses"], ulysses_rank
+
+
+def _mesh_order(group, layout: str, seq_len: int) -> torch.Tensor:
+    """Global positions of every rank's shard of a 2-D mesh, concatenated in the default group's rank order."""
+    names = tuple(group.mesh_dim_names)
+    ranks = group.mesh if names == ("ring", "ulysses") else group.mesh.t()  # (ring, ulysses) -> global rank
+    by_rank = {}
+    for r in range(ranks.shape[0]):
+        for u in range(ranks.shape[1]):
+            by_rank[int(ranks[r, u])] = layouts.hybrid_positions(layout, seq_len, ranks.shape[0], r, ranks.shape[1], u)
+    return torch.cat([by_rank[g] for g in sorted(by_rank)])
 
 
 def _ring_position(ring_size, group, rank) -> tuple[RingComm | None, int, int]:
@@ -252,7 +290,9 @@ def shard_sequence(
         layout: "contiguous", "zigzag" or "striped" (as in ``ring_flash_attn``).
         dim: the sequence dimension.
         ring_size: ranks per ring (``None``: the whole group).
-        group: process group of the ring (or a 1-D DeviceMesh, or ``(mesh, dim_name)``).
+        group: process group of the ring (or a 1-D DeviceMesh, or ``(mesh, dim_name)``); a 2-D DeviceMesh
+            with dimensions "ulysses" and "ring" shards for the hybrid strategies (the layout over "ring",
+            each shard cut into equal contiguous pieces over "ulysses").
         rank: take the shard of this ring position instead of this process's one (needs ``ring_size``;
             no process group is consulted, nothing is recorded), e.g. to shard a reference computed in one
             process.
@@ -266,6 +306,17 @@ def shard_sequence(
     """
     layouts.check_layout(layout)
     _check_dim(dim)
+    mesh = _mesh_coords(group, ring_size) if rank is None else None
+    if mesh is not None:  # the hybrids: the layout over the "ring" dimension, pieces over "ulysses"
+        comm, rings, ring_rank, degree, piece = mesh
+        seq_len, dim = layouts.seq_len_along(x, dim)
+        layouts.check_local_length(layout, seq_len // rings, rings)
+        if seq_len % (rings * degree):
+            raise ValueError(f"sequence length {seq_len} along dim {dim} must divide by the mesh size "
+                             f"{rings * degree} (ring {rings} x ulysses {degree})")
+        index = layouts.hybrid_positions(layout, seq_len, rings, ring_rank, degree, piece).to(x.device)
+        _record(comm, layout)
+        return x.index_select(dim, index)
     comm, ring_size, rank = _ring_position(ring_size, group, rank)
     shard = layouts.shard(x, layout, ring_size, rank, dim)
     if comm is not None:
@@ -293,7 +344,8 @@ def gather_sequence(
             this process, else "contiguous" (Note [Layout record]; an explicit layout is never overridden).
         dim: the sequence dimension.
         ring_size: ranks per ring (``None``: the whole group).
-        group: process group of the ring (or a 1-D DeviceMesh, or ``(mesh, dim_name)``).
+        group: process group of the ring (or a 1-D DeviceMesh, or ``(mesh, dim_name)``); a 2-D DeviceMesh
+            ("ulysses", "ring"): the hybrids' shards, gathered over every rank of the mesh.
 
     Returns:
         The full sequence: local_len * W positions along ``dim``.
@@ -309,7 +361,9 @@ def gather_sequence(
     if layout is not None:
         layouts.check_layout(layout)
     _check_dim(dim)
-    comm, ring_size, _rank = _ring_position(ring_size, group, None)
+    mesh = _mesh_coords(group, ring_size)
+    comm, ring_size, _rank = (mesh[0], mesh[0].size, None) if mesh is not None else _ring_position(ring_size, group,
+                                                                                                   None)
     resolved = resolve_layout(layout, comm)
     local_len, dim = layouts.seq_len_along(x_local, dim)
 
@@ -328,8 +382,15 @@ def gather_sequence(
     if early:
         verify()
         resolved.raise_if_ambiguous("gather_sequence")
-    layouts.check_local_length(resolved.layout, local_len, ring_size, name=f"local length along dim {dim}")
+    if mesh is None:
+        layouts.check_local_length(resolved.layout, local_len, ring_size, name=f"local length along dim {dim}")
+    else:
+        layouts.check_local_length(resolved.layout, local_len * mesh[3], mesh[1],
+                                   name=f"local length along dim {dim} x ulysses size")
     if not early:
         verify()
     cat = ring_all_gather(x_local, comm, dim)
+    if mesh is not None:  # the hybrids' shards, in the default group's rank order
+        order = _mesh_order(group, resolved.layout, local_len * ring_size).to(cat.device)
+        return cat.index_select(dim, torch.argsort(order))
     return layouts.unshard_concat(cat, resolved.layout, ring_size, dim)

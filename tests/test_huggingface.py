@@ -380,6 +380,51 @@ def test_llama_ring_equals_single_process(check):
         assert results[1][key] == results[0][key], key
 
 
+def _strategies_rank(rank, world):
+    out = {}
+    for strategy in ("ulysses", "allgather", "auto"):
+        for name, layout, full in _cases():
+            ring = ring_hf.register(f"cp_attention_{strategy}_{name}", layout=layout, strategy=strategy)
+            model = _model(ring.name)
+            inputs = ring.shard_inputs(**full)
+            res = model(**inputs)
+            loss = _summed_loss(res.logits, inputs["shift_labels"], inputs["num_items_in_batch"])
+            loss.backward()
+            out[f"{strategy}-{name}"] = {"logits": res.logits.detach(), "loss": loss.detach(),
+                                         "grads": {n: p.grad for n, p in model.named_parameters()}}
+    return out
+
+
+def test_llama_strategies_equal_single_process():
+    """register(strategy="ulysses" | "allgather" | "auto"): the Llama model on 2 ranks equals the whole batch in
+    one process (logits, summed losses and parameter gradients) for every case of the ring's test."""
+    world = 2
+    results = run_world(_strategies_rank, world, timeout=240)
+    for name, layout, full in _cases():
+        logits, loss, grads, _targets = _reference(name, full)
+        for strategy in ("ulysses", "allgather", "auto"):
+            got = [results[r][f"{strategy}-{name}"] for r in range(world)]
+            for rank, res in enumerate(got):
+                want = layouts.shard(logits, layout, world, rank)
+                mine = res["logits"]
+                if "attention_mask" in full:
+                    real = layouts.shard(_padding_mask(), layout, world, rank)
+                    mine, want = mine[real], want[real]
+                torch.testing.assert_close(mine, want, **FP64, msg=f"{strategy} {name} logits rank {rank}")
+            torch.testing.assert_close(sum(r["loss"] for r in got), loss, **FP64, msg=f"{strategy} {name} loss")
+            for pname, g in grads.items():
+                torch.testing.assert_close(sum(r["grads"][pname] for r in got), g, **FP64,
+                                           msg=f"{strategy} {name} grad {pname}")
+
+
+def test_register_strategy_errors():
+    """A strategy the integration cannot run, or ring_size beside a whole-group strategy, is refused by name."""
+    with pytest.raises(ValueError, match=r"Invalid strategy 'hybrid'.*'ring', 'ulysses', 'allgather', 'auto'"):
+        ring_hf.register("cp_attention_bad_strategy", strategy="hybrid")
+    with pytest.raises(ValueError, match=r"`strategy`='ulysses' runs over the whole group: `ring_size`=2"):
+        ring_hf.register("cp_attention_bad_ring_size", strategy="ulysses", ring_size=2)
+
+
 # ------------------------------------------------------------------------------------------------------
 # 4. GPUs (marked; run on the GPU machine)
 # ------------------------------------------------------------------------------------------------------

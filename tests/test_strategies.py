@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import distcomm_attention as da
 from distcomm_attention._reference import attention_reference
 from distcomm_attention.api import context_parallel_attn, which_strategy
 from distcomm_attention.planning import cost, layouts
@@ -698,3 +699,70 @@ def test_hybrid_vs_one_dimensional_strategy_disagreement(hybrid_rank):
     assert got[0][0] is not None and got[0][0] == got[1][0], got
     assert "disagree" in got[0][0]
     assert all(sync for _, sync in got)
+
+
+def _module_rank(rank, world):
+    torch.manual_seed(0)
+    out = {}
+    x = torch.randn(2, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    for strategy in ("ulysses", "allgather", "auto"):
+        torch.manual_seed(0)
+        layer = da.RingAttention(32, heads=4, dim_head=8, kv_heads=2, causal=True, layout="zigzag",
+                                 strategy=strategy).double()
+        xl = layouts.shard(x, "zigzag", world, rank, 1).clone().requires_grad_()
+        y = layer(xl)
+        y.sum().backward()
+        out[strategy] = {"y": y.detach(), "dx": xl.grad}
+    return out
+
+
+def test_ring_attention_module_takes_every_strategy():
+    """RingAttention(strategy=...) on 2 ranks equals its own projections around the float64 reference
+    attention of the whole sequence: outputs and input gradients."""
+    results = run_world(_module_rank, 2)
+    torch.manual_seed(0)
+    layer = da.RingAttention(32, heads=4, dim_head=8, kv_heads=2, causal=True).double()
+    x = torch.randn(2, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    q, k, v = layer.to_qkv(x).split([32, 16, 16], dim=-1)
+    att = attention_reference(q.view(2, 16, 4, 8), k.view(2, 16, 2, 8), v.view(2, 16, 2, 8), causal=True)
+    y = layer.to_out(att.reshape(2, 16, 32))
+    y.sum().backward()
+    for strategy in ("ulysses", "allgather", "auto"):
+        for rank in range(2):
+            got = results[rank][strategy]
+            torch.testing.assert_close(got["y"], layouts.shard(y.detach(), "zigzag", 2, rank, 1), rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(got["dx"], layouts.shard(x.grad, "zigzag", 2, rank, 1), rtol=1e-10, atol=1e-12)
+
+
+def test_ring_attention_module_strategy_errors():
+    """An unknown strategy, or ring_size beside a whole-group strategy, is refused at construction."""
+    with pytest.raises(ValueError, match=r"`strategy` must be one of .*got 'tree'"):
+        da.RingAttention(32, heads=4, strategy="tree")
+    with pytest.raises(ValueError, match=r"`strategy`='ulysses' runs over the whole group: `ring_size`=2"):
+        da.RingAttention(32, heads=4, ring_size=2, strategy="ulysses")
+
+
+def _mesh_sharding_rank(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+    seq = torch.arange(32)[None, :, None].double()
+    shard = da.shard_sequence(seq, "zigzag", group=mesh)
+    ids = da.position_ids(shard.shape[1], group=mesh)  # layout left out: the one shard_sequence recorded
+    back = da.gather_sequence(shard, group=mesh)
+    return {"shard": shard.flatten().tolist(), "ids": ids.tolist(), "back": back.flatten().tolist()}
+
+
+def test_sharding_a_2d_mesh_for_the_hybrids():
+    """shard_sequence / position_ids / gather_sequence on a 2-D mesh follow the hybrids' token order
+    (hybrid_positions), and the layout recorded by shard_sequence travels to the other two."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: F401  (skips nothing: gloo on CPU)
+
+    results = run_world(_mesh_sharding_rank, 4)
+    mesh_ranks = torch.arange(4).view(2, 2)  # (ring, ulysses) -> global rank, init_device_mesh's order
+    for r in range(2):
+        for u in range(2):
+            want = layouts.hybrid_positions("zigzag", 32, 2, r, 2, u).tolist()
+            got = results[int(mesh_ranks[r, u])]
+            assert got["shard"] == [float(p) for p in want] and got["ids"] == want
+            assert got["back"] == [float(p) for p in range(32)]

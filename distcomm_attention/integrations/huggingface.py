@@ -61,7 +61,7 @@ import torch
 
 import distcomm
 from distcomm.ring import RingComm
-from distcomm_attention import BACKENDS, Sharding, ring_flash_attn
+from distcomm_attention import BACKENDS, Sharding, context_parallel_attn, ring_flash_attn
 from distcomm_attention.sharding import merge_sharding
 from distcomm_attention.planning import layouts
 
@@ -76,6 +76,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 __all__ = ["RingAttentionHF", "register"]
 
 IGNORE_INDEX = -100  # transformers' label for "no target"
+_HF_STRATEGIES = ("ring", "ulysses", "allgather", "auto")
 
 
 def register(
@@ -86,6 +87,7 @@ def register(
     group=None,
     backend: str = "auto",
     sharding: Sharding | None = None,
+    strategy: str = "ring",
 ) -> RingAttentionHF:
     """Register ring attention with transformers under ``name``; load models with ``attn_implementation=name``.
 
@@ -101,13 +103,15 @@ def register(
         backend: ``ring_flash_attn``'s backend.
         sharding: a :class:`~distcomm_attention.Sharding` giving layout, group and ring size at once;
             ``layout``, ``group`` or ``ring_size`` beside it must repeat its values.
+        strategy: "ring" (``ring_flash_attn``), or "ulysses", "allgather" or "auto" (``context_parallel_attn``
+            over the whole group; ``ring_size`` must be None).
 
     Returns:
         The registered :class:`RingAttentionHF` (its ``name``, ``sharding`` and ``shard_inputs``).
     """
     layout, group, ring_size = merge_sharding(sharding, layout, group, ring_size)
     layout = "zigzag" if layout is None else layout
-    impl = RingAttentionHF(name, layout=layout, ring_size=ring_size, group=group, backend=backend)
+    impl = RingAttentionHF(name, layout=layout, ring_size=ring_size, group=group, backend=backend, strategy=strategy)
     AttentionInterface.register(name, impl)
     AttentionMaskInterface.register(name, impl.mask)
     return impl
@@ -125,6 +129,7 @@ class RingAttentionHF:
     ring_size: int | None = None
     group: Any = None
     backend: str = "auto"
+    strategy: str = "ring"
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or "flash" in self.name:
@@ -135,6 +140,14 @@ class RingAttentionHF:
         layouts.check_layout(self.layout)
         if self.backend not in BACKENDS:
             raise ValueError(f"Invalid backend {self.backend!r}. Must be one of: {', '.join(map(repr, BACKENDS))}")
+        if self.strategy not in _HF_STRATEGIES:
+            raise ValueError(
+                f"Invalid strategy {self.strategy!r} for the Hugging Face integration. Must be one of: "
+                f"{', '.join(map(repr, _HF_STRATEGIES))} (the hybrids take a 2-D mesh: use context_parallel_attn)"
+            )
+        if self.strategy != "ring" and self.ring_size is not None:
+            raise ValueError(f"`strategy`={self.strategy!r} runs over the whole group: `ring_size`={self.ring_size} "
+                             f"applies to strategy 'ring' only")
 
     @property
     def sharding(self) -> Sharding:
@@ -179,22 +192,13 @@ class RingAttentionHF:
         cu_seqlens = _boundaries(kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
         if distcomm.is_check_mode():
             self._verify_positions(kwargs.get("position_ids"), cu_seqlens, query, attention_mask)
-        out = ring_flash_attn(
-            query.transpose(1, 2),
-            key.transpose(1, 2),
-            value.transpose(1, 2),
-            causal=bool(causal),
-            softmax_scale=scaling,
-            layout=self.layout,
-            ring_size=self.ring_size,
-            group=self.group,
-            backend=self.backend,
-            attention_mask=attention_mask,
-            window_size=window,
-            softcap=float(kwargs.get("softcap") or 0.0),
-            cu_seqlens=cu_seqlens,
-        )
-        return out, None
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        options = dict(causal=bool(causal), softmax_scale=scaling, layout=self.layout, group=self.group,
+                       backend=self.backend, attention_mask=attention_mask, window_size=window,
+                       softcap=float(kwargs.get("softcap") or 0.0), cu_seqlens=cu_seqlens)
+        if self.strategy == "ring":
+            return ring_flash_attn(q, k, v, ring_size=self.ring_size, **options), None
+        return context_parallel_attn(q, k, v, strategy=self.strategy, **options), None
 
     def mask(self, batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
              attention_mask=None, **kwargs) -> torch.Tensor | None:

@@ -57,6 +57,7 @@ __all__ = [
     "check_position",
     "seq_len_along",
     "unshard_concat",
+    "hybrid_positions",
 ]
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -187,3 +188,13 @@ def block_plan(layout: str, causal: bool, ring_size: int, rank: int, src: int, l
     if src < rank:
         return (Block(everything, everything, True),)
     return (Block(slice(1, None), slice(0, local_len - 1), True),) if local_len > 1 else ()
+
+
+def hybrid_positions(layout: str, seq_len: int, ring_size: int, ring_rank: int, ulysses_size: int,
+                     ulysses_rank: int) -> torch.Tensor:
+    """Global positions held by mesh coordinate (ring_rank, ulysses_rank) of the hybrid strategies: the
+    layout's shard of ring position ``ring_rank`` (over ``ring_size``), cut into ``ulysses_size`` equal
+    contiguous pieces, piece ``ulysses_rank``."""
+    shard = positions(layout, seq_len, ring_size, ring_rank)
+    n = shard.numel() // ulysses_size
+    return shard[ulysses_rank * n:(ulysses_rank + 1) * n]

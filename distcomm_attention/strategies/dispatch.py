@@ -23,14 +23,16 @@ from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention import _validation
 from distcomm_attention.planning import cost, layouts
+from distcomm_attention.planning.layouts import hybrid_positions
 from distcomm_attention.planning.plans import gathered_plan, local_plan, natural_order
 from distcomm_attention.planning.visibility import Visibility, ring_plan
 from distcomm_attention.strategies import allgather as _allgather
 from distcomm_attention.strategies import ulysses as _ulysses
+from distcomm_attention.sharding import resolve_layout
 from distcomm_attention.strategies.prepare import prepare
 from distcomm_attention.strategies.ring import ring_attention, ring_backward, ring_forward
 
-__all__ = ["STRATEGIES", "check_strategy", "resolve_mesh", "hybrid_positions", "choose", "run"]
+__all__ = ["STRATEGIES", "check_strategy", "is_2d_mesh", "resolve_mesh", "hybrid_positions", "choose", "run"]
 
 STRATEGIES = ("auto", "ring", "ulysses", "allgather", "hybrid", "hybrid_allgather")
 _CODES = {name: i for i, name in enumerate(STRATEGIES)}
@@ -43,13 +45,14 @@ def check_strategy(strategy) -> None:
         raise ValueError(f"`strategy` must be one of {list(STRATEGIES)}, got {strategy!r}")
 
 
-def _is_2d_mesh(group) -> bool:
+def is_2d_mesh(group) -> bool:
+    """Whether ``group`` is a 2-D DeviceMesh (the hybrids' group)."""
     return hasattr(group, "mesh_dim_names") and getattr(group, "ndim", 1) == 2
 
 
 def resolve_mesh(group):
     """(ulysses group, ring group) of a 2-D DeviceMesh with dimensions "ulysses" and "ring", spanning every rank."""
-    if not _is_2d_mesh(group):
+    if not is_2d_mesh(group):
         raise ValueError(
             "the hybrid strategies need `group` to be a 2-D DeviceMesh with dimensions named 'ulysses' and "
             f"'ring' (e.g. init_device_mesh(device, (rings, ulysses), mesh_dim_names=('ring', 'ulysses'))), "
@@ -65,14 +68,6 @@ def resolve_mesh(group):
             f"rank verifies the call together); the mesh has {group.size()} of {_groups.group_size(None)} ranks"
         )
     return group.get_group("ulysses"), group.get_group("ring")
-
-
-def hybrid_positions(layout: str, seq_len: int, ring_size: int, ring_rank: int, ulysses_size: int,
-                     ulysses_rank: int) -> torch.Tensor:
-    """Global positions of the tokens of mesh coordinate (ring_rank, ulysses_rank) in the hybrids."""
-    shard = layouts.positions(layout, seq_len, ring_size, ring_rank)
-    n = shard.numel() // ulysses_size
-    return shard[ulysses_rank * n:(ulysses_rank + 1) * n]
 
 
 class _Ring:
@@ -114,6 +109,17 @@ class _Ring:
         return self._source(*grads)
 
 
+def _verification_comm(group) -> RingComm:
+    """The ring a call verifies over (and whose recorded layout it uses): the default group for a 2-D mesh."""
+    return RingComm(None) if is_2d_mesh(group) else RingComm(group)
+
+
+def _local_layout(layout: str | None, group) -> str:
+    """The layout for planning: as given, or the recorded one (ambiguity raised by ``prepare`` on every rank
+    after its exchange; planners never run then)."""
+    return resolve_layout(layout, _verification_comm(group)).layout or "contiguous"
+
+
 def choose(q, k, *, group, layout: str, causal: bool, window, attention_mask, cu_seqlens,
            hardware: cost.Hardware | None = None) -> cost.StrategyChoice:
     """The strategy "auto" runs for this call, with every applicable strategy's prediction (Note [Cost model]).
@@ -121,7 +127,8 @@ def choose(q, k, *, group, layout: str, causal: bool, window, attention_mask, cu
     Per-rank input checks come first (the same errors as the call itself); nothing is communicated.
     """
     _validation.check_qkv(q, k, k)
-    if _is_2d_mesh(group):
+    layout = _local_layout(layout, group)
+    if is_2d_mesh(group):
         ulysses_group, _ = resolve_mesh(group)
         u, world = _groups.group_size(ulysses_group), group.size()
         candidates = ("hybrid", "hybrid_allgather")
@@ -141,7 +148,8 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
     if strategy == "auto":
         strategy = choose(q, k, group=group, layout=layout, causal=causal, window=window,
                           attention_mask=attention_mask, cu_seqlens=cu_seqlens).strategy
-    common = dict(layout=layout, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+    given_layout, layout = layout, _local_layout(layout, group)
+    common = dict(layout=given_layout, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
                   attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
                   requires_grad=requires_grad)
     if strategy in _HYBRID:
@@ -166,7 +174,7 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
                                            fwd, bwd)
         return _ulysses.ulysses(q, k, v, attention_mask, ulysses_group, wu, inner)
 
-    if _is_2d_mesh(group):
+    if is_2d_mesh(group):
         raise ValueError(
             f"strategy {strategy!r} runs over one group; a 2-D DeviceMesh is for strategy='hybrid' or "
             f"'hybrid_allgather' (or pass one of its dimensions, (mesh, 'ring'))"
