@@ -231,15 +231,15 @@ def _check_dim(dim) -> None:
 
 def _mesh_coords(group, ring_size) -> tuple[RingComm, int, int, int, int] | None:
     """For a 2-D DeviceMesh with dimensions "ulysses" and "ring" (the hybrid strategies): (the default
-    group's ring, ring size, ring position, Ulysses size, Ulysses position); None for any other group."""
+    group's ring, ring size, ring position, Ulysses size, Ulysses position); None for any other group (other
+    2-D meshes then get RingComm's "pick the dim" error)."""
     if not (hasattr(group, "mesh_dim_names") and getattr(group, "ndim", 1) == 2):
+        return None
+    names = tuple(group.mesh_dim_names or ())
+    if sorted(names) != ["ring", "ulysses"]:  # any other 2-D mesh: the caller must pick a dim (RingComm says so)
         return None
     if ring_size is not None:
         raise ValueError("`ring_size` does not apply to a 2-D mesh: its 'ring' dimension is the ring")
-    names = tuple(group.mesh_dim_names or ())
-    if sorted(names) != ["ring", "ulysses"]:
-        raise ValueError(f"a 2-D mesh shards for the hybrid strategies: its dimensions must be named 'ulysses' "
-                         f"and 'ring', got {names}")
     coords = group.get_coordinate()
     ring_rank, ulysses_rank = coords[names.index("ring")], coords[names.index("ulysses")]
     sizes = dict(zip(names, group.mesh.shape))

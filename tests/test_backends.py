@@ -32,6 +32,7 @@ from tests.ring_sim import simulate_ring
 
 CUDA = torch.device("cuda")
 BF16 = torch.bfloat16
+_PACKAGE_PROBLEM = _fa4._package_problem.__wrapped__  # uncached, read before any fixture replaces it
 
 
 # ------------------------------------------------------------------------------------- exact block kernels
@@ -436,15 +437,35 @@ def test_which_kernels_names_the_block_kernels(hopper):
     assert _kernels.choose("cudnn", q, Visibility(False), 0.0)[:3] == ("cudnn", "CudnnForward", "CudnnBackward")
 
 
-def test_missing_flash_attn_4_is_an_import_error(monkeypatch):
-    """Without flash-attn-4, backend='fa4' raises ImportError saying what to install (on any machine)."""
-    monkeypatch.setattr(_fa4, "_module_available", lambda name: False)
-    monkeypatch.setattr(_fa4, "_package_problem", _fa4._package_problem.__wrapped__)
-    q = torch.zeros(1, 8, 2, 64, dtype=BF16)
-    with pytest.raises(ImportError, match=r'backend=\'fa4\' needs flash-attn-4.*pip install "distcomm\[fa4\]"'):
-        da.ring_flash_attn(q, q, q, causal=True, backend="fa4")
+def test_missing_flash_attn_4_is_an_import_error(hopper):
+    """On a Hopper GPU without flash-attn-4, backend='fa4' raises ImportError saying what to install."""
+    hopper.setattr(_fa4, "_module_available", lambda name: False)
+    hopper.setattr(_fa4, "_package_problem", _PACKAGE_PROBLEM)
+    with pytest.raises(ImportError, match=r'^backend=\'fa4\' needs flash-attn-4.*pip install "distcomm\[fa4\]"'):
+        _kernels.resolve_backend("fa4", CUDA, BF16, Visibility(True), head_dim=128, batch=1)
     with pytest.raises(ImportError, match=r"needs flash-attn-4"):
         _fa4.FA4Forward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("installed", [False, True])
+def test_fa4_on_cpu_names_the_hardware_first(monkeypatch, dtype, installed):
+    """On a CPU machine backend='fa4' says first that it needs a Hopper/Blackwell GPU and CUDA fp16/bf16
+    tensors, naming the device and dtype it got, and only then (when flash-attn-4 is missing too) how to
+    install it: "pip install distcomm[fa4]" alone sent users to install a package they cannot run."""
+    monkeypatch.setattr(_fa4, "_module_available", lambda name: installed)
+    monkeypatch.setattr(_fa4, "_package_problem", _PACKAGE_PROBLEM)
+    if installed:
+        monkeypatch.setattr(importlib.metadata, "version", lambda name: _fa4.VERIFIED_VERSION)
+    q = torch.zeros(1, 8, 2, 64, dtype=dtype)
+    hardware = (r"^backend='fa4' needs a Hopper \(sm90\) or Blackwell \(sm100\) GPU and CUDA float16/bfloat16 "
+                rf"tensors, got {dtype} tensors on cpu; use backend='torch'")
+    install = r'\. Also: backend=\'fa4\' needs flash-attn-4 .*: pip install "distcomm\[fa4\]"'
+    with pytest.raises(ValueError, match=hardware + (".*" if installed else ".*" + install)) as info:
+        da.ring_flash_attn(q, q, q, causal=True, backend="fa4")
+    assert ("pip install" in str(info.value)) is not installed
+    with pytest.raises(ValueError, match=hardware):
+        da.which_kernels(q, causal=True, backend="fa4")
 
 
 def test_unverified_flash_attn_4_release_is_refused(monkeypatch):
@@ -464,17 +485,19 @@ def test_forced_fa4_names_what_is_missing(hopper):
 
     assert forced() == ("fa4", "requested")
     assert forced(softcap=30.0)[0] == "fa4"
-    with pytest.raises(ValueError, match=r"backend='fa4' supports CUDA tensors, got a tensor on cpu"):
+    with pytest.raises(ValueError, match=r"needs a Hopper .* CUDA float16/bfloat16 tensors, got torch.bfloat16 "
+                                         r"tensors on cpu; use backend='torch'"):
         forced(device=torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"backend='fa4' supports .* float16 or bfloat16, got torch.float32"):
+    with pytest.raises(ValueError, match=r"needs a Hopper .* CUDA float16/bfloat16 tensors, got torch.float32 "
+                                         r"tensors on cuda; use backend='torch'"):
         forced(dtype=torch.float32)
     with pytest.raises(ValueError, match=r"backend='fa4': head_dim=264 is not supported on sm90"):
         forced(head_dim=264)
     hopper.setattr(_fa4, "_capability", lambda device: None)
-    with pytest.raises(ValueError, match=r"backend='fa4' needs a CUDA GPU, but CUDA is not available"):
+    with pytest.raises(ValueError, match=r"backend='fa4' needs a Hopper .* on cuda, but CUDA is not available"):
         forced()
     hopper.setattr(_fa4, "_capability", lambda device: (8, 0))
-    with pytest.raises(ValueError, match=r"needs a Hopper \(sm90\) or Blackwell \(sm100\) GPU, got sm80"):
+    with pytest.raises(ValueError, match=r"needs a Hopper \(sm90\) or Blackwell \(sm100\) GPU .*, got an sm80 GPU"):
         forced()
     hopper.setattr(_fa4, "_capability", lambda device: (10, 0))
     assert forced()[0] == "fa4"
@@ -532,6 +555,7 @@ def test_auto_without_any_usable_backend_says_so(monkeypatch):
     """With no block backend usable and triton missing, auto raises ImportError naming triton and each
     skipped backend's reason."""
     monkeypatch.setattr(_fa4, "_package_problem", lambda: "backend='fa4' needs flash-attn-4")
+    monkeypatch.setattr(_fa4, "_capability", lambda device: (9, 0))  # the package is the only problem
     monkeypatch.setattr(_kernels, "_triton_importable", lambda: False)
     with pytest.raises(ImportError, match=r"backend='auto' on CUDA torch.bfloat16 .*pip install triton.*"
                                           r"fa4: backend='fa4' needs flash-attn-4.*backend='torch'"):

@@ -23,8 +23,15 @@ def table(rows: list[tuple[str, float, float]], title: str) -> bool:
     return ok
 
 
-def plot(path: str, curves: list[tuple[str, list[float], list[float]]], world: int) -> None:
-    """One panel per (title, single-process losses, distributed losses); skipped without matplotlib."""
+def loss_gap(single: list[float], distributed: list[float]) -> list[float]:
+    """|single - distributed| per step: what "the distributed run equals the single-process run" means."""
+    return [abs(a - b) for a, b in zip(single, distributed)]
+
+
+def plot(path: str, curves: list[tuple[str, list[float], list[float]]], world: int):
+    """One row per (title, single-process losses, distributed losses): the two loss curves on top of each
+    other, and beside them their absolute difference on a log axis against ``TOL``. Returns the figure;
+    skipped (None) without matplotlib."""
     try:
         import matplotlib
 
@@ -32,17 +39,33 @@ def plot(path: str, curves: list[tuple[str, list[float], list[float]]], world: i
         import matplotlib.pyplot as plt
     except ImportError:
         print("  (matplotlib is not installed, so no plot: pip install 'distcomm[demo]')")
-        return
-    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.8), squeeze=False)
-    for ax, (title, single, distributed) in zip(axes[0], curves):
-        ax.plot(single, label="single process", lw=3, alpha=0.5)
-        ax.plot(distributed, "--", label=f"{world} ranks (distcomm)")
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.legend()
+        return None
+    floor = 1e-18  # where exact zeros are drawn (a log axis has no 0); float64 round-off of a loss ~ 1e-16
+    fig, axes = plt.subplots(len(curves), 2, figsize=(11, 3.6 * len(curves)), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 2]})
+    for (curve_ax, gap_ax), (title, single, distributed) in zip(axes, curves):
+        steps = range(len(single))
+        curve_ax.plot(steps, single, lw=4, alpha=0.4, label="single process")
+        curve_ax.plot(steps, distributed, "--", lw=1.5, label=f"{world} ranks (distcomm)")
+        curve_ax.set(title=title, xlabel="step", ylabel="loss")
+        curve_ax.legend()
+        gap = loss_gap(single, distributed)
+        nonzero = [(s, g) for s, g in zip(steps, gap) if g > 0]
+        zero = [s for s, g in zip(steps, gap) if g == 0]
+        if nonzero:
+            gap_ax.semilogy(*zip(*nonzero), "o", ms=4, color="C1", label="|single − distributed|")
+        if zero:
+            gap_ax.semilogy(zero, [floor] * len(zero), "v", ms=4, color="C2", label="exactly equal (drawn at 1e-18)")
+        gap_ax.axhline(TOL, color="C3", ls=":", label=f"tolerance {TOL:g}")
+        gap_ax.set_yscale("log")
+        gap_ax.set_ylim(floor / 3, TOL * 1e3)
+        gap_ax.set(title=f"difference, max {max(gap, default=0.0):.1e} (float64)", xlabel="step",
+                   ylabel="|single − distributed|")
+        gap_ax.legend(loc="upper right", fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"  loss curves written to {path}")
+    return fig
 
 
 def parse_args(prog: str, description: str, argv=None) -> argparse.Namespace:

@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as torch_F
 
 from distcomm._launch import run_world
+from distcomm.demo import _common
 
 DTYPE = torch.float64
 CLIP_SIZES = (7, 5, 3, 6)  # per-rank batch sizes (the first `world` are used)
@@ -100,13 +101,15 @@ def max_param_diff(a: dict, b: dict) -> float:
 
 
 def compare(dist_results: list[dict], single: dict, name: str) -> bool:
-    """Print and check: every rank holds the same parameters, equal to the single-process run's."""
+    """Print and check: every rank holds the same parameters, equal to the single-process run's, and the
+    loss curves agree step by step (within ``_common.TOL``)."""
     hist = dist_results[0]["history"]
     diff = max_param_diff(dist_results[0]["params"], single["params"])
+    gap = max(_common.loss_gap(single["history"], hist), default=0.0)
     same = all(max_param_diff(dist_results[0]["params"], r["params"]) == 0 for r in dist_results)
-    good = diff <= 1e-8 and same
-    print(f"  {name}: loss {hist[0]:.3f} -> {hist[-1]:.3f}; "
-          f"max |param(distributed) - param(single)| = {diff:.1e}  {'ok' if good else 'MISMATCH'}")
+    good = diff <= 1e-8 and gap <= _common.TOL and same
+    print(f"  {name}: loss {hist[0]:.3f} -> {hist[-1]:.3f}; max |distributed - single|: loss {gap:.1e}, "
+          f"parameters {diff:.1e}  {'ok' if good else 'MISMATCH'}")
     return good
 
 

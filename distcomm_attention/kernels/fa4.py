@@ -96,36 +96,41 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device)
 
 
+_NEEDS = "backend='fa4' needs a Hopper (sm90) or Blackwell (sm100) GPU and CUDA float16/bfloat16 tensors"
+
+
+def _hardware_problem(device: torch.device, dtype: torch.dtype) -> tuple[str, tuple[int, int] | None]:
+    """(why these tensors or this GPU cannot run FA4, naming what they are, or "" if they can; the GPU's
+    compute capability when it was read)."""
+    if device.type != "cuda" or dtype not in _HALF:
+        return (f"{_NEEDS}, got {dtype} tensors on {device}; use backend='torch' (exact, any device and dtype) "
+                "or backend='auto'"), None
+    capability = _capability(device)
+    if capability is None:
+        return (f"{_NEEDS}, got {dtype} tensors on {device}, but CUDA is not available; use backend='torch'"), None
+    major, minor = capability
+    if major not in (9, 10):
+        return (f"{_NEEDS}, got an sm{major}{minor} GPU ({device}); use backend='cudnn', backend='triton' or "
+                "backend='auto'"), capability
+    return "", capability
+
+
 def can_use(device: torch.device, dtype: torch.dtype, head_dim: int | None, vis: Visibility,
             softcap: float) -> Exception | None:
-    """None if backend "fa4" can run this call, else the error saying why (ImportError: flash-attn-4 is
-    missing or an unsupported release; ValueError: the feature, device, dtype, GPU or head_dim).
-    ``head_dim`` None: not checked."""
+    """None if backend "fa4" can run this call, else the error saying why, in this order: ValueError for
+    the call's features, then for the device, dtype or GPU (and, when flash-attn-4 is missing too, how to
+    install it, second), ImportError when only the package is missing or an unsupported release, ValueError
+    for head_dim. ``head_dim`` None: not checked."""
     reason = unsupported_feature(vis, softcap)
     if reason is not None:
         return ValueError(reason)
+    hardware, capability = _hardware_problem(device, dtype)
     problem = _package_problem()
+    if hardware:
+        return ValueError(hardware + (f". Also: {problem}" if problem is not None else ""))
     if problem is not None:
         return ImportError(problem)
-    if device.type != "cuda":
-        return ValueError(
-            f"backend='fa4' supports CUDA tensors, got a tensor on {device.type}; use backend='torch' or "
-            "backend='auto'"
-        )
-    if dtype not in _HALF:
-        return ValueError(
-            f"backend='fa4' supports CUDA tensors of dtype float16 or bfloat16, got {dtype}; use "
-            "backend='torch' (exact, any dtype) or backend='auto'"
-        )
-    capability = _capability(device)
-    if capability is None:
-        return ValueError("backend='fa4' needs a CUDA GPU, but CUDA is not available; use backend='torch'")
     major, minor = capability
-    if major not in (9, 10):
-        return ValueError(
-            f"backend='fa4' needs a Hopper (sm90) or Blackwell (sm100) GPU, got sm{major}{minor} on {device}; "
-            "use backend='cudnn', backend='triton' or backend='auto'"
-        )
     max_head_dim = 256 if major == 9 else 128
     if head_dim is not None and not (8 <= head_dim <= max_head_dim and head_dim % 8 == 0):
         return ValueError(
