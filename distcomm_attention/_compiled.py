@@ -136,17 +136,22 @@ def _backward(ctx, dout, _dlse):
 _ring_attn.register_autograd(_backward, setup_context=_setup_context)
 
 
-def compiled_ring_flash_attn(q, k, v, *, group, ring_size, layout, causal, softmax_scale, window, softcap,
-                             attention_mask, cu_seqlens, backend) -> torch.Tensor:
-    """``ring_flash_attn`` inside a compiled region (options already type-checked by the caller)."""
+def _traced_checks(q, k, v, attention_mask, softmax_scale, cu_seqlens):
+    """What can be checked while tracing; -> (scale, cu_seqlens as a tensor or None, requires_grad)."""
     _validation.check_qkv(q, k, v)
     _validation.check_attention_mask(attention_mask, q)
-    if ring_size is not None:
-        layouts.check_position(ring_size, 0)
     scale = _validation.check_scale(softmax_scale, q.shape[3])
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
-    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return scale, cu_seqlens, torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+
+
+def compiled_ring_flash_attn(q, k, v, *, group, ring_size, layout, causal, softmax_scale, window, softcap,
+                             attention_mask, cu_seqlens, backend) -> torch.Tensor:
+    """``ring_flash_attn`` inside a compiled region (options already type-checked by the caller)."""
+    if ring_size is not None:
+        layouts.check_position(ring_size, 0)
+    scale, cu_seqlens, requires_grad = _traced_checks(q, k, v, attention_mask, softmax_scale, cu_seqlens)
     out, _lse = _ring_attn(
         q, k, v, attention_mask, cu_seqlens, _group_name(group), ring_size or 0, layout or "", causal, window[0],
         window[1], softcap, scale, backend, requires_grad,
@@ -238,11 +243,6 @@ _cp_attn.register_autograd(_cp_backward, setup_context=_cp_setup_context)
 def compiled_context_parallel_attn(q, k, v, *, strategy, group, layout, causal, softmax_scale, window, softcap,
                                    attention_mask, cu_seqlens, backend) -> torch.Tensor:
     """``context_parallel_attn`` with strategy "ulysses" or "allgather" inside a compiled region."""
-    _validation.check_qkv(q, k, v)
-    _validation.check_attention_mask(attention_mask, q)
-    scale = _validation.check_scale(softmax_scale, q.shape[3])
-    if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
-        cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int64)
-    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    scale, cu_seqlens, requires_grad = _traced_checks(q, k, v, attention_mask, softmax_scale, cu_seqlens)
     return _cp_attn(q, k, v, attention_mask, cu_seqlens, _group_name(group), strategy, layout or "", causal, window[0],
                     window[1], softcap, scale, backend, requires_grad)
