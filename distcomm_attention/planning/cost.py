@@ -33,13 +33,13 @@ Note [Cost model]
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from distcomm_attention.planning.plans import gathered_plan, local_plan
 from distcomm_attention.planning.visibility import RingPlan, Visibility, ring_plan
 
-__all__ = ["Hardware", "Prediction", "StrategyChoice", "predict", "choose"]
+__all__ = ["Hardware", "Prediction", "StrategyChoice", "Call", "predict", "choose"]
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,6 @@ class Call:
     vis: Visibility
     world: int
     ulysses: int = 1  # the hybrids' Ulysses degree (world = ulysses * ring)
-    extra: tuple = field(default=())
 
 
 def _pairs(block) -> int:

@@ -17,12 +17,11 @@ pieces over the "ulysses" dimension (``hybrid_positions``).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention import _validation
-from distcomm_attention.planning import cost, layouts
+from distcomm_attention.planning import cost
 from distcomm_attention.planning.layouts import hybrid_positions
 from distcomm_attention.planning.plans import gathered_plan, local_plan, natural_order
 from distcomm_attention.planning.visibility import Visibility, ring_plan
