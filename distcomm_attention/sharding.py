@@ -229,11 +229,16 @@ def _check_dim(dim) -> None:
         raise TypeError(f"`dim` must be an int, got {dim!r}")
 
 
+def is_2d_mesh(group) -> bool:
+    """Whether ``group`` is a 2-D DeviceMesh (the hybrid strategies' group)."""
+    return hasattr(group, "mesh_dim_names") and getattr(group, "ndim", 1) == 2
+
+
 def _mesh_coords(group, ring_size) -> tuple[RingComm, int, int, int, int] | None:
     """For a 2-D DeviceMesh with dimensions "ulysses" and "ring" (the hybrid strategies): (the default
     group's ring, ring size, ring position, Ulysses size, Ulysses position); None for any other group (other
     2-D meshes then get RingComm's "pick the dim" error)."""
-    if not (hasattr(group, "mesh_dim_names") and getattr(group, "ndim", 1) == 2):
+    if not is_2d_mesh(group):
         return None
     names = tuple(group.mesh_dim_names or ())
     if sorted(names) != ["ring", "ulysses"]:  # any other 2-D mesh: the caller must pick a dim (RingComm says so)

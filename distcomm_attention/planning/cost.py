@@ -33,6 +33,7 @@ Note [Cost model]
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -205,9 +206,15 @@ def predict(c: Call, strategy: str, hw: Hardware = Hardware()) -> Prediction | N
     return Prediction(compute + comm, compute, comm, int(mem))
 
 
+@functools.lru_cache(maxsize=256)
+def _predictions(c: Call, candidates: tuple[str, ...], hw: Hardware) -> tuple[tuple[str, Prediction], ...]:
+    """Every applicable candidate's prediction, cached per call signature ("auto" asks on every call)."""
+    return tuple((name, p) for name in candidates if (p := predict(c, name, hw)) is not None)
+
+
 def choose(c: Call, candidates: tuple[str, ...], hw: Hardware = Hardware()) -> StrategyChoice:
     """The candidate with the least predicted time (ties: the earlier candidate)."""
-    predictions = {name: p for name in candidates if (p := predict(c, name, hw)) is not None}
+    predictions = dict(_predictions(c, tuple(candidates), hw))
     best = min(predictions, key=lambda name: predictions[name].seconds)
     others = ", ".join(f"{k} {v.seconds * 1e3:.3f} ms" for k, v in predictions.items())
     return StrategyChoice(best, predictions, f"least predicted fwd+bwd time ({others})")

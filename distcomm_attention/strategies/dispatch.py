@@ -27,7 +27,7 @@ from distcomm_attention.planning.plans import gathered_plan, local_plan, natural
 from distcomm_attention.planning.visibility import Visibility, ring_plan
 from distcomm_attention.strategies import allgather as _allgather
 from distcomm_attention.strategies import ulysses as _ulysses
-from distcomm_attention.sharding import resolve_layout
+from distcomm_attention.sharding import is_2d_mesh, resolve_layout
 from distcomm_attention.strategies.prepare import prepare
 from distcomm_attention.strategies.ring import ring_attention, ring_backward, ring_forward
 
@@ -42,11 +42,6 @@ def check_strategy(strategy) -> None:
     """Raise ValueError unless ``strategy`` names a strategy."""
     if strategy not in STRATEGIES:
         raise ValueError(f"`strategy` must be one of {list(STRATEGIES)}, got {strategy!r}")
-
-
-def is_2d_mesh(group) -> bool:
-    """Whether ``group`` is a 2-D DeviceMesh (the hybrids' group)."""
-    return hasattr(group, "mesh_dim_names") and getattr(group, "ndim", 1) == 2
 
 
 def resolve_mesh(group):
