@@ -40,6 +40,8 @@ Everything here is a pure function (no communication); ``distcomm_attention.shar
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -58,15 +60,64 @@ __all__ = [
     "seq_len_along",
     "unshard_concat",
     "hybrid_positions",
+    "Assignment",
+    "STATIC",
+    "DATA_DEPENDENT",
 ]
 
-LAYOUTS = ("contiguous", "zigzag", "striped")
+STATIC = ("contiguous", "zigzag", "striped")  # positions fixed by (length, ring size, rank)
+DATA_DEPENDENT = ("balanced", "auto")  # positions computed from the documents (Note [Balanced layout])
+LAYOUTS = STATIC + DATA_DEPENDENT
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A layout computed from the data (``layout="balanced"``, Note [Balanced layout] in balance.py): the
+    ranges [start, stop) of global positions each rank holds, increasing and disjoint. Hashable: it keys the
+    planner's caches like a layout name."""
+
+    name: str
+    ranges: tuple[tuple[tuple[int, int], ...], ...]
+    seq_len: int
+
+    @property
+    def ring_size(self) -> int:
+        return len(self.ranges)
+
+    @property
+    def local_len(self) -> int:
+        return self.seq_len // self.ring_size
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """Global positions of ``rank``'s tokens, increasing: int64 (local_len,)."""
+        return self.table()[rank]
+
+    @functools.lru_cache(maxsize=64)
+    def table(self) -> torch.Tensor:
+        """(ring_size, local_len) int64: every rank's positions."""
+        rows = [torch.cat([torch.arange(a, b) for a, b in ranks]) if ranks else torch.zeros(0, dtype=torch.int64)
+                for ranks in self.ranges]
+        return torch.stack(rows)
+
+    def __repr__(self) -> str:
+        pieces = sum(len(r) for r in self.ranges)
+        return f"Assignment({self.name!r}, {self.ring_size} ranks x {self.local_len} tokens, {pieces} pieces)"
 
 
 def check_layout(layout) -> None:
-    """Raise ValueError unless ``layout`` names a known layout."""
+    """Raise ValueError unless ``layout`` names a known layout (or is an ``Assignment``)."""
+    if isinstance(layout, Assignment):
+        return
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"Invalid layout {layout!r}. Must be one of: {', '.join(map(repr, LAYOUTS))}")
+
+
+def _check_concrete(layout) -> None:
+    """Layouts whose positions are known without the documents: the static names and assignments."""
+    check_layout(layout)
+    if layout in DATA_DEPENDENT:
+        raise ValueError(f"layout={layout!r} is computed from the documents: resolve it with "
+                         "balance.assign(layout, ring_size, cu_seqlens, window) first")
 
 
 class Block(NamedTuple):
@@ -80,6 +131,9 @@ class Block(NamedTuple):
 def check_local_length(layout: str, local_len: int, ring_size: int, *, name: str = "local sequence length") -> None:
     """Raise ValueError unless every rank holding ``local_len`` tokens is a valid shard of ``layout``."""
     check_layout(layout)
+    if isinstance(layout, Assignment) and (local_len != layout.local_len or ring_size != layout.ring_size):
+        raise ValueError(f"{name} {local_len} over {ring_size} ranks does not match the layout's assignment of "
+                         f"{layout.local_len} tokens to each of {layout.ring_size} ranks")
     if local_len < 0:
         raise ValueError(f"{name} must be >= 0, got {local_len}")
     if layout == "zigzag" and local_len % 2:
@@ -92,6 +146,11 @@ def check_local_length(layout: str, local_len: int, ring_size: int, *, name: str
 def check_global_length(layout: str, seq_len: int, ring_size: int) -> int:
     """Validate a global length for ``layout`` over ``ring_size`` ranks; return the local length."""
     check_layout(layout)
+    if isinstance(layout, Assignment):
+        if seq_len != layout.seq_len or ring_size != layout.ring_size:
+            raise ValueError(f"a sequence of {seq_len} tokens over {ring_size} ranks does not match the layout's "
+                             f"assignment of {layout.seq_len} tokens to {layout.ring_size} ranks")
+        return layout.local_len
     divisor = 2 * ring_size if layout == "zigzag" else ring_size
     if seq_len % divisor:
         raise ValueError(
@@ -116,7 +175,10 @@ def positions(layout: str, seq_len: int, ring_size: int, rank: int) -> torch.Ten
         int64 tensor of shape (seq_len // ring_size,).
     """
     check_position(ring_size, rank)
+    _check_concrete(layout)
     n = check_global_length(layout, seq_len, ring_size)
+    if isinstance(layout, Assignment):
+        return layout.positions(rank)
     if layout == "contiguous":
         return torch.arange(rank * n, (rank + 1) * n)
     if layout == "zigzag":

@@ -210,6 +210,12 @@ def _count_below(layout: str, ring_size: int, local_len: int, src: torch.Tensor,
     first of src's tokens at or after ``bound``.
     """
     n = local_len
+    if isinstance(layout, layouts.Assignment):  # any assignment: search each rank's sorted positions
+        table = layout.table()
+        if src.dim() == 0:
+            return torch.searchsorted(table[int(src)], bound.contiguous())
+        bound = bound.expand(table.shape[0], bound.shape[-1]).contiguous()
+        return torch.searchsorted(table[src.flatten()], bound)
     if layout == "contiguous":
         return (bound - src * n).clamp(0, n)
     if layout == "zigzag":

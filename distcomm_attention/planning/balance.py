@@ -1,0 +1,195 @@
+"""The document-balanced layout: which global tokens each rank holds, computed from the documents.
+
+Note [Balanced layout]
+    The static layouts balance one causal triangle over the whole sequence. With packed documents the work
+    is a triangle per document, so the rank holding a long document's tail does several times the mean
+    work. ``layout="balanced"`` assigns tokens from ``cu_seqlens`` (and the window) instead:
+
+        tokens     every rank holds exactly S / W tokens (the rest of the model is per-token work)
+        work       the visible (query, key) pairs per rank, balanced: within a few percent of the mean
+        traffic    a document stays whole on one rank where it fits; a longer one is split over few ranks
+
+    Work model: under a causal mask a query at offset i of its document sees min(i, left) + 1 keys (left:
+    the window's left edge, unbounded without one). A document split over k ranks gives each rank a nested
+    pair of pieces, the i-th rank the i-th chunk from the document's head and the i-th from its tail (the
+    zigzag layout, per document): under a causal mask without a window every such share has the same work
+    per token, (L + 1) / 2 for a document of L tokens. Bidirectional attention has L visible keys per
+    token, an affine function of the same density, so the same assignment balances it too.
+
+    Greedy, longest document first (deterministic: ties by document index, then rank):
+
+        fill    = mean work per token of the documents not placed yet
+        whole   the document goes whole to the rank that can hold it with the least projected work, where
+                projected = work + (free tokens) x fill  (what the rank will end with once its free tokens
+                are filled with the rest); accepted when that stays within ``TOLERANCE`` of the mean
+        split   otherwise ranks take nested shares in order of least projected work, each the largest
+                share (in steps of ``GRANULE`` tokens) keeping its projection within the mean, until the
+                document is placed; once no rank has room under the mean, the rest goes to free tokens
+
+    Ranks then hold their pieces in increasing global order (what the planner requires; adjacent pieces
+    merged). The result depends only on (cu_seqlens, W, window), so every rank computes the same; it is
+    cached. One document reproduces zigzag exactly. The planner turns any assignment into blocks (Note [Ring
+    plan]): pairs of ranks sharing no document are skipped, and a ring step no rank needs is not taken.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+
+from distcomm_attention.planning.layouts import Assignment
+
+__all__ = ["balanced", "work", "rank_work", "TOLERANCE", "GRANULE"]
+
+TOLERANCE = 0.01  # a whole placement may leave a rank this far above the mean work
+GRANULE = 128  # split shares are multiples of this (64 tokens at each end), but for the last one
+
+
+def _prefix(x: int, left: int | None) -> int:
+    """Visible keys of the first x queries of a document (causal; ``left``: window's left edge or None)."""
+    if left is None or x <= left + 1:
+        return x * (x + 1) // 2
+    return (left + 1) * (left + 2) // 2 + (x - left - 1) * (left + 1)
+
+
+def work(a: int, b: int, left: int | None) -> int:
+    """Visible keys of the queries at document offsets [a, b)."""
+    return _prefix(b, left) - _prefix(a, left)
+
+
+@functools.lru_cache(maxsize=64)
+def balanced(cu_seqlens: tuple[int, ...] | None, seq_len: int, ring_size: int,
+             window: tuple[int, int] = (-1, -1)) -> Assignment:
+    """The balanced assignment of ``seq_len`` tokens to ``ring_size`` ranks (see Note [Balanced layout]).
+
+    Args:
+        cu_seqlens: document boundaries (0, ..., seq_len), or None for one document.
+        seq_len: the global length; divisible by ``ring_size``.
+        window: the call's (left, right) window; only the left edge shapes the work.
+    """
+    cu = (0, seq_len) if cu_seqlens is None else tuple(int(c) for c in cu_seqlens)
+    if cu[0] != 0 or cu[-1] != seq_len:
+        raise ValueError(f"cu_seqlens must run from 0 to the global length {seq_len}, got {cu[0]}..{cu[-1]}")
+    if seq_len % ring_size:
+        raise ValueError(f"layout='balanced' over a ring of {ring_size} needs a global sequence length divisible "
+                         f"by {ring_size}, got {seq_len}")
+    n = seq_len // ring_size
+    left = None if window[0] < 0 else window[0]
+    # documents by density (work per token), heaviest first; ties by index
+    docs = [d for d in range(len(cu) - 1) if cu[d + 1] > cu[d]]
+    length = {d: cu[d + 1] - cu[d] for d in docs}
+    whole = {d: work(0, length[d], left) for d in docs}
+    docs.sort(key=lambda d: (-whole[d] / length[d], d))
+    head = {d: 0 for d in docs}  # offsets [head, tail) of each document not placed yet
+    tail = dict(length)
+    # prefix sums in density order, to project a rank's light fill in O(log D)
+    prefix_tokens, prefix_work = [0], [0]
+    for d in docs:
+        prefix_tokens.append(prefix_tokens[-1] + length[d])
+        prefix_work.append(prefix_work[-1] + whole[d])
+    front, back = 0, len(docs) - 1  # heaviest / lightest document not placed yet
+    pieces: list[list[tuple[int, int]]] = [[] for _ in range(ring_size)]
+    loads = [0] * ring_size
+    rest_work = sum(whole.values())
+
+    def share(d: int, x: int) -> tuple[int, int]:
+        """Document d's next nested share of x tokens: (head tokens, work)."""
+        h = (x + 1) // 2
+        return h, work(head[d], head[d] + h, left) + work(tail[d] - (x - h), tail[d], left)
+
+    def take(r: int, d: int, x: int) -> None:
+        h, w = share(d, x)
+        for a, b in ((head[d], head[d] + h), (tail[d] - (x - h), tail[d])):
+            if b > a:
+                pieces[r].append((cu[d] + a, cu[d] + b))
+        head[d] += h
+        tail[d] -= x - h
+        loads[r] += w
+
+    def light_work(m: int, lo: int) -> float:
+        """Projected work of the next m tokens from the light end (documents at indices (lo, back])."""
+        w, i = 0.0, back
+        if m > 0 and i > lo:  # the lightest document may be partly placed
+            d = docs[i]
+            t = min(tail[d] - head[d], m)
+            w, m, i = t * whole[d] / length[d], m - t, i - 1
+        if m > 0 and i > lo:  # then whole documents j..i, and part of the one before them
+            j = bisect.bisect_left(prefix_tokens, prefix_tokens[i + 1] - m, lo + 1, i + 1)
+            w += prefix_work[i + 1] - prefix_work[j]
+            m -= prefix_tokens[i + 1] - prefix_tokens[j]
+            if m > 0 and j - 1 > lo:
+                w += m * whole[docs[j - 1]] / length[docs[j - 1]]
+        return w
+
+    for r in range(ring_size):
+        target = rest_work / (ring_size - r)  # the rest, spread over the ranks left
+        free = n
+        # heavy shares from the front while the projected load (filled with light work) stays under target
+        while free and front <= back:
+            d = docs[front]
+            rest = tail[d] - head[d]
+            most = min(free, rest)
+
+            def projected(x: int) -> float:
+                return loads[r] + share(d, x)[1] + light_work(free - x, front if x == rest else front - 1)
+
+            if front == back or projected(most) <= target * (1 + TOLERANCE):
+                x = most
+            elif projected(0) >= target * (1 - TOLERANCE):
+                x = 0
+            else:
+                lo, hi = 0, most  # the largest share keeping the projection within the target
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if projected(mid) <= target:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                x = lo
+            if x:
+                take(r, d, x)
+                free -= x
+            if tail[d] == head[d]:
+                front += 1
+            if x < most:
+                break
+        # light fill from the back: whole documents, the last one split to fill the rank exactly
+        while free and front <= back:
+            d = docs[back]
+            x = min(free, tail[d] - head[d])
+            take(r, d, x)
+            free -= x
+            if tail[d] == head[d]:
+                back -= 1
+        rest_work -= loads[r]
+
+    ranges = []
+    for r in range(ring_size):
+        merged: list[tuple[int, int]] = []
+        for a, b in sorted(pieces[r]):
+            if merged and merged[-1][1] == a:
+                merged[-1] = (merged[-1][0], b)
+            else:
+                merged.append((a, b))
+        ranges.append(tuple(merged))
+    return Assignment("balanced", tuple(ranges), seq_len)
+
+
+def rank_work(assignment_or_positions, cu_seqlens: tuple[int, ...] | None, seq_len: int,
+              window: tuple[int, int] = (-1, -1)) -> list[int]:
+    """Visible (query, key) pairs of each rank's queries under a causal mask (the balance metric), from an
+    ``Assignment`` or a list of per-rank position tensors."""
+    import torch
+
+    cu = torch.tensor((0, seq_len) if cu_seqlens is None else cu_seqlens, dtype=torch.int64)
+    left = None if window[0] < 0 else window[0]
+    if isinstance(assignment_or_positions, Assignment):
+        per_rank = [assignment_or_positions.positions(r) for r in range(assignment_or_positions.ring_size)]
+    else:
+        per_rank = list(assignment_or_positions)
+    out = []
+    for pos in per_rank:
+        offset = pos - cu[torch.searchsorted(cu, pos, right=True) - 1]
+        keys = offset + 1 if left is None else offset.clamp(max=left) + 1
+        out.append(int(keys.sum()))
+    return out
