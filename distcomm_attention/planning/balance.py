@@ -37,9 +37,14 @@ from __future__ import annotations
 import bisect
 import functools
 
+from distcomm_attention.planning import layouts
 from distcomm_attention.planning.layouts import Assignment
 
-__all__ = ["balanced", "work", "rank_work", "TOLERANCE", "GRANULE"]
+__all__ = ["balanced", "work", "rank_work", "resolve", "choose_layout", "TOLERANCE", "GRANULE", "AUTO_CANDIDATES"]
+
+# what layout="auto" compares with packed documents; striped is not among them: its blocks break into a kernel
+# call per document and ring step (measured 0.03-0.36 of one varlen call, docs/bench/balanced.md)
+AUTO_CANDIDATES = ("balanced", "zigzag", "contiguous")
 
 TOLERANCE = 0.01  # a whole placement may leave a rank this far above the mean work
 GRANULE = 128  # split shares are multiples of this (64 tokens at each end), but for the last one
@@ -193,3 +198,42 @@ def rank_work(assignment_or_positions, cu_seqlens: tuple[int, ...] | None, seq_l
         keys = offset + 1 if left is None else offset.clamp(max=left) + 1
         out.append(int(keys.sum()))
     return out
+
+
+def resolve(layout, seq_len: int, ring_size: int, cu_seqlens: tuple[int, ...] | None):
+    """The planner's layout for a layout name (or "name:balance_window", ``layouts.split_spec``): static names
+    as they are, "balanced" and "auto" computed from the documents (cached)."""
+    if isinstance(layout, Assignment):
+        return layout
+    name, window = layouts.split_spec(layout)
+    if name not in layouts.DATA_DEPENDENT:
+        return name
+    window = (-1, -1) if window is None else (window, 0)
+    if name == "balanced":
+        return balanced(cu_seqlens, seq_len, ring_size, window)
+    return choose_layout(cu_seqlens, seq_len, ring_size, window)[0]
+
+
+@functools.lru_cache(maxsize=64)
+def choose_layout(cu_seqlens: tuple[int, ...] | None, seq_len: int, ring_size: int,
+                  window: tuple[int, int] = (-1, -1)):
+    """layout="auto": the candidate (``AUTO_CANDIDATES``) with the least predicted time, under the faster of the
+    ring and all-gather strategies, for a reference call (bf16, 32 query / 8 kv heads of 128, batch 1, causal,
+    NVLink; Note [Cost model]; Ulysses' time does not depend on the layout) ->
+    (the planner's layout, {name: predicted seconds}). Without documents: "balanced" (zigzag's positions)."""
+    from distcomm_attention.planning import cost
+    from distcomm_attention.planning.visibility import Visibility
+
+    if cu_seqlens is None or len(cu_seqlens) <= 2 or ring_size == 1:
+        return balanced(cu_seqlens, seq_len, ring_size, window), {}
+    vis = Visibility(True, window, tuple(cu_seqlens))
+    times = {}
+    concrete = {}
+    for name in AUTO_CANDIDATES:
+        if name == "zigzag" and seq_len % (2 * ring_size):
+            continue
+        concrete[name] = balanced(cu_seqlens, seq_len, ring_size, window) if name == "balanced" else name
+        call = cost.Call(1, seq_len // ring_size, 32, 8, 128, 2, concrete[name], vis, ring_size)
+        times[name] = min(cost.predict(call, strategy).seconds for strategy in ("ring", "allgather"))
+    best = min(times, key=times.get)
+    return concrete[best], times

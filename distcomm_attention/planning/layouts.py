@@ -63,6 +63,9 @@ __all__ = [
     "Assignment",
     "STATIC",
     "DATA_DEPENDENT",
+    "split_spec",
+    "spec",
+    "check_balance_window",
 ]
 
 STATIC = ("contiguous", "zigzag", "striped")  # positions fixed by (length, ring size, rank)
@@ -104,18 +107,44 @@ class Assignment:
         return f"Assignment({self.name!r}, {self.ring_size} ranks x {self.local_len} tokens, {pieces} pieces)"
 
 
+def split_spec(layout) -> tuple[str, int | None]:
+    """(name, balance window) of a layout as it travels inside the package: a data-dependent layout made by
+    a ``Sharding`` with ``balance_window`` carries it as "name:window" (one string, so it crosses compiled
+    custom operators like the plain names)."""
+    if isinstance(layout, str) and ":" in layout:
+        name, _, window = layout.partition(":")
+        return name, int(window) if window.isdigit() else -1
+    return layout, None
+
+
+def spec(name: str, balance_window: int | None) -> str:
+    """Inverse of ``split_spec``."""
+    return name if balance_window is None or name not in DATA_DEPENDENT else f"{name}:{balance_window}"
+
+
+def check_balance_window(balance_window) -> None:
+    if balance_window is not None and (isinstance(balance_window, bool) or not isinstance(balance_window, int)
+                                       or balance_window < 0):
+        raise ValueError(
+            f"`balance_window` must be None (no window) or an int >= 0 (the attention's window_size[0], keys a "
+            f"query sees before itself), got {balance_window!r}"
+        )
+
+
 def check_layout(layout) -> None:
     """Raise ValueError unless ``layout`` names a known layout (or is an ``Assignment``)."""
     if isinstance(layout, Assignment):
         return
-    if not isinstance(layout, str) or layout not in LAYOUTS:
+    name, window = split_spec(layout)
+    if not isinstance(name, str) or name not in LAYOUTS or (window is not None and
+                                                            (name not in DATA_DEPENDENT or window < 0)):
         raise ValueError(f"Invalid layout {layout!r}. Must be one of: {', '.join(map(repr, LAYOUTS))}")
 
 
 def _check_concrete(layout) -> None:
     """Layouts whose positions are known without the documents: the static names and assignments."""
     check_layout(layout)
-    if layout in DATA_DEPENDENT:
+    if split_spec(layout)[0] in DATA_DEPENDENT:
         raise ValueError(f"layout={layout!r} is computed from the documents: resolve it with "
                          "balance.assign(layout, ring_size, cu_seqlens, window) first")
 
@@ -151,7 +180,7 @@ def check_global_length(layout: str, seq_len: int, ring_size: int) -> int:
             raise ValueError(f"a sequence of {seq_len} tokens over {ring_size} ranks does not match the layout's "
                              f"assignment of {layout.seq_len} tokens to {layout.ring_size} ranks")
         return layout.local_len
-    divisor = 2 * ring_size if layout == "zigzag" else ring_size
+    divisor = 2 * ring_size if layout == "zigzag" else ring_size  # balanced, auto: equal tokens per rank
     if seq_len % divisor:
         raise ValueError(
             f"layout={layout!r} over a ring of {ring_size} needs a global sequence length divisible by "
