@@ -129,7 +129,7 @@ def ring_flash_attn(
         )
     comm = RingComm(group, ring_size)
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    plan, scale, fwd, bwd = prepare(
+    plan, scale, fwd, bwd, _ = prepare(
         q, k, v, comm, layout=layout, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
         attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend, requires_grad=requires_grad,
     )

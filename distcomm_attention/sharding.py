@@ -44,10 +44,11 @@ import torch
 from distcomm import _check
 from distcomm.ring import RingComm
 from distcomm_attention import _validation
-from distcomm_attention.planning import layouts
+from distcomm_attention.planning import balance, layouts
 from distcomm_attention.strategies.ring import ring_all_gather
 
-__all__ = ["Sharding", "shard_sequence", "gather_sequence", "position_ids", "resolve_layout", "merge_sharding"]
+__all__ = ["Sharding", "shard_sequence", "gather_sequence", "position_ids", "resolve_layout", "merge_sharding",
+           "concrete_layout"]
 
 # (group name, ring size) -> the distinct layouts shard_sequence used for that ring, in order (Note [Layout record])
 _recorded: dict[tuple[str, int], tuple[str, ...]] = {}
@@ -57,12 +58,53 @@ def _ring_key(comm: RingComm) -> tuple[str, int]:
     return _validation._group_key(comm.group), comm.size
 
 
-def _record(comm: RingComm, layout: str) -> None:
+# (group name, ring size) -> the (cu_seqlens, balance window) the data-dependent layouts were computed for,
+# most recent last (Note [Balanced sharding])
+_specs: dict[tuple[str, int], list[tuple[tuple[int, ...] | None, int | None]]] = {}
+_SPECS_KEPT = 32
+
+
+def _record(comm: RingComm, layout: str, docs: tuple[int, ...] | None = None) -> None:
     if comm.size == 1:  # every layout of a ring of one is the identity
         return
+    name, window = layouts.split_spec(layout)
     seen = _recorded.get(_ring_key(comm), ())
-    if layout not in seen:
-        _recorded[_ring_key(comm)] = seen + (layout,)
+    if name not in seen:
+        _recorded[_ring_key(comm)] = seen + (name,)
+    if name in layouts.DATA_DEPENDENT:
+        specs = _specs.setdefault(_ring_key(comm), [])
+        if (docs, window) in specs:
+            specs.remove((docs, window))
+        specs.append((docs, window))
+        del specs[:-_SPECS_KEPT]
+
+
+def _docs_text(docs) -> str:
+    if docs is None:
+        return "None (one document)"
+    return str(list(docs)) if len(docs) <= 8 else f"[{', '.join(map(str, docs[:4]))}, ..., {docs[-1]}] ({len(docs) - 1} documents)"
+
+
+def concrete_layout(layout, comm: RingComm | None, seq_len: int, ring_size: int,
+                    docs: tuple[int, ...] | None, op: str):
+    """The planner's layout (a static name or an ``Assignment``) of a resolved layout for this call's documents
+    (see Note [Balanced sharding]). For "balanced" / "auto" without a balance window of its own (a ``Sharding``
+    carries one), the window is the one ``shard_sequence`` used for these documents on this ring."""
+    name, window = layouts.split_spec(layout)
+    if name not in layouts.DATA_DEPENDENT:
+        return name
+    if window is None and comm is not None:
+        specs = _specs.get(_ring_key(comm), [])
+        windows = [w for d, w in reversed(specs) if d == docs]
+        if specs and not windows:
+            raise ValueError(
+                f"{op}: layout {name!r} places tokens by their documents, and this call's cu_seqlens="
+                f"{_docs_text(docs)} are not documents shard_sequence sharded for this ring (most recent: "
+                f"cu_seqlens={_docs_text(specs[-1][0])}): pass the same cu_seqlens to shard_sequence (or "
+                "Sharding.shard) and to the attention"
+            )
+        window = windows[0] if windows else None
+    return balance.resolve(layouts.spec(name, window), seq_len, ring_size, docs)
 
 
 class ResolvedLayout(NamedTuple):
@@ -127,22 +169,71 @@ class Sharding:
     layout: str = "contiguous"
     group: Any = field(default=None, kw_only=True)
     ring_size: int | None = field(default=None, kw_only=True)
+    balance_window: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self):
         layouts.check_layout(self.layout)
+        if ":" in self.layout:
+            raise ValueError(f"Invalid layout {self.layout!r}: pass the window as balance_window=")
         _check_ring_size(self.ring_size)
+        _check_balance_window(self.layout, self.balance_window)
 
-    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    @property
+    def spec(self) -> str:
+        """The layout as the attention receives it (with the balance window of a data-dependent layout)."""
+        return layouts.spec(self.layout, self.balance_window)
+
+    def shard(self, x: torch.Tensor, dim: int = 1, *, cu_seqlens=None) -> torch.Tensor:
         """This rank's shard of the full sequence ``x`` (``shard_sequence``; records the layout)."""
-        return shard_sequence(x, self.layout, dim=dim, ring_size=self.ring_size, group=self.group)
+        return shard_sequence(x, self.layout, dim=dim, ring_size=self.ring_size, group=self.group,
+                              cu_seqlens=cu_seqlens, balance_window=self.balance_window)
 
-    def gather(self, x_local: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    def gather(self, x_local: torch.Tensor, dim: int = 1, *, cu_seqlens=None) -> torch.Tensor:
         """The full sequence on every rank of the ring from each rank's shard (``gather_sequence``)."""
-        return gather_sequence(x_local, self.layout, dim=dim, ring_size=self.ring_size, group=self.group)
+        return gather_sequence(x_local, self.layout, dim=dim, ring_size=self.ring_size, group=self.group,
+                               cu_seqlens=cu_seqlens, balance_window=self.balance_window)
 
-    def position_ids(self, local_seq: int, device: torch.device | str | None = None) -> torch.Tensor:
+    def position_ids(self, local_seq: int, device: torch.device | str | None = None, *,
+                     cu_seqlens=None) -> torch.Tensor:
         """Global positions of this rank's ``local_seq`` tokens (``position_ids``)."""
-        return position_ids(local_seq, self.layout, ring_size=self.ring_size, group=self.group, device=device)
+        return position_ids(local_seq, self.layout, ring_size=self.ring_size, group=self.group, device=device,
+                            cu_seqlens=cu_seqlens, balance_window=self.balance_window)
+
+    def shard_labels(self, labels: torch.Tensor, dim: int = 1, *, cu_seqlens=None,
+                     ignore_index: int = -100) -> torch.Tensor:
+        """This rank's next-token targets: ``labels`` shifted by one on the FULL sequence (the target of the
+        token at global position t is ``labels[t + 1]``; the last token of each document, and of the
+        sequence, gets ``ignore_index``), then sharded like the tokens. Shifting after sharding would be
+        wrong for every layout but contiguous (a rank's next local token is not the next global one)."""
+        return shard_sequence(shift_labels(labels, dim, cu_seqlens=cu_seqlens, ignore_index=ignore_index),
+                              self.layout, dim=dim, ring_size=self.ring_size, group=self.group,
+                              cu_seqlens=cu_seqlens, balance_window=self.balance_window)
+
+
+def _check_balance_window(layout: str, balance_window) -> None:
+    layouts.check_balance_window(balance_window)
+    if balance_window is not None and layouts.split_spec(layout)[0] not in layouts.DATA_DEPENDENT:
+        raise ValueError(f"`balance_window`={balance_window!r} applies to layout 'balanced' or 'auto' (tokens "
+                         f"placed by their documents), not to layout={layout!r}")
+
+
+def _with_window(layout: str, balance_window) -> str:
+    """``layout`` carrying ``balance_window`` (``layouts.split_spec``), after checking it."""
+    _check_balance_window(layout, balance_window)
+    return layout if balance_window is None else layouts.spec(layouts.split_spec(layout)[0], balance_window)
+
+
+def shift_labels(labels: torch.Tensor, dim: int = 1, *, cu_seqlens=None, ignore_index: int = -100) -> torch.Tensor:
+    """Next-token targets of the full sequence: position t gets ``labels[t + 1]``; the last position of each
+    document (``cu_seqlens``) and of the sequence gets ``ignore_index``."""
+    seq_len, dim = layouts.seq_len_along(labels, dim)
+    docs = _validation.check_cu_seqlens(cu_seqlens, seq_len)
+    out = torch.full_like(labels, ignore_index)
+    out.narrow(dim, 0, seq_len - 1).copy_(labels.narrow(dim, 1, seq_len - 1))
+    if docs is not None:
+        ends = torch.tensor(docs[1:], dtype=torch.long, device=labels.device) - 1
+        out.index_fill_(dim, ends, ignore_index)
+    return out
 
 
 def _same(a, b) -> bool:
@@ -157,12 +248,12 @@ def merge_sharding(sharding: Sharding | None, layout: str | None, group, ring_si
         raise TypeError(f"`sharding` must be a distcomm_attention.Sharding or None, got {type(sharding).__name__}")
     for name, given, held in (("layout", layout, sharding.layout), ("group", group, sharding.group),
                               ("ring_size", ring_size, sharding.ring_size)):
-        if given is not None and not _same(given, held):
+        if given is not None and not _same(given, held) and not (name == "layout" and given == sharding.spec):
             raise ValueError(
                 f"`{name}`={given!r} conflicts with `sharding`={sharding!r} ({name} {held!r}): pass the {name} "
                 f"in one of them only"
             )
-    return sharding.layout, sharding.group, sharding.ring_size
+    return sharding.spec, sharding.group, sharding.ring_size
 
 
 def position_ids(
@@ -173,6 +264,8 @@ def position_ids(
     group=None,
     rank: int | None = None,
     device: torch.device | str | None = None,
+    cu_seqlens=None,
+    balance_window: int | None = None,
 ) -> torch.Tensor:
     """Global position ids of the ``local_seq`` tokens this rank holds under ``layout`` (no communication).
 
@@ -187,6 +280,8 @@ def position_ids(
         rank: the positions of this ring position instead of this process's (needs ``ring_size`` and
             ``layout``; no process group is consulted), e.g. to prepare every rank's inputs in one process.
         device: where to put the result (default: CPU).
+        cu_seqlens, balance_window: the documents (and window) of layout "balanced" / "auto", as given to
+            ``shard_sequence`` (Note [Balanced sharding]); ignored by the other layouts.
 
     Returns:
         int64 (local_seq,): entry i is the global position of local token i. For 16 tokens on 4 ranks,
@@ -200,6 +295,9 @@ def position_ids(
     """
     if layout is not None:
         layouts.check_layout(layout)
+        layout = _with_window(layout, balance_window)
+    elif balance_window is not None:
+        raise ValueError("`balance_window` needs an explicit layout ('balanced' or 'auto')")
     if isinstance(local_seq, bool) or not isinstance(local_seq, int) or local_seq < 0:
         raise ValueError(f"`local_seq` must be an int >= 0 (tokens on this rank), got {local_seq!r}")
     if rank is not None and layout is None:
@@ -214,13 +312,17 @@ def position_ids(
         resolved.raise_if_ambiguous("position_ids")
         seq_len = local_seq * rings * degree
         layouts.check_local_length(resolved.layout, local_seq * degree, rings, name="`local_seq` x ulysses size")
-        ids = layouts.hybrid_positions(resolved.layout, seq_len, rings, ring_rank, degree, piece)
+        docs = _validation.check_cu_seqlens(cu_seqlens, seq_len)
+        concrete = concrete_layout(resolved.layout, comm, seq_len, rings, docs, "position_ids")
+        ids = layouts.hybrid_positions(concrete, seq_len, rings, ring_rank, degree, piece)
         return ids if device is None else ids.to(device)
     comm, ring_size, rank = _ring_position(ring_size, group, rank)
     resolved = resolve_layout(layout, comm)
     resolved.raise_if_ambiguous("position_ids")  # nothing is communicated here: no peer waits
     layouts.check_local_length(resolved.layout, local_seq, ring_size, name="`local_seq`")
-    ids = layouts.positions(resolved.layout, local_seq * ring_size, ring_size, rank)
+    docs = _validation.check_cu_seqlens(cu_seqlens, local_seq * ring_size)
+    concrete = concrete_layout(resolved.layout, comm, local_seq * ring_size, ring_size, docs, "position_ids")
+    ids = layouts.positions(concrete, local_seq * ring_size, ring_size, rank)
     return ids if device is None else ids.to(device)
 
 
@@ -283,6 +385,8 @@ def shard_sequence(
     ring_size: int | None = None,
     group=None,
     rank: int | None = None,
+    cu_seqlens=None,
+    balance_window: int | None = None,
 ) -> torch.Tensor:
     """This rank's shard of the full sequence ``x`` (no communication).
 
@@ -301,6 +405,10 @@ def shard_sequence(
         rank: take the shard of this ring position instead of this process's one (needs ``ring_size``;
             no process group is consulted, nothing is recorded), e.g. to shard a reference computed in one
             process.
+        cu_seqlens: the documents' boundaries over the full sequence, for layout "balanced" / "auto"
+            (Note [Balanced sharding]); the attention must be given the same. Ignored by the static layouts.
+        balance_window: "balanced" / "auto" only: the attention's left window (``window_size[0]``) the work
+            is balanced for; ``None``: no window.
 
     Returns:
         ``x`` reduced to seq_len // ring_size positions along ``dim``. Differentiable.
@@ -310,22 +418,26 @@ def shard_sequence(
             (zigzag: divisible by 2 * ring_size; others: by ring_size).
     """
     layouts.check_layout(layout)
+    layout = _with_window(layout, balance_window)
     _check_dim(dim)
+    seq_len, dim = layouts.seq_len_along(x, dim)
+    docs = _validation.check_cu_seqlens(cu_seqlens, seq_len)
     mesh = _mesh_coords(group, ring_size) if rank is None else None
     if mesh is not None:  # the hybrids: the layout over the "ring" dimension, pieces over "ulysses"
         comm, rings, ring_rank, degree, piece = mesh
-        seq_len, dim = layouts.seq_len_along(x, dim)
         layouts.check_local_length(layout, seq_len // rings, rings)
         if seq_len % (rings * degree):
             raise ValueError(f"sequence length {seq_len} along dim {dim} must divide by the mesh size "
                              f"{rings * degree} (ring {rings} x ulysses {degree})")
-        index = layouts.hybrid_positions(layout, seq_len, rings, ring_rank, degree, piece).to(x.device)
-        _record(comm, layout)
+        concrete = balance.resolve(layout, seq_len, rings, docs)
+        index = layouts.hybrid_positions(concrete, seq_len, rings, ring_rank, degree, piece).to(x.device)
+        _record(comm, layout, docs)
         return x.index_select(dim, index)
     comm, ring_size, rank = _ring_position(ring_size, group, rank)
-    shard = layouts.shard(x, layout, ring_size, rank, dim)
+    layouts.check_global_length(layout, seq_len, ring_size)
+    shard = layouts.shard(x, balance.resolve(layout, seq_len, ring_size, docs), ring_size, rank, dim)
     if comm is not None:
-        _record(comm, layout)
+        _record(comm, layout, docs)
     return shard
 
 
@@ -336,6 +448,8 @@ def gather_sequence(
     dim: int = 1,
     ring_size: int | None = None,
     group=None,
+    cu_seqlens=None,
+    balance_window: int | None = None,
 ) -> torch.Tensor:
     """The full sequence, on every rank of the ring, from each rank's shard (inverse of ``shard_sequence``).
 
@@ -351,6 +465,8 @@ def gather_sequence(
         ring_size: ranks per ring (``None``: the whole group).
         group: process group of the ring (or a 1-D DeviceMesh, or ``(mesh, dim_name)``); a 2-D DeviceMesh
             ("ulysses", "ring"): the hybrids' shards, gathered over every rank of the mesh.
+        cu_seqlens, balance_window: the documents (and window) of layout "balanced" / "auto", as given to
+            ``shard_sequence``; ignored by the other layouts.
 
     Returns:
         The full sequence: local_len * W positions along ``dim``.
@@ -365,18 +481,24 @@ def gather_sequence(
     """
     if layout is not None:
         layouts.check_layout(layout)
+        layout = _with_window(layout, balance_window)
+    elif balance_window is not None:
+        raise ValueError("`balance_window` needs an explicit layout ('balanced' or 'auto')")
     _check_dim(dim)
     mesh = _mesh_coords(group, ring_size)
     comm, ring_size, _rank = (mesh[0], mesh[0].size, None) if mesh is not None else _ring_position(ring_size, group,
                                                                                                    None)
     resolved = resolve_layout(layout, comm)
     local_len, dim = layouts.seq_len_along(x_local, dim)
+    seq_len = local_len * (ring_size if mesh is None else mesh[1] * mesh[3])
+    docs = _validation.check_cu_seqlens(cu_seqlens, seq_len)
 
     def verify() -> None:
         _validation.verify_across_ring(
             "gather_sequence", comm, {"x_local": x_local}, extra={
                 "dim": dim,
                 "layout": resolved.field,
+                "cu_seqlens": docs if layouts.split_spec(resolved.layout)[0] in layouts.DATA_DEPENDENT else None,
                 "requires_grad": torch.is_grad_enabled() and x_local.requires_grad,
             }
         )
@@ -392,10 +514,12 @@ def gather_sequence(
     else:
         layouts.check_local_length(resolved.layout, local_len * mesh[3], mesh[1],
                                    name=f"local length along dim {dim} x ulysses size")
+    rings = ring_size if mesh is None else mesh[1]
+    concrete = concrete_layout(resolved.layout, comm, seq_len, rings, docs, "gather_sequence")
     if not early:
         verify()
     cat = ring_all_gather(x_local, comm, dim)
     if mesh is not None:  # the hybrids' shards, in the default group's rank order
-        order = _mesh_order(group, resolved.layout, local_len * ring_size).to(cat.device)
+        order = _mesh_order(group, concrete, seq_len).to(cat.device)
         return cat.index_select(dim, torch.argsort(order))
-    return layouts.unshard_concat(cat, resolved.layout, ring_size, dim)
+    return layouts.unshard_concat(cat, concrete, ring_size, dim)

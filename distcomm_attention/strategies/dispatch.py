@@ -21,13 +21,13 @@ import torch
 from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention import _validation
-from distcomm_attention.planning import cost
+from distcomm_attention.planning import cost, layouts
 from distcomm_attention.planning.layouts import hybrid_positions
 from distcomm_attention.planning.plans import gathered_plan, local_plan, natural_order
 from distcomm_attention.planning.visibility import Visibility, ring_plan
 from distcomm_attention.strategies import allgather as _allgather
 from distcomm_attention.strategies import ulysses as _ulysses
-from distcomm_attention.sharding import is_2d_mesh, resolve_layout
+from distcomm_attention.sharding import concrete_layout, is_2d_mesh, resolve_layout
 from distcomm_attention.strategies.prepare import prepare
 from distcomm_attention.strategies.ring import ring_attention, ring_backward, ring_forward
 
@@ -131,7 +131,10 @@ def choose(q, k, *, group, layout: str, causal: bool, window, attention_mask, cu
         candidates = ("ring", "ulysses", "allgather")
     docs = _validation.check_cu_seqlens(cu_seqlens, q.shape[1] * world)
     vis = Visibility(causal, window, docs, attention_mask is not None)
-    call = cost.Call(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.element_size(), layout, vis,
+    layouts.check_local_length(layout, q.shape[1] * u, world // u)
+    concrete = concrete_layout(layout, _verification_comm(group), q.shape[1] * world, world // u, docs,
+                               "which_strategy")
+    call = cost.Call(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.element_size(), concrete, vis,
                      world, u)
     return cost.choose(call, candidates, hardware or cost.Hardware())
 
@@ -142,8 +145,7 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
     if strategy == "auto":
         strategy = choose(q, k, group=group, layout=layout, causal=causal, window=window,
                           attention_mask=attention_mask, cu_seqlens=cu_seqlens).strategy
-    given_layout, layout = layout, _local_layout(layout, group)
-    common = dict(layout=given_layout, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+    common = dict(layout=layout, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
                   attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
                   requires_grad=requires_grad)
     if strategy in _HYBRID:
@@ -154,12 +156,13 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
         n = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
         extra = {"strategy": _CODES[strategy], "ulysses": wu, "ring": wr}
 
-        def planner(vis):
+        def planner(vis, concrete):
             if strategy == "hybrid":
-                return ring_plan(layout, vis, wr, ring_rank, wu * n)
-            return gathered_plan(layout, vis, wr, ring_rank, wu * n)
+                return ring_plan(concrete, vis, wr, ring_rank, wu * n)
+            return gathered_plan(concrete, vis, wr, ring_rank, wu * n)
 
-        plan, scale, fwd, bwd = prepare(q, k, v, comm, extra=extra, shards=(wr, wu * n), planner=planner, **common)
+        plan, scale, fwd, bwd, layout = prepare(q, k, v, comm, extra=extra, shards=(wr, wu * n), planner=planner,
+                                                **common)
         _ulysses.check_heads(q.shape[2], k.shape[2], wu)
         if strategy == "hybrid":
             inner = _Ring(RingComm(ring_group), plan, softcap, scale, fwd, bwd)
@@ -178,18 +181,18 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
     extra = {"strategy": _CODES[strategy]}
     n = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
     if strategy == "ring":
-        plan, scale, fwd, bwd = prepare(q, k, v, comm, extra=extra, **common)
+        plan, scale, fwd, bwd, _ = prepare(q, k, v, comm, extra=extra, **common)
         return ring_attention(q, k, v, comm, plan=plan, key_mask=attention_mask, softcap=softcap, scale=scale,
                               fwd=fwd, bwd=bwd)
     if strategy == "allgather":
-        plan, scale, fwd, bwd = prepare(q, k, v, comm, extra=extra, **common,
-                                        planner=lambda vis: gathered_plan(layout, vis, world, rank, n))
+        plan, scale, fwd, bwd, layout = prepare(q, k, v, comm, extra=extra, **common,
+                                                planner=lambda vis, lay: gathered_plan(lay, vis, world, rank, n))
         return _allgather.allgather_attention(q, k, v, comm.group, layout=layout, plan=plan,
                                               key_mask=attention_mask, softcap=softcap, scale=scale, fwd=fwd,
                                               bwd=bwd)
     if strategy == "ulysses":
-        plan, scale, fwd, bwd = prepare(q, k, v, comm, extra=extra, **common,
-                                        planner=lambda vis: local_plan(vis, world * n))
+        plan, scale, fwd, bwd, layout = prepare(q, k, v, comm, extra=extra, **common,
+                                                planner=lambda vis, lay: local_plan(vis, world * n))
         _ulysses.check_heads(q.shape[2], k.shape[2], world)
         one = RingComm(comm.group, 1) if world > 1 else RingComm(None)
         inner = _Ring(one, plan, softcap, scale, fwd, bwd, natural_order(layout, world, n))

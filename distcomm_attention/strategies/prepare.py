@@ -16,7 +16,7 @@ from distcomm_attention import _validation
 from distcomm_attention.kernels import dispatch
 from distcomm_attention.planning import layouts
 from distcomm_attention.planning.visibility import RingPlan, Visibility, ring_plan
-from distcomm_attention.sharding import resolve_layout
+from distcomm_attention.sharding import concrete_layout, resolve_layout
 
 __all__ = ["Prepared", "prepare"]
 
@@ -28,6 +28,7 @@ class Prepared(NamedTuple):
     scale: float
     fwd: object
     bwd: object
+    layout: object = None  # the planner's layout: a static name or an Assignment (Note [Balanced layout])
 
 
 def prepare(
@@ -47,20 +48,24 @@ def prepare(
     Strategies other than the ring pass ``extra``: more verified fields (the strategy, by name or by its index
     in ``strategies.dispatch.STRATEGIES``, and its degrees); ``shards``: (ranks, tokens per rank) the layout
     splits the sequence into, when not (comm.size, local length) (the hybrid's layout runs over its ring
-    dimension); ``planner(vis)``: the strategy's plan instead of this rank's ring plan.
+    dimension); ``planner(vis, layout)``: the strategy's plan instead of this rank's ring plan (``layout``: the
+    planner's layout, a static name or the ``Assignment`` of "balanced" / "auto").
     """
     ranks, shard_len = shards if shards is not None else (comm.size, None)
     resolved = resolve_layout(layout, comm)
     layout = resolved.layout
     docs = None
     docs_field = None  # the verified cu_seqlens: the boundaries, None, or why this rank's are invalid
+    concrete = None  # the planner's layout
 
     def local_checks():
-        nonlocal docs
+        nonlocal docs, concrete
         _validation.check_qkv(q, k, v)
         _validation.check_attention_mask(attention_mask, q)
-        layouts.check_local_length(layout, q.shape[1] if shard_len is None else shard_len, ranks)
+        n = q.shape[1] if shard_len is None else shard_len
+        layouts.check_local_length(layout, n, ranks)
         docs = _validation.check_cu_seqlens(cu_seqlens, q.shape[1] * comm.size)
+        concrete = concrete_layout(layout, comm, n * ranks, ranks, docs, "ring_flash_attn")
         vis = Visibility(causal, window, docs, attention_mask is not None)
         return vis, dispatch.select_kernels(backend, q, vis, softcap)
 
@@ -106,5 +111,5 @@ def prepare(
         scale = _validation.check_scale(softmax_scale, q.shape[3])
         verify(scale)
     if planner is not None:
-        return Prepared(planner(vis), scale, fwd, bwd)
-    return Prepared(ring_plan(layout, vis, comm.size, comm.rank, q.shape[1]), scale, fwd, bwd)
+        return Prepared(planner(vis, concrete), scale, fwd, bwd, concrete)
+    return Prepared(ring_plan(concrete, vis, comm.size, comm.rank, q.shape[1]), scale, fwd, bwd, concrete)
