@@ -26,7 +26,7 @@ def _expected_positions(layout, seq_len, w, r):
     return [t for t in range(seq_len) if t % w == r]
 
 
-@pytest.mark.parametrize("layout", da.LAYOUTS)
+@pytest.mark.parametrize("layout", da.planning.layouts.STATIC)
 @pytest.mark.parametrize("w", [1, 2, 3, 4])
 def test_positions_match_definitions(layout, w):
     """Each rank holds exactly the tokens the layout's definition gives it, and the ranks partition the sequence."""
@@ -39,7 +39,7 @@ def test_positions_match_definitions(layout, w):
     assert sorted(seen) == list(range(seq_len))
 
 
-@pytest.mark.parametrize("layout", da.LAYOUTS)
+@pytest.mark.parametrize("layout", da.planning.layouts.STATIC)
 @pytest.mark.parametrize("w", [1, 2, 3, 4])
 @pytest.mark.parametrize("dim", [1, 0, -1])
 def test_shard_unshard_round_trip(layout, w, dim):
@@ -76,7 +76,7 @@ def _plan_mask(layout, causal, w, r, src, n):
     return cover
 
 
-@pytest.mark.parametrize("layout", da.LAYOUTS)
+@pytest.mark.parametrize("layout", da.planning.layouts.STATIC)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("w", [1, 2, 3, 4])
 def test_block_plan_covers_exactly_the_visible_pairs(layout, causal, w):
@@ -135,7 +135,7 @@ def _inputs(b, s, h, hkv, d, dtype=torch.float64, seed=0):
     return [t.to(dtype) for t in (q, k, v, dout)]
 
 
-@pytest.mark.parametrize("layout", da.LAYOUTS)
+@pytest.mark.parametrize("layout", da.planning.layouts.STATIC)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (3, 1)])
 def test_world_of_one_matches_reference(layout, causal, heads):

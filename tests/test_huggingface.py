@@ -27,7 +27,7 @@ import torch.nn.functional as torch_F
 pytest.importorskip("transformers")
 
 import distcomm  # noqa: E402
-from distcomm_attention.planning import layouts  # noqa: E402
+from distcomm_attention.planning import balance, layouts  # noqa: E402
 from distcomm_attention.integrations import huggingface as ring_hf  # noqa: E402
 from tests.dist_harness import run_world  # noqa: E402
 
@@ -264,7 +264,22 @@ def _cases():
         ("padding_striped", "striped", dict(input_ids=ids, labels=padded_labels, attention_mask=mask,
                                             position_ids=cumsum)),
         ("packed", "zigzag", dict(input_ids=_ids(1, seed=2), labels=_ids(1, seed=2), position_ids=_packed_position_ids())),
+        ("packed_balanced", "balanced", dict(input_ids=_ids(1, seed=2), labels=_ids(1, seed=2),
+                                             position_ids=_packed_position_ids())),
+        ("packed_auto", "auto", dict(input_ids=_ids(1, seed=2), labels=_ids(1, seed=2),
+                                     position_ids=_packed_position_ids())),
     ]
+
+
+def _shard(x, layout, world, rank, full):
+    """This rank's rows of a full-sequence reference under ``layout`` (the documents' placement for "balanced"
+    and "auto", from the packed position ids' restarts)."""
+    docs = None
+    if "position_ids" in full and layout in ("balanced", "auto"):
+        pos = full["position_ids"][0]
+        starts = [i for i in range(pos.numel()) if i == 0 or int(pos[i]) == 0]
+        docs = tuple(starts) + (pos.numel(),)
+    return layouts.shard(x, balance.resolve(layout, x.shape[1], world, docs), world, rank)
 
 
 def _hf_rank(rank, world, check):
@@ -323,7 +338,7 @@ def _reference(name, full):
     labels = full["labels"]
     targets = torch.full_like(labels, -100)
     targets[:, :-1] = labels[:, 1:]
-    if name == "packed":  # the next token must be in the same document
+    if name.startswith("packed"):  # the next token must be in the same document
         pos = full["position_ids"].expand_as(labels)
         targets[:, :-1][pos[:, 1:] == 0] = -100
         # the documents matter: with a mask given, transformers does not split them, and logits change
@@ -349,7 +364,7 @@ def test_llama_ring_equals_single_process(check):
         logits, loss, grads, targets = _reference(name, full)
         got = [results[r][name] for r in range(world)]
         for rank, res in enumerate(got):
-            want = layouts.shard(logits, layout, world, rank)
+            want = _shard(logits, layout, world, rank, full)
             if "attention_mask" in full:  # padded queries attend to nothing real: compare real tokens only
                 real = layouts.shard(_padding_mask(), layout, world, rank)
                 res["logits"], want = res["logits"][real], want[real]
@@ -405,7 +420,7 @@ def test_llama_strategies_equal_single_process():
         for strategy in ("ulysses", "allgather", "auto"):
             got = [results[r][f"{strategy}-{name}"] for r in range(world)]
             for rank, res in enumerate(got):
-                want = layouts.shard(logits, layout, world, rank)
+                want = _shard(logits, layout, world, rank, full)
                 mine = res["logits"]
                 if "attention_mask" in full:
                     real = layouts.shard(_padding_mask(), layout, world, rank)

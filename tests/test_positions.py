@@ -28,7 +28,7 @@ FP64 = dict(rtol=1e-10, atol=1e-12)
 # ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("layout", layouts.LAYOUTS)
+@pytest.mark.parametrize("layout", layouts.STATIC)
 @pytest.mark.parametrize("ring_size", [1, 2, 3, 4])
 def test_position_ids_are_the_positions_shard_sequence_keeps(layout, ring_size):
     """Rotary embeddings see each token's true global position: position_ids == shard(arange), for every rank."""
@@ -54,7 +54,7 @@ def test_position_ids_documented_example_and_device():
 def test_position_ids_without_process_group_is_arange():
     """On one process (no process group) every layout is the identity: positions 0..n-1."""
     assert not dist.is_initialized()
-    for layout in layouts.LAYOUTS:
+    for layout in layouts.STATIC:
         assert position_ids(8, layout).tolist() == list(range(8))
 
 
@@ -79,7 +79,7 @@ def test_position_ids_errors(kwargs, error, match):
         position_ids(local_seq, layout, **kwargs)
 
 
-@pytest.mark.parametrize("layout", layouts.LAYOUTS)
+@pytest.mark.parametrize("layout", layouts.STATIC)
 def test_shard_sequence_keeps_integer_and_bool_inputs(layout):
     """Position ids (int64), labels (long, -100 included) and padding masks (bool) shard like activations:
     same dtype, and each rank's entries are those at its global positions."""
@@ -108,7 +108,7 @@ def test_shard_sequence_keeps_integer_and_bool_inputs(layout):
 def _positions_rank(rank, world, ring_size):
     seq = torch.arange(8 * (ring_size or world))
     out = {}
-    for layout in layouts.LAYOUTS:
+    for layout in layouts.STATIC:
         ids = position_ids(8, layout, ring_size=ring_size)
         out[layout] = (ids, da.shard_sequence(seq, layout, dim=0, ring_size=ring_size))
         # gathering the position ids back over the ring gives the whole sequence, in order
@@ -122,7 +122,7 @@ def test_position_ids_from_process_group(world, ring_size):
     results = run_world(_positions_rank, world, ring_size)
     w = ring_size or world
     for rank, res in enumerate(results):
-        for layout in layouts.LAYOUTS:
+        for layout in layouts.STATIC:
             ids, kept = res[layout]
             assert torch.equal(ids, kept)
             assert torch.equal(ids, layouts.positions(layout, 8 * w, w, rank % w))

@@ -90,7 +90,7 @@ def _cases(w):
     heads = [(4, 4, 1), (4, 2, 2), (2, 1, 1)]  # (heads, kv_heads, batch)
     cases = []
     i = 0
-    for layout in da.LAYOUTS:
+    for layout in da.planning.layouts.STATIC:
         for causal in (False, True):
             h, hkv, b = heads[i % 3]
             n = (4 if causal else 6) if layout == "zigzag" else (5 if causal else 3)
@@ -125,7 +125,7 @@ def test_no_process_group_path():
 
 def _triton_cases():
     return [dict(layout=layout, causal=causal, b=1, n=6, h=4, hkv=2, d=16, w=2, seed=60 + i, dtype="float32")
-            for i, (layout, causal) in enumerate((lo, c) for lo in da.LAYOUTS for c in (False, True))]
+            for i, (layout, causal) in enumerate((lo, c) for lo in da.planning.layouts.STATIC for c in (False, True))]
 
 
 def _triton_rank(rank, world):
@@ -146,7 +146,7 @@ def _growth_case(layout, dtype, w):
 
 def _growth_rank(rank, world):
     return {(layout, dtype): _run_case(_growth_case(layout, dtype, world), backend="torch")
-            for layout in da.LAYOUTS for dtype in ("float32", "bfloat16")}
+            for layout in da.planning.layouts.STATIC for dtype in ("float32", "bfloat16")}
 
 
 def _rms_errors(case, got_by_pos):
@@ -167,7 +167,7 @@ def test_error_does_not_grow_with_ring_size():
     (rounding it per hop raises the bf16 RMS error by 13-55%)."""
     world = 4
     results = run_world(_growth_rank, world)
-    for layout in da.LAYOUTS:
+    for layout in da.planning.layouts.STATIC:
         for dtype, bound in (("float32", 4e-6), ("bfloat16", 3e-2)):
             case_one, case_four = _growth_case(layout, dtype, 1), _growth_case(layout, dtype, world)
             got_one = [_run_case(case_one, backend="torch")]
@@ -183,13 +183,13 @@ def _rings_and_subgroup_rank(rank, world):
     out = {}
     # Two rings of two in a world of four, each carrying its own sequence.
     ring = rank // 2
-    for layout in da.LAYOUTS:
+    for layout in da.planning.layouts.STATIC:
         case = dict(layout=layout, causal=True, b=1, n=4, h=4, hkv=1, d=32, w=2, seed=300 + ring)
         out[("rings", layout)] = _run_case(case, ring_size=2)
     # A subgroup of non-consecutive global ranks [1, 3]; ranks 0 and 2 stay out of it.
     group = dist.new_group([1, 3])
     if rank in (1, 3):
-        for layout in da.LAYOUTS:
+        for layout in da.planning.layouts.STATIC:
             case = dict(layout=layout, causal=True, b=2, n=4, h=2, hkv=2, d=32, w=2, seed=400)
             out[("group", layout)] = _run_case(case, group=group)
     return out
@@ -198,7 +198,7 @@ def _rings_and_subgroup_rank(rank, world):
 def test_rings_smaller_than_world_and_subgroup():
     """ring_size=2 in a world of 4 gives two independent rings; a subgroup of ranks [1, 3] is a ring of its own."""
     results = run_world(_rings_and_subgroup_rank, 4)
-    for layout in da.LAYOUTS:
+    for layout in da.planning.layouts.STATIC:
         for ring in (0, 1):
             case = dict(layout=layout, causal=True, b=1, n=4, h=4, hkv=1, d=32, w=2, seed=300 + ring)
             _check_case(case, [results[2 * ring][("rings", layout)], results[2 * ring + 1][("rings", layout)]], FP64)
@@ -214,7 +214,7 @@ def _full_sequence(seed):
 def _gather_rank(rank, world, ring_size):
     w = ring_size or world
     out = {}
-    for layout in da.LAYOUTS:
+    for layout in da.planning.layouts.STATIC:
         full = _full_sequence(rank // w)
         x = da.shard_sequence(full, layout, ring_size=ring_size).clone().requires_grad_()
         gathered = da.gather_sequence(x, layout, ring_size=ring_size)
@@ -232,7 +232,7 @@ def test_gather_sequence_round_trip_and_gradient(world, ring_size):
     """gather(shard(x)) == x on every rank of each ring; its grad on rank r is the ring's summed grad of r's shard."""
     results = run_world(_gather_rank, world, ring_size)
     w = ring_size or world
-    for layout in da.LAYOUTS:
+    for layout in da.planning.layouts.STATIC:
         for rank in range(world):
             base, pos = rank - rank % w, rank % w
             res = results[rank][layout]

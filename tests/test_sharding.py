@@ -93,7 +93,7 @@ def test_ring_of_one_records_nothing():
     assert not dist.is_initialized()
     before = dict(_sharding._recorded)
     q, k, v = _global(1)
-    for layout in da.LAYOUTS:
+    for layout in da.planning.layouts.STATIC:
         da.shard_sequence(q, layout)
     assert _sharding._recorded == before
     torch.testing.assert_close(da.ring_flash_attn(q, k, v, causal=True), attention_reference(q, k, v, causal=True),

@@ -158,7 +158,7 @@ GATHERED_VIS = [
 ]
 
 
-@pytest.mark.parametrize("layout", layouts.LAYOUTS)
+@pytest.mark.parametrize("layout", layouts.STATIC)
 @pytest.mark.parametrize("vis", GATHERED_VIS, ids=str)
 def test_gathered_plan_covers_exactly_the_visible_pairs(layout, vis):
     """Every visible (query, key) pair is computed exactly once and nothing invisible is: W = 1..8."""
@@ -228,7 +228,7 @@ CALLS = [
     _call(world=w, heads=h, kv_heads=hkv, layout=layout, vis=vis, local_len=n)
     for w in (2, 4, 8)
     for h, hkv in ((8, 8), (8, 2), (32, 1))
-    for layout in layouts.LAYOUTS
+    for layout in layouts.STATIC
     for vis in (Visibility(), Visibility(causal=True), Visibility(causal=True, window=(100, -1)))
     for n in (64, 4096)
 ]
@@ -409,7 +409,7 @@ def _strategy_cases(w, small=False):
     n = 8
     seq = n * w
     cases, i = [], 0
-    for layout in layouts.LAYOUTS:
+    for layout in layouts.STATIC:
         off_rank = layouts.positions(layout, seq, w, w // 2).tolist()
         sets = _feature_sets(seq, n, off_rank)
         if small:
@@ -504,7 +504,7 @@ def _hybrid_cases(rings, ulysses):
     world = rings * ulysses
     seq = n * world
     cases, i = [], 0
-    for layout in layouts.LAYOUTS:
+    for layout in layouts.STATIC:
         off = dispatch.hybrid_positions(layout, seq, rings, rings - 1, ulysses, 0).tolist()
         sets = [
             dict(),
@@ -574,7 +574,7 @@ def test_hybrids_match_reference(world, meshes):
 
 def test_hybrid_positions_partition_the_sequence():
     """The hybrids' shards: every global position exactly once, each ring shard cut into contiguous pieces."""
-    for layout in layouts.LAYOUTS:
+    for layout in layouts.STATIC:
         for rings, ulysses in ((1, 4), (2, 2), (2, 4), (4, 2), (3, 2)):
             seq = 4 * rings * ulysses
             pieces = [dispatch.hybrid_positions(layout, seq, rings, r, ulysses, u)

@@ -63,7 +63,7 @@ import distcomm
 from distcomm.ring import RingComm
 from distcomm_attention import BACKENDS, Sharding, context_parallel_attn, ring_flash_attn
 from distcomm_attention.sharding import merge_sharding
-from distcomm_attention.planning import layouts
+from distcomm_attention.planning import balance, layouts
 
 try:
     from transformers import AttentionInterface
@@ -88,6 +88,7 @@ def register(
     backend: str = "auto",
     sharding: Sharding | None = None,
     strategy: str = "ring",
+    balance_window: int | None = None,
 ) -> RingAttentionHF:
     """Register ring attention with transformers under ``name``; load models with ``attn_implementation=name``.
 
@@ -96,8 +97,9 @@ def register(
             Registering the same name again replaces the options. It may not contain "flash": transformers
             takes any such name for a flash-attn kernel to load.
         layout: how sequences are sharded: "contiguous", "zigzag" (``None``: ``sharding``'s layout, else
-            "zigzag", balanced causal work) or "striped". ``shard_inputs`` shards with the same layout that
-            the attention uses.
+            "zigzag", balanced causal work), "striped", or "balanced" / "auto" for packed documents (tokens
+            placed by their documents, Note [Balanced layout]). ``shard_inputs`` shards with the same layout
+            that the attention uses.
         ring_size: ranks per ring (``None``: the whole group); smaller rings are data parallel.
         group: the ring's group: a ProcessGroup, 1-D DeviceMesh or ``(mesh, "cp")`` (``None``: default group).
         backend: ``ring_flash_attn``'s backend.
@@ -105,13 +107,22 @@ def register(
             ``layout``, ``group`` or ``ring_size`` beside it must repeat its values.
         strategy: "ring" (``ring_flash_attn``), or "ulysses", "allgather" or "auto" (``context_parallel_attn``
             over the whole group; ``ring_size`` must be None).
+        balance_window: layout "balanced" / "auto": the left window the work is balanced for (a model whose
+            layers all use ``sliding_window`` w: w - 1); ``None``: no window (every layer attends the whole
+            document). Layers with other windows still run exactly, only less evenly balanced.
 
     Returns:
         The registered :class:`RingAttentionHF` (its ``name``, ``sharding`` and ``shard_inputs``).
     """
     layout, group, ring_size = merge_sharding(sharding, layout, group, ring_size)
     layout = "zigzag" if layout is None else layout
-    impl = RingAttentionHF(name, layout=layout, ring_size=ring_size, group=group, backend=backend, strategy=strategy)
+    name_of, window = layouts.split_spec(layout)  # a Sharding's balance window travels in its layout
+    if window is not None:
+        if balance_window is not None and balance_window != window:
+            raise ValueError(f"`balance_window`={balance_window!r} conflicts with `sharding`'s balance_window={window}")
+        layout, balance_window = name_of, window
+    impl = RingAttentionHF(name, layout=layout, ring_size=ring_size, group=group, backend=backend, strategy=strategy,
+                           balance_window=balance_window)
     AttentionInterface.register(name, impl)
     AttentionMaskInterface.register(name, impl.mask)
     return impl
@@ -130,6 +141,7 @@ class RingAttentionHF:
     group: Any = None
     backend: str = "auto"
     strategy: str = "ring"
+    balance_window: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or "flash" in self.name:
@@ -138,6 +150,7 @@ class RingAttentionHF:
                 f"any attn_implementation containing 'flash'), got {self.name!r}"
             )
         layouts.check_layout(self.layout)
+        self.sharding  # noqa: B018 - validates balance_window against the layout
         if self.backend not in BACKENDS:
             raise ValueError(f"Invalid backend {self.backend!r}. Must be one of: {', '.join(map(repr, BACKENDS))}")
         if self.strategy not in _HF_STRATEGIES:
@@ -152,7 +165,7 @@ class RingAttentionHF:
     @property
     def sharding(self) -> Sharding:
         """The sharding ``shard_inputs`` and the attention use (``.shard``, ``.gather``, ``.position_ids``)."""
-        return Sharding(self.layout, group=self.group, ring_size=self.ring_size)
+        return Sharding(self.layout, group=self.group, ring_size=self.ring_size, balance_window=self.balance_window)
 
     # -- the attention function transformers calls ---------------------------------------------------
 
@@ -193,7 +206,7 @@ class RingAttentionHF:
         if distcomm.is_check_mode():
             self._verify_positions(kwargs.get("position_ids"), cu_seqlens, query, attention_mask)
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        options = dict(causal=bool(causal), softmax_scale=scaling, layout=self.layout, group=self.group,
+        options = dict(causal=bool(causal), softmax_scale=scaling, layout=self.sharding.spec, group=self.group,
                        backend=self.backend, attention_mask=attention_mask, window_size=window,
                        softcap=float(kwargs.get("softcap") or 0.0), cu_seqlens=cu_seqlens)
         if self.strategy == "ring":
@@ -250,8 +263,10 @@ class RingAttentionHF:
 
         sharding = self.sharding
 
+        docs = None if cu_seqlens is None else cu_seqlens.tolist()
+
         def shard(t: torch.Tensor) -> torch.Tensor:  # contiguous: transformers views labels with .view(-1)
-            return sharding.shard(t).contiguous()
+            return sharding.shard(t, cu_seqlens=docs).contiguous()
 
         inputs: dict[str, Any] = {"input_ids" if input_ids is not None else "inputs_embeds": shard(tokens)}
         inputs["position_ids"] = shard(position_ids)
@@ -303,7 +318,9 @@ class RingAttentionHF:
             return  # shapes, documents or a length the layout cannot split: ring_flash_attn says so on every rank
         real = attention_mask.bool() if isinstance(attention_mask, torch.Tensor) \
             and tuple(attention_mask.shape) == (batch, local) else torch.ones(batch, local, dtype=torch.bool)
-        pos = layouts.positions(self.layout, local * comm.size, comm.size, comm.rank).to(ids.device)
+        concrete = balance.resolve(self.sharding.spec, local * comm.size, comm.size,
+                                   None if bounds is None else tuple(bounds))
+        pos = layouts.positions(concrete, local * comm.size, comm.size, comm.rank).to(ids.device)
         offset = ids.long().expand(batch, local) - pos
         doc = torch.zeros_like(pos) if bounds is None else \
             (torch.searchsorted(torch.tensor(bounds, device=pos.device), pos, right=True) - 1).clamp(0, docs - 1)

@@ -141,12 +141,15 @@ def check_layout(layout) -> None:
         raise ValueError(f"Invalid layout {layout!r}. Must be one of: {', '.join(map(repr, LAYOUTS))}")
 
 
-def _check_concrete(layout) -> None:
-    """Layouts whose positions are known without the documents: the static names and assignments."""
+def _one_document(layout, seq_len: int, ring_size: int):
+    """A data-dependent layout name without documents: its assignment for one document (zigzag's positions)."""
     check_layout(layout)
-    if split_spec(layout)[0] in DATA_DEPENDENT:
-        raise ValueError(f"layout={layout!r} is computed from the documents: resolve it with "
-                         "balance.assign(layout, ring_size, cu_seqlens, window) first")
+    if isinstance(layout, str) and split_spec(layout)[0] in DATA_DEPENDENT:
+        from distcomm_attention.planning import balance  # (balance builds on this module)
+
+        check_global_length(layout, seq_len, ring_size)
+        return balance.resolve(layout, seq_len, ring_size, None)
+    return layout
 
 
 class Block(NamedTuple):
@@ -204,7 +207,7 @@ def positions(layout: str, seq_len: int, ring_size: int, rank: int) -> torch.Ten
         int64 tensor of shape (seq_len // ring_size,).
     """
     check_position(ring_size, rank)
-    _check_concrete(layout)
+    layout = _one_document(layout, seq_len, ring_size)  # documents known: pass the Assignment (balance.resolve)
     n = check_global_length(layout, seq_len, ring_size)
     if isinstance(layout, Assignment):
         return layout.positions(rank)

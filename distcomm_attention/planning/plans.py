@@ -24,7 +24,8 @@ import functools
 import torch
 
 from distcomm_attention.planning import layouts
-from distcomm_attention.planning.visibility import Block, RingPlan, Visibility, _block, _query_bounds, ring_plan
+from distcomm_attention.planning.visibility import (Block, RingPlan, Visibility, _block, _concrete, _query_bounds,
+                                                    ring_plan)
 
 __all__ = ["natural_order", "gathered_in_natural_order", "gathered_plan", "local_plan"]
 
@@ -67,6 +68,7 @@ def gathered_plan(layout: str, vis: Visibility, ring_size: int, rank: int, local
     n, seq_len = local_len, local_len * ring_size
     if n == 0:
         return RingPlan((0,), ((),))
+    layout = _concrete(layout, vis, ring_size, n)
     if not gathered_in_natural_order(layout):
         ring = ring_plan(layout, vis, ring_size, rank, n)
         blocks = [_shifted(b, 0, ((rank - t) % ring_size) * n) for t, step in zip(ring.steps, ring.blocks) for b in step]

@@ -258,6 +258,15 @@ def _block(row_lo: torch.Tensor, row_hi: torch.Tensor) -> Block | None:
     return Block(slice(q0, q1), slice(k0, k1), "interval", arrays)
 
 
+def _concrete(layout, vis: Visibility, ring_size: int, local_len: int):
+    """The planner's layout: a data-dependent name ("balanced", "auto") placed by the call's documents."""
+    if isinstance(layout, str) and layouts.split_spec(layout)[0] in layouts.DATA_DEPENDENT:
+        from distcomm_attention.planning import balance  # (balance plans through the cost model)
+
+        return balance.resolve(layout, ring_size * local_len, ring_size, vis.cu_seqlens)
+    return layout
+
+
 @functools.lru_cache(maxsize=64)
 def _needed_steps(layout: str, vis: Visibility, ring_size: int, local_len: int) -> tuple[int, ...]:
     """The ring steps at which some rank sees some key of the block it holds (always including 0)."""
@@ -279,6 +288,7 @@ def ring_plan(layout: str, vis: Visibility, ring_size: int, rank: int, local_len
     """The blocks ``rank`` computes at each needed ring step (see Note [Ring plan]); cached per signature."""
     if local_len == 0:
         return RingPlan((0,), ((),))
+    layout = _concrete(layout, vis, ring_size, local_len)
     steps = _needed_steps(layout, vis, ring_size, local_len)
     cu = None if vis.cu_seqlens is None else torch.tensor(vis.cu_seqlens, dtype=torch.int64)
     first, stop = _query_bounds(vis, layouts.positions(layout, local_len * ring_size, ring_size, rank), cu)
