@@ -130,7 +130,8 @@ def test_one_row_on_cpu(monkeypatch):
     docs = b.documents("pareto", seq)
     args = argparse.Namespace(iters=1, warmup=0, device="cpu", head_dim=16, ranks=1,
                               strategies=("ring", "allgather", "ulysses"))
-    rows = [b.bench_case(seq, world, 4, 2, True, lay, args, fwd, bwd, docs, "pareto") for lay in ("zigzag", "auto")]
+    lays = ("contiguous", "zigzag", "balanced", "auto")
+    rows = [b.bench_case(seq, world, 4, 2, True, lay, args, fwd, bwd, docs, "pareto") for lay in lays]
     for r in rows:
         json.dumps(r)
         assert r["chosen_layout"] in ("balanced", "zigzag", "contiguous")
@@ -143,7 +144,13 @@ def test_one_row_on_cpu(monkeypatch):
         assert set(r["efficiency"]) == {"ring", "allgather", "ulysses"}
         assert "pick" in r["nvlink"] and b._line(r).startswith(f"S={seq} W={world} 4/2 pareto docs")
     assert len([k for k in b._MEASURED if k[0] == "ulysses"]) == 1
-    assert rows[0]["rank_s"]["ulysses"][0] >= rows[0]["ulysses_reorder_s"] > 0  # zigzag: re-ordered
+    assert rows[0]["ulysses_reorder_s"] == 0  # contiguous: already in natural order
+    assert rows[1]["rank_s"]["ulysses"][0] >= rows[1]["ulysses_reorder_s"] > 0  # zigzag: re-ordered
+    # auto: the timings of the row of the layout it chose (measured once)
+    auto = rows[-1]
+    assert auto["layout"] == "auto" and auto["timings_from"] == auto["chosen_layout"]
+    assert auto["rank_s"] == rows[lays.index(auto["chosen_layout"])]["rank_s"]
+    assert "timings_from" not in rows[0] and "(timings of the" in b._line(auto)
     # every rank timed: measured max / mean
     args.ranks, args.strategies = None, ("ring",)
     r = b.bench_case(seq, world, 4, 2, True, "contiguous", args, fwd, bwd, docs, "pareto")
