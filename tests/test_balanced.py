@@ -1,0 +1,873 @@
+"""Layers 1-2: the document-balanced layout (``layout="balanced"``, and ``layout="auto"`` which may pick it), Note
+[Balanced layout] in planning/balance.py.
+
+Layer 1 (pure functions, no process group):
+  1. the assignment on many seeded document-length distributions (lognormal, pareto, one-token documents, a
+     document longer than S/2, one document, many tiny ones, documents crossing every contiguous boundary), W =
+     1..8, 16, 32: every position held exactly once, S / W tokens per rank in increasing order, merged ranges,
+     deterministic (also after ``cache_clear``); one document is exactly zigzag;
+  2. balance, counted here independently (visible causal keys per token: offset in its document + 1, clamped
+     by the window): max / mean <= 1.05 for S / W >= 512 without a window; tiny shapes within two tokens'
+     work of it; a window never leaves it worse than zigzag / contiguous (within 5% with a window: a known
+     miss, strict xfail); the 64k + 64 x 1k mix at W = 8, where the static layouts are off by > 30% and "auto"
+     picks balanced; ``rank_work`` counts the same;
+  3. locality: documents cut across ranks at most twice per rank boundary (the greedy's heavy and light
+     cut), so at most 2 (W - 1) extra pieces;
+  4. the planner on assignments: ``ring_plan`` and ``gathered_plan`` cover each visible (query, key) pair
+     exactly once and nothing invisible (causal, windows, full, documents); documents held whole need no ring
+     step but the first;
+  5. ``shard_sequence`` / ``position_ids`` / ``shift_labels`` follow the permutation (no process group,
+     ``rank=``); ``resolve`` and ``choose_layout`` ("auto");
+  6. errors: ``balance_window`` with a static layout or negative, ``cu_seqlens`` not ending at S, S not
+     divisible by W.
+Layer 2 (gloo worlds of 1, 2, 3, 4 and 8 CPU ranks), against the float64 reference on the whole sequence
+(``_reference.attention_reference``, sharing no code with the strategies):
+  7. ring / allgather / ulysses / auto x layouts "balanced" / "auto" (given, left out, via ``Sharding``) x
+     causal, windows, softcap, GQA: outputs and q/k/v gradients at the positions ``position_ids`` gives;
+     ``Sharding.shard_labels`` against labels shifted here;
+  8. ``gather_sequence`` of the outputs is the reference on every rank; gather(shard(x)) is x bitwise;
+  9. cu_seqlens the ring never sharded: the same ValueError, naming cu_seqlens, on every rank (no hang); ranks
+     that recorded different balance windows (not verified across the ring: a known miss, strict xfail);
+ 10. the hybrids on a 2 x 2 mesh with layout "balanced".
+"""
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import distcomm
+import distcomm_attention as da
+from distcomm_attention._reference import attention_reference
+from distcomm_attention.api import context_parallel_attn
+from distcomm_attention.planning import balance, layouts
+from distcomm_attention.planning.layouts import Assignment
+from distcomm_attention.planning.plans import gathered_plan
+from distcomm_attention.planning.visibility import Visibility, ring_plan, visible_mask
+from distcomm_attention.sharding import shift_labels
+from tests.dist_harness import run_world
+
+FP64 = dict(rtol=1e-10, atol=1e-12)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors in this process: one intra-op thread, as the ranks use (see tests/test_strategies.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Document distributions (seeded) and the work counted independently
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _fill(lengths, seq):
+    """Boundaries (0, ..., seq) of documents with the given lengths (each >= 1), the last one cut at seq."""
+    cu = [0]
+    for length in lengths:
+        if cu[-1] >= seq:
+            break
+        cu.append(min(seq, cu[-1] + max(1, int(length))))
+    if cu[-1] < seq:
+        cu.append(seq)
+    return tuple(cu)
+
+
+KINDS = ("lognormal", "pareto", "one_token", "long", "single", "tiny", "crossing")
+
+
+def _docs(kind, seq, world, rng):
+    """cu_seqlens (or None: one document) of one seeded distribution over ``seq`` tokens."""
+    n = seq // world
+    if kind == "lognormal":
+        mu, sigma = rng.choice([4, 32, 256, 1024, 4096]), rng.uniform(0.5, 2.0)
+        return _fill((rng.lognormvariate(math.log(mu), sigma) for _ in itertools.count()), seq)
+    if kind == "pareto":
+        scale, alpha = rng.choice([2, 16, 128, 512]), rng.uniform(0.8, 2.5)
+        return _fill((scale * rng.paretovariate(alpha) for _ in itertools.count()), seq)
+    if kind == "one_token":  # one-token documents between lognormal ones
+        return _fill((1 if rng.random() < 0.5 else rng.lognormvariate(math.log(max(2, n // 4)), 1.0)
+                      for _ in itertools.count()), seq)
+    if kind == "long":  # one document longer than S / 2, somewhere among short ones
+        long = rng.randint(seq // 2 + 1, seq)
+        before = rng.randint(0, seq - long)
+
+        def short():
+            return (rng.lognormvariate(math.log(max(2, n // 8)), 1.2) for _ in itertools.count())
+
+        cu = _fill(short(), before) if before else (0,)
+        after = _fill(short(), seq - before - long)
+        rest = [before + long + c for c in after[1:]] if seq - before - long else []
+        return tuple(cu) + (before + long,) + tuple(rest)
+    if kind == "single":
+        return rng.choice([None, (0, seq)])
+    if kind == "tiny":  # many documents of 1-3 tokens
+        return _fill((rng.randint(1, 3) for _ in itertools.count()), seq)
+    assert kind == "crossing"  # every contiguous rank boundary r * n falls inside a document
+    cuts = {0, seq}
+    for r in range(world):
+        lo, hi = r * n + 1, (r + 1) * n - 1  # strictly inside rank r's contiguous range
+        if lo <= hi:
+            cuts.add(rng.randint(lo, hi))
+    return tuple(sorted(cuts))
+
+
+def _window(left):
+    return (-1, -1) if left is None else (left, 0)
+
+
+def _keys_per_token(cu, seq, left):
+    """Visible causal keys of each global position: its offset in its document + 1, at most left + 1 (int64)."""
+    bounds = torch.tensor((0, seq) if cu is None else cu, dtype=torch.int64)
+    pos = torch.arange(seq, dtype=torch.int64)
+    start = bounds[torch.bucketize(pos, bounds, right=True) - 1]
+    offset = pos - start
+    if left is not None:
+        offset = offset.clamp(max=left)
+    return offset + 1
+
+
+def _work(per_rank_positions, cu, seq, left):
+    """Visible causal (query, key) pairs of each rank's queries (int64 sums)."""
+    keys = _keys_per_token(cu, seq, left)
+    return [int(keys[p].sum()) for p in per_rank_positions]
+
+
+def _imbalance(work):
+    return max(work) / (sum(work) / len(work))
+
+
+def _positions(layout, seq, world):
+    """Each rank's positions under a static layout name or an Assignment."""
+    return [layouts.positions(layout, seq, world, r) for r in range(world)]
+
+
+def _extra_pieces(assignment, cu):
+    """(documents held by more than one rank, sum over documents of (ranks holding it - 1))."""
+    world, n = assignment.ring_size, assignment.local_len
+    owner = torch.empty(assignment.seq_len, dtype=torch.int64)
+    owner[assignment.table().flatten()] = torch.arange(world).repeat_interleave(n)
+    bounds = torch.tensor((0, assignment.seq_len) if cu is None else cu, dtype=torch.int64)
+    doc = torch.bucketize(torch.arange(assignment.seq_len), bounds, right=True) - 1
+    held = torch.zeros(bounds.numel() - 1, world, dtype=torch.bool)
+    held[doc, owner] = True
+    holders = held.sum(1)
+    return int((holders > 1).sum()), int((holders - 1).sum())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layer 1, 1: the assignment's properties
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _check_assignment(a, seq, world):
+    assert isinstance(a, Assignment) and a.name == "balanced"
+    assert a.seq_len == seq and a.ring_size == world and a.local_len == seq // world
+    table = a.table()
+    assert table.dtype == torch.int64 and tuple(table.shape) == (world, seq // world)
+    assert torch.equal(table.flatten().sort().values, torch.arange(seq)), "every position exactly once"
+    for r in range(world):
+        pos = a.positions(r)
+        assert torch.equal(pos, table[r])
+        assert bool((pos[1:] > pos[:-1]).all()), f"rank {r}: positions must increase strictly"
+        ranges = a.ranges[r]
+        assert sum(b - e for e, b in ranges) == seq // world
+        assert all(e < b for e, b in ranges), f"rank {r}: empty range in {ranges}"
+        assert all(b1 < a2 for (_, b1), (a2, _) in zip(ranges, ranges[1:])), f"rank {r}: unmerged/unsorted {ranges}"
+
+
+SIZES = {w: (1, 2, 3, 7, 16, 64, 1024) for w in range(1, 9)} | {16: (1, 5, 64, 1024, 4096), 32: (1, 3, 64, 1024, 4096)}
+
+
+@pytest.mark.parametrize("world", sorted(SIZES))
+def test_assignment_partitions_the_sequence(world):
+    """Every seeded distribution, several tokens-per-rank: each position on exactly one rank, S / W tokens per
+    rank in strictly increasing order (ranges sorted, disjoint, merged); with and without a window."""
+    rng = random.Random(100 + world)
+    for n in SIZES[world]:
+        seq = n * world
+        for kind in KINDS:
+            for left in (None, 0, 1023):
+                cu = _docs(kind, seq, world, rng)
+                _check_assignment(balance.balanced(cu, seq, world, _window(left)), seq, world)
+
+
+def test_assignment_is_deterministic():
+    """The same (cu_seqlens, S, W, window) gives the same ranges: twice, after ``cache_clear``, and from an
+    equal cu_seqlens built anew (every rank computes it on its own)."""
+    rng = random.Random(7)
+    cases = []
+    for world in (2, 3, 5, 8, 16):
+        for kind in KINDS:
+            seq = world * rng.choice([12, 512, 2048])
+            cases.append((_docs(kind, seq, world, rng), seq, world, _window(rng.choice([None, 3, 511]))))
+    first = [balance.balanced(*case).ranges for case in cases]
+    assert [balance.balanced(*case).ranges for case in cases] == first
+    balance.balanced.cache_clear()
+    again = [balance.balanced(None if cu is None else tuple(list(cu)), seq, world, window).ranges
+             for cu, seq, world, window in cases]
+    assert again == first
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6, 7, 8, 16, 32])
+def test_one_document_is_zigzag(world):
+    """cu_seqlens None or [0, S], S divisible by 2W: exactly zigzag's positions on every rank."""
+    for n in (2, 8, 1024):
+        seq = n * world
+        want = _positions("zigzag", seq, world)
+        for cu in (None, (0, seq)):
+            got = _positions(balance.balanced(cu, seq, world), seq, world)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), (world, n, cu)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layer 1, 2: balance
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _large_mixes(seed, count, worlds=(2, 3, 4, 5, 6, 7, 8, 12, 16, 32)):
+    """(cu, seq, world) of realistic size (S / W >= 512): lognormal, pareto and long-document mixes."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        world = rng.choice(worlds)
+        seq = world * rng.choice([512, 768, 1024, 2048, 4096])
+        out.append((_docs(("lognormal", "pareto", "long", "one_token")[i % 4], seq, world, rng), seq, world))
+    return out
+
+
+def test_balanced_work_within_five_percent():
+    """No window, S / W >= 512, W 2..32: the busiest rank's visible causal pairs are within 5% of the mean
+    (counted here from positions and cu_seqlens, not with the planner's own metric); ``rank_work`` agrees."""
+    worst = 0.0
+    for cu, seq, world in _large_mixes(seed=11, count=160):
+        a = balance.balanced(cu, seq, world)
+        work = _work(_positions(a, seq, world), cu, seq, None)
+        assert balance.rank_work(a, cu, seq) == work
+        worst = max(worst, _imbalance(work))
+        assert _imbalance(work) <= 1.05, (world, seq, None if cu is None else len(cu) - 1, work)
+    assert worst > 1.0  # the check measured something
+
+
+def test_balanced_with_a_window_is_no_worse_than_the_static_layouts():
+    """With a left window (1023, 4095) the balanced assignment for that window is at least as balanced as zigzag
+    and as contiguous, counted under the same window."""
+    for cu, seq, world in _large_mixes(seed=12, count=80):
+        for left in (1023, 4095):
+            a = balance.balanced(cu, seq, world, (left, 0))
+            mine = _imbalance(_work(_positions(a, seq, world), cu, seq, left))
+            assert balance.rank_work(a, cu, seq, (left, 0)) == _work(_positions(a, seq, world), cu, seq, left)
+            for static in ("zigzag", "contiguous"):
+                theirs = _imbalance(_work(_positions(static, seq, world), cu, seq, left))
+                assert mine <= theirs + 1e-12, (static, left, world, seq, mine, theirs)
+
+
+WINDOWED_MISSES = [  # (cu, seq, world, left): long documents spanning ranks, the window much shorter
+    ((0, 4096), 4096, 2, 1023),  # one document: zigzag's shares, 1.14 x the mean
+    ((0, 8192), 8192, 8, 4095),  # one document: 1.29 x the mean
+    ((0, 12, 50, 8162, 8192), 8192, 16, 4095),  # one long document among short ones: 1.2 x
+]
+
+
+@pytest.mark.xfail(strict=True, reason="library: balanced(window=(left, 0)) leaves long documents (>> left) "
+                                       "unbalanced: nested head+tail shares give one rank the light first `left` "
+                                       "tokens, and with one document left the greedy takes all of it "
+                                       "(balance.py, `if front == back or projected(most) ...`)")
+def test_balanced_with_a_window_within_five_percent():
+    """The Note's promise with a window too: within 5% of the mean when S / W >= 512 (a balanced split exists:
+    e.g. one 4096-token document, W = 2, window 1023: rank 0 = positions [0, 300) + 1748 flat ones)."""
+    for cu, seq, world, left in WINDOWED_MISSES:
+        a = balance.balanced(cu, seq, world, (left, 0))
+        work = _work(_positions(a, seq, world), cu, seq, left)
+        assert _imbalance(work) <= 1.05, (cu, world, left, work)
+
+
+def test_balanced_tiny_shapes_within_two_tokens():
+    """S / W < 512 (down to one token per rank): the busiest rank is within 5% of the mean plus two tokens' work
+    (the greedy works at token granularity; a nested share adds a head and a tail token)."""
+    rng = random.Random(21)
+    for i in range(1500):
+        world = rng.randint(1, 8) if i % 5 else rng.choice([16, 32])
+        seq = world * rng.randint(1, 63)
+        cu = _docs(("tiny", "lognormal", "single", "long", "one_token", "crossing", "pareto")[i % 7], seq, world, rng)
+        work = _work(_positions(balance.balanced(cu, seq, world), seq, world), cu, seq, None)
+        longest = seq if cu is None else max(b - a for a, b in zip(cu, cu[1:]))
+        assert max(work) <= 1.05 * sum(work) / world + 2 * longest, (world, seq, cu, work)
+
+
+def test_long_document_among_short_ones_beats_the_static_layouts():
+    """One 64k-token document and 64 of 1k, W = 8 (S = 131072): balanced within 5% of the mean, contiguous and
+    zigzag more than 30% above it (the case the layout exists for); layout="auto" picks it."""
+    seq, world = 131072, 8
+    cu = (0, 65536) + tuple(65536 + 1024 * i for i in range(1, 65))
+    assert cu[-1] == seq
+    a = balance.balanced(cu, seq, world)
+    assert _imbalance(_work(_positions(a, seq, world), cu, seq, None)) <= 1.05
+    for static in ("contiguous", "zigzag"):
+        assert _imbalance(_work(_positions(static, seq, world), cu, seq, None)) > 1.3, static
+    pick, times = balance.choose_layout(cu, seq, world)  # and layout="auto" takes it
+    assert pick == a and times["balanced"] < min(times["zigzag"], times["contiguous"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layer 1, 3: locality
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_documents_are_cut_at_most_twice_per_rank():
+    """Each rank but the last ends with at most one heavy and one light document partly placed, so the documents'
+    extra pieces (ranks holding a document, minus one, summed) are at most 2 (W - 1): at most 2 W documents
+    split, for every distribution and window; a ring of one splits nothing."""
+    rng = random.Random(31)
+    for i in range(280):
+        world = rng.choice([1, 2, 3, 4, 5, 6, 7, 8, 16, 32])
+        seq = world * rng.choice([1, 5, 64, 512, 2048])
+        cu = _docs(KINDS[i % len(KINDS)], seq, world, rng)
+        for left in (None, 1023):
+            split, extra = _extra_pieces(balance.balanced(cu, seq, world, _window(left)), cu)
+            assert extra <= 2 * (world - 1), (world, seq, cu if cu is None or len(cu) < 20 else len(cu) - 1, extra)
+            assert split <= extra
+
+
+def test_documents_that_fill_ranks_stay_whole():
+    """Documents of equal length dividing S / W: every document whole on one rank (no cut is needed)."""
+    for world, n, length in ((2, 64, 16), (4, 96, 32), (8, 1024, 256), (3, 60, 1)):
+        seq = world * n
+        cu = tuple(range(0, seq + 1, length))
+        assert _extra_pieces(balance.balanced(cu, seq, world), cu) == (0, 0), (world, n, length)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layer 1, 4: the planner on assignments
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _block_pairs(block, nq_all, nk_all):
+    """(q0, q1, k0, k1, (nq, nk) bool): the pairs one kernel call marks visible."""
+    q0, q1, _ = block.q.indices(nq_all)
+    k0, k1, _ = block.kv.indices(nk_all)
+    nq, nk = q1 - q0, k1 - k0
+    assert nq > 0 and nk > 0, f"empty kernel call {block}"
+    if block.mode == "full":
+        sub = torch.ones(nq, nk, dtype=torch.bool)
+    elif block.mode == "causal":
+        assert nq == nk, block
+        sub = torch.ones(nq, nk, dtype=torch.bool).tril()
+    else:
+        assert block.mode == "interval", block
+        lo, hi, clo, chi = (t.long() for t in block.intervals)
+        j, i = torch.arange(nk), torch.arange(nq)
+        sub = (lo[:, None] <= j) & (j < hi[:, None])
+        assert torch.equal(sub, (clo[None, :] <= i[:, None]) & (i[:, None] < chi[None, :])), "inverse intervals"
+    assert sub.any(), f"kernel call with no visible pair {block}"
+    return q0, q1, k0, k1, sub
+
+
+def _ring_coverage(a, vis, world, rank):
+    """(n, S) int: how often the ring plan computes each (local query, GLOBAL key position) pair."""
+    n, seq = a.local_len, a.seq_len
+    plan = ring_plan(a, vis, world, rank, n)
+    assert plan.steps[0] == 0 and list(plan.steps) == sorted(set(plan.steps)) and len(plan.steps) == len(plan.blocks)
+    count = torch.zeros(n, seq, dtype=torch.int64)
+    for t, blocks in zip(plan.steps, plan.blocks):
+        keys = a.positions((rank - t) % world)
+        for block in blocks:
+            q0, q1, k0, k1, sub = _block_pairs(block, n, n)
+            count[q0:q1, keys[k0:k1]] += sub.long()
+    return count, plan
+
+
+def _gathered_coverage(a, vis, world, rank):
+    n, seq = a.local_len, a.seq_len
+    plan = gathered_plan(a, vis, world, rank, n)
+    assert plan.steps == (0,) and len(plan.blocks) == 1, "a gathered plan is a single step"
+    count = torch.zeros(n, seq, dtype=torch.int64)
+    for block in plan.blocks[0]:  # the gathered buffer is in natural order (global position = row)
+        q0, q1, k0, k1, sub = _block_pairs(block, n, seq)
+        count[q0:q1, k0:k1] += sub.long()
+    return count
+
+
+def _visibilities(cu):
+    return [
+        Visibility(causal=True),
+        Visibility(causal=True, window=(3, -1)),
+        Visibility(),
+        Visibility(window=(2, 5)),
+        Visibility(causal=True, cu_seqlens=cu),
+        Visibility(causal=True, window=(4, -1), cu_seqlens=cu),
+        Visibility(cu_seqlens=cu, key_mask=True),
+    ]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 8])
+def test_plans_cover_exactly_the_visible_pairs(world):
+    """Random documents, S <= 96: for every rank the ring plan (over its steps) and the gathered plan compute each
+    visible pair exactly once and no invisible one, under causal, window, full and document visibility."""
+    rng = random.Random(41 + world)
+    for i in range(6):
+        n = rng.randint(1, 96 // world)
+        seq = n * world
+        cu = _docs(("one_token", "long", "crossing", "tiny", "lognormal", "single")[i], seq, world, rng)
+        cu = (0, seq) if cu is None else cu
+        for left in (None, 3):
+            a = balance.balanced(cu, seq, world, _window(left))
+            for vis in _visibilities(cu):
+                for r in range(world):
+                    want = visible_mask(vis, a.positions(r), torch.arange(seq))
+                    ring, _ = _ring_coverage(a, vis, world, r)
+                    assert int(ring.max()) <= 1 and torch.equal(ring.bool(), want), (world, cu, vis, r)
+                    gathered = _gathered_coverage(a, vis, world, r)
+                    assert int(gathered.max()) <= 1 and torch.equal(gathered.bool(), want), (world, cu, vis, r)
+
+
+def test_whole_documents_need_no_ring_step():
+    """Documents that each stay whole on one rank (equal lengths dividing S / W): with document visibility no
+    rank needs another rank's keys, so the ring takes no step beyond 0 (causal or not, with a window)."""
+    for world, n, lengths in ((4, 16, [8] * 8), (3, 12, [4] * 9), (8, 8, [8] * 8), (2, 64, [16] * 8)):
+        seq = world * n
+        cu = _fill(lengths, seq)
+        a = balance.balanced(cu, seq, world)
+        assert _extra_pieces(a, cu) == (0, 0), (world, cu, a.ranges)  # the precondition
+        for vis in (Visibility(causal=True, cu_seqlens=cu), Visibility(cu_seqlens=cu),
+                    Visibility(causal=True, window=(2, -1), cu_seqlens=cu)):
+            for r in range(world):
+                plan = ring_plan(a, vis, world, r, n)
+                assert plan.steps == (0,), (world, cu, vis, r, plan.steps)
+        # without documents the keys of earlier ranks are visible: the ring does step
+        assert ring_plan(a, Visibility(causal=True), world, world - 1, n).steps != (0,)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layer 1, 5: sharding, positions and labels follow the permutation
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _shifted_here(labels, cu, ignore_index):
+    """labels[t + 1] at t; ignore_index at each document's last token (computed without the library)."""
+    out = labels.clone()
+    seq = labels.shape[-1]
+    ends = {b - 1 for b in ((0, seq) if cu is None else cu)[1:]}
+    for t in range(seq):
+        out[..., t] = ignore_index if t in ends else labels[..., t + 1]
+    return out
+
+
+def test_shard_positions_and_labels_follow_the_assignment():
+    """No process group (``rank=``): shard_sequence of arange(S) == position_ids == the assignment's positions;
+    shift_labels + shard_sequence == the labels shifted here and sharded; each document's last token gets
+    ignore_index; with and without a balance window."""
+    rng = random.Random(51)
+    for world in (1, 2, 3, 4, 8):
+        for kind in ("one_token", "long", "crossing", "single"):
+            n = rng.choice([4, 6, 10])
+            seq = n * world
+            cu = _docs(kind, seq, world, rng)
+            labels = torch.randint(0, 1000, (2, seq), generator=torch.Generator().manual_seed(world))
+            for bw in (None, 2):
+                a = balance.balanced(cu, seq, world, _window(bw))
+                kw = dict(cu_seqlens=None if cu is None else list(cu), balance_window=bw, ring_size=world)
+                shifted = shift_labels(labels, 1, cu_seqlens=kw["cu_seqlens"], ignore_index=-7)
+                assert torch.equal(shifted, _shifted_here(labels, cu, -7))
+                held = []
+                for r in range(world):
+                    ids = da.position_ids(n, "balanced", rank=r, **kw)
+                    assert ids.dtype == torch.int64 and torch.equal(ids, a.positions(r))
+                    assert torch.equal(da.shard_sequence(torch.arange(seq), "balanced", dim=0, rank=r, **kw), ids)
+                    got = da.shard_sequence(shifted, "balanced", rank=r, **kw)
+                    assert torch.equal(got, _shifted_here(labels, cu, -7)[:, ids])
+                    for p, value in zip(ids.tolist(), got[0].tolist()):
+                        last = p + 1 in ((0, seq) if cu is None else cu)
+                        assert (value == -7) == last, (p, value)
+                    held.append(ids)
+                assert torch.equal(torch.cat(held).sort().values, torch.arange(seq))
+
+
+def test_resolve_and_auto():
+    """``resolve``: static names unchanged, "balanced" and "balanced:w" the assignment for no / that window,
+    "auto" ``choose_layout``'s pick, which is its cheapest candidate; one document or a ring of one: balanced."""
+    seq, world = 4096, 4
+    cu = (0, 3000, 3001, 3500, 4096)
+    assert balance.resolve("zigzag", seq, world, cu) == "zigzag"
+    assert balance.resolve("balanced", seq, world, cu) == balance.balanced(cu, seq, world)
+    assert balance.resolve("balanced:1023", seq, world, cu) == balance.balanced(cu, seq, world, (1023, 0))
+    a = balance.balanced(cu, seq, world)
+    assert balance.resolve(a, seq, world, cu) is a
+    for docs in (cu, (0, 1, 2, 4096), tuple(range(0, seq + 1, 512))):
+        pick, times = balance.choose_layout(docs, seq, world)
+        assert balance.resolve("auto", seq, world, docs) == pick
+        assert set(times) <= set(balance.AUTO_CANDIDATES) and times
+        best = min(times, key=times.get)
+        assert pick == (balance.balanced(docs, seq, world) if best == "balanced" else best)
+    assert balance.choose_layout(None, seq, world) == (balance.balanced(None, seq, world), {})
+    assert balance.choose_layout(cu, seq, 1)[0] == balance.balanced(cu, seq, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layer 1, 6: errors
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_errors():
+    """balance_window with a static layout, or negative; cu_seqlens not ending at S; S not divisible by W: a
+    ValueError naming what is wrong."""
+    x = torch.zeros(1, 16, 2)
+    kw = dict(ring_size=4, rank=0)
+    for layout in layouts.STATIC:
+        with pytest.raises(ValueError, match=r"`balance_window`=3 applies to layout 'balanced' or 'auto'"):
+            da.shard_sequence(x, layout, balance_window=3, **kw)
+        with pytest.raises(ValueError, match=r"balance_window"):
+            da.Sharding(layout, balance_window=3)
+        with pytest.raises(ValueError, match=r"balance_window"):
+            da.position_ids(4, layout, balance_window=3, **kw)
+    for bad in (-1, -5, 1.5, True):
+        with pytest.raises(ValueError, match=r"`balance_window` must be None \(no window\) or an int >= 0"):
+            da.shard_sequence(x, "balanced", balance_window=bad, **kw)
+        with pytest.raises(ValueError, match=r"`balance_window` must be None"):
+            da.Sharding("balanced", balance_window=bad)
+    with pytest.raises(ValueError, match=r"`balance_window` needs an explicit layout"):
+        da.position_ids(4, balance_window=3)
+    with pytest.raises(ValueError, match=r"`cu_seqlens` must end at the global sequence length 16"):
+        da.shard_sequence(x, "balanced", cu_seqlens=[0, 5, 12], **kw)
+    with pytest.raises(ValueError, match=r"`cu_seqlens` must end at the global sequence length 16"):
+        da.position_ids(4, "balanced", cu_seqlens=[0, 5, 20], **kw)
+    with pytest.raises(ValueError, match=r"cu_seqlens must run from 0 to the global length 16"):
+        balance.balanced((0, 5, 12), 16, 4)
+    with pytest.raises(ValueError, match=r"layout='balanced' over a ring of 3 needs a global sequence length "
+                                         r"divisible by 3, got 16"):
+        da.shard_sequence(x, "balanced", cu_seqlens=[0, 5, 16], ring_size=3, rank=0)
+    with pytest.raises(ValueError, match=r"layout='balanced' over a ring of 3 needs .* divisible by 3, got 16"):
+        balance.balanced((0, 5, 16), 16, 3)
+    with pytest.raises(ValueError, match=r"Invalid layout 'balanced:3': pass the window as balance_window="):
+        da.Sharding("balanced:3")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layer 2: cases and the float64 reference
+# ---------------------------------------------------------------------------------------------------------
+
+L2_HEADS = {1: [(4, 2), (2, 1)], 2: [(4, 2), (4, 1)], 3: [(6, 2), (6, 3)], 4: [(8, 2), (4, 1)], 8: [(8, 2), (8, 1)]}
+L2_OPTIONS = [
+    dict(causal=True),
+    dict(causal=True, window=(5, 0)),  # sharded with balance_window=5
+    dict(causal=True, window=(3, 0), softcap=1.5),
+    dict(causal=False, softcap=2.0),
+]
+L2_STRATEGIES = ("ring", "allgather", "ulysses", "auto")
+
+
+def _l2_docs(world, n, which):
+    """Seeded documents of a Layer 2 case: 0 = three one-token documents, one longer than S / 2, the rest cut at
+    random; 1 = random lengths up to 2 n (crossing rank boundaries)."""
+    seq = n * world
+    rng = random.Random(1000 * world + which)
+    if which == 0:
+        long = min(seq - 3, seq // 2 + 1 + rng.randint(0, n // 4))
+        rest = _fill((rng.randint(1, n) for _ in itertools.count()), seq - 3 - long) if seq - 3 - long else (0,)
+        return [0, 1, 2, 3, 3 + long] + [3 + long + c for c in rest[1:]]
+    return list(_fill((rng.randint(1, 2 * n) for _ in itertools.count()), seq))
+
+
+def _l2_cases(world):
+    """(docs x options x layout x strategy) of one world, the way of sharding cycling through "given" (layout=),
+    "sharding" (a Sharding handle) and "left out" (layout=None: the one shard_sequence recorded)."""
+    n = 8 if world == 8 else 12
+    cases, i = [], 0
+    docs_sets = (0,) if world == 8 else (0, 1)
+    options = L2_OPTIONS[:2] if world == 8 else L2_OPTIONS
+    for which in docs_sets:
+        docs = _l2_docs(world, n, which)
+        for o, opts in enumerate(options):
+            h, hkv = L2_HEADS[world][(which + o) % 2]
+            for layout in ("balanced", "auto"):
+                strategies = ("ring", "auto") if world == 8 else L2_STRATEGIES
+                for strategy in strategies:
+                    how = ("given", "sharding", "left out")[i % 3]
+                    i += 1
+                    case = dict(world=world, n=n, seq=n * world, docs=docs, h=h, hkv=hkv, d=8, layout=layout,
+                                strategy=strategy, how=how, seed=100 * world + 10 * which + o)
+                    case.update(opts)
+                    cases.append(case)
+    return cases
+
+
+def _balance_window(case):
+    return case["window"][0] if "window" in case else None
+
+
+def _l2_inputs(case):
+    g = torch.Generator().manual_seed(case["seed"])
+    seq, h, hkv, d = case["seq"], case["h"], case["hkv"], case["d"]
+    q = torch.randn(1, seq, h, d, generator=g, dtype=torch.float64)
+    k = torch.randn(1, seq, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(1, seq, hkv, d, generator=g, dtype=torch.float64)
+    dout = torch.randn(1, seq, h, d, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 100, (1, seq), generator=g)
+    return q, k, v, dout, labels
+
+
+def _l2_options(case):
+    return dict(causal=case["causal"], window_size=case.get("window", (-1, -1)), softcap=case.get("softcap", 0.0))
+
+
+_L2_REFERENCES: dict = {}
+
+
+def _l2_expected(case):
+    """The float64 reference of the whole sequence: out, dq, dk, dv (shared by a case's layouts and strategies)."""
+    key = (case["seed"], case["h"], case["hkv"], case["seq"], tuple(case["docs"]), repr(_l2_options(case)))
+    if key not in _L2_REFERENCES:
+        q, k, v, dout, _ = _l2_inputs(case)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = attention_reference(q, k, v, cu_seqlens=case["docs"], **_l2_options(case))
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        _L2_REFERENCES[key] = dict(zip(("out", "dq", "dk", "dv"), (out.detach(), *grads)))
+    return _L2_REFERENCES[key]
+
+
+def _planned_positions(case, rank, rings=None):
+    """What this rank must hold, computed here from the planner (not by the rank): positions of ``rank``."""
+    seq, world = case["seq"], rings or case["world"]
+    window = _window(_balance_window(case))
+    docs = tuple(case["docs"])
+    layout = balance.balanced(docs, seq, world, window) if case["layout"] == "balanced" else \
+        balance.choose_layout(docs, seq, world, window)[0]
+    return layout, layouts.positions(layout, seq, world, rank)
+
+
+def _l2_rank_case(case, groups):
+    """One case on this rank: shard, attend, backward; positions, the gathered output and the labels."""
+    q, k, v, dout, labels = _l2_inputs(case)
+    layout, cu, bw, n = case["layout"], case["docs"], _balance_window(case), case["n"]
+    cu_arg = torch.tensor(cu, dtype=torch.int32) if case["seed"] % 2 else cu  # a tensor or a list
+    how = case["how"]
+    if how == "sharding":
+        s = da.Sharding(layout, balance_window=bw)
+        shards = [s.shard(t, cu_seqlens=cu_arg) for t in (q, k, v)]
+        ids = s.position_ids(n, cu_seqlens=cu_arg)
+        kw = dict(sharding=s)
+        gather = lambda x: s.gather(x, cu_seqlens=cu_arg)  # noqa: E731
+        got_labels = s.shard_labels(labels, cu_seqlens=cu_arg)
+    elif how == "given":
+        shards = [da.shard_sequence(t, layout, cu_seqlens=cu_arg, balance_window=bw) for t in (q, k, v)]
+        ids = da.position_ids(n, layout, cu_seqlens=cu_arg)  # the window: what shard_sequence recorded
+        kw = dict(layout=layout)
+        gather = lambda x: da.gather_sequence(x, layout, cu_seqlens=cu_arg)  # noqa: E731
+        got_labels = da.shard_sequence(shift_labels(labels, cu_seqlens=cu_arg), layout, cu_seqlens=cu_arg,
+                                       balance_window=bw)
+    else:  # left out: a ring whose record holds this layout only
+        group = groups[layout]
+        shards = [da.shard_sequence(t, layout, cu_seqlens=cu_arg, balance_window=bw, group=group) for t in (q, k, v)]
+        ids = da.position_ids(n, cu_seqlens=cu_arg, group=group)
+        kw = dict(group=group)
+        gather = lambda x: da.gather_sequence(x, cu_seqlens=cu_arg, group=group)  # noqa: E731
+        got_labels = None
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in shards)
+    out = context_parallel_attn(ql, kl, vl, strategy=case["strategy"], cu_seqlens=cu_arg, **kw, **_l2_options(case))
+    out.backward(dout.index_select(1, ids))
+    result = {"out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad, "ids": ids,
+              "shard_q": shards[0].detach()}
+    if case["strategy"] == "ring":  # the round trip, once per case family
+        result["gathered_out"] = gather(out.detach())
+        result["gathered_q"] = gather(shards[0].detach())
+    if got_labels is not None:
+        result["labels"] = got_labels
+    return result
+
+
+def _l2_rank(rank, world):
+    groups = {layout: dist.new_group(list(range(world))) for layout in ("balanced", "auto")}
+    return [_l2_rank_case(case, groups) for case in _l2_cases(world)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_balanced_attention_matches_reference(world):
+    """ring / allgather / ulysses / auto with layout "balanced" and "auto" (given, via Sharding, left out) on
+    documents with one-token ones, one longer than S / 2 and boundaries crossing ranks; causal, windows (the
+    balance window the same), softcap, GQA: every rank holds the planner's positions, its outputs and q/k/v
+    gradients equal the float64 reference there; the gathered output is the reference on every rank,
+    gather(shard(q)) is q bitwise; shard_labels are the labels shifted (on the whole sequence) and sharded."""
+    got = run_world(_l2_rank, world, timeout=240)
+    cases = _l2_cases(world)
+    assert len(cases) == len(got[0])
+    for i, case in enumerate(cases):
+        want = _l2_expected(case)
+        q, _, _, _, labels = _l2_inputs(case)
+        held = []
+        for r in range(world):
+            res, where = got[r][i], f"rank {r} of {world}, case {case}"
+            _, ids = _planned_positions(case, r)
+            assert torch.equal(res["ids"], ids), where
+            assert torch.equal(res["shard_q"], q.index_select(1, ids)), where
+            held.append(ids)
+            for name in ("out", "dq", "dk", "dv"):
+                assert not res[name].isnan().any(), f"{name} NaN at {where}"
+                torch.testing.assert_close(res[name], want[name].index_select(1, ids), **FP64,
+                                           msg=lambda m, name=name: f"{name} at {where}: {m}")
+            if "gathered_out" in res:
+                torch.testing.assert_close(res["gathered_out"], want["out"], **FP64)
+                assert torch.equal(res["gathered_q"], q), where
+            if "labels" in res:
+                assert torch.equal(res["labels"], _shifted_here(labels, tuple(case["docs"]), -100)[:, ids]), where
+        assert torch.equal(torch.cat(held).sort().values, torch.arange(case["seq"]))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layer 2: documents the ring never sharded; differing records
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _error(fn):
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _in_sync(world):
+    """A collective right after an error: all ranks still pair up (an error raised by one rank after its peers
+    had started communicating would mismatch this all-reduce, hang it or abort the process)."""
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return float(t) == world * (world + 1) / 2
+
+
+def _unsharded_rank(rank, world):
+    seq = 8 * world
+    sharded, other = [0, 3, seq - 5, seq], [0, 1, seq]
+    q = torch.randn(1, seq, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    group = dist.new_group(list(range(world)))
+    local = da.shard_sequence(q, "balanced", cu_seqlens=sharded, group=group)
+    out = {}
+    for strategy in L2_STRATEGIES:
+        out[strategy] = _error(lambda: context_parallel_attn(local, local, local, causal=True, cu_seqlens=other,
+                                                             layout="balanced", group=group, strategy=strategy))
+        out[strategy + " sync"] = _in_sync(world)
+    with distcomm.check_mode():
+        out["check mode"] = _error(lambda: da.ring_flash_attn(local, local, local, causal=True, cu_seqlens=other,
+                                                              layout="balanced", group=group))
+    out["left out"] = _error(lambda: da.ring_flash_attn(local, local, local, causal=True, cu_seqlens=other,
+                                                        group=group))
+    out["gather"] = _error(lambda: da.gather_sequence(local, "balanced", cu_seqlens=other, group=group))
+    out["positions"] = _error(lambda: da.position_ids(8, "balanced", cu_seqlens=other, group=group))
+    out["sync"] = _in_sync(world)
+    # the documents it did shard still work, and the world with them
+    out["after"] = context_parallel_attn(local, local, local, causal=True, cu_seqlens=sharded, layout="balanced",
+                                         group=group, strategy="ring").shape[1]
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_unsharded_documents_raise_on_every_rank(world):
+    """Attention (every strategy, check mode, layout left out), gather_sequence and position_ids with cu_seqlens
+    the ring never sharded with layout "balanced": the same ValueError on every rank, naming cu_seqlens and
+    shard_sequence, before any communication (the ranks stay in step); the sharded documents still work."""
+    got = run_world(_unsharded_rank, world, timeout=60)
+    keys = list(L2_STRATEGIES) + ["check mode", "left out", "gather", "positions"]
+    for key in keys:
+        msg = got[0][key]
+        assert msg is not None and msg.startswith("ValueError: "), (key, msg)
+        assert "cu_seqlens=[0, 1, " in msg and "are not documents shard_sequence sharded for this ring" in msg, msg
+        assert f"cu_seqlens=[0, 3, {8 * world - 5}, {8 * world}]" in msg, msg  # the most recent sharded ones
+        assert all(g[key] == msg for g in got), (key, [g[key] for g in got])
+    assert all(g[s + " sync"] for g in got for s in L2_STRATEGIES) and all(g["sync"] for g in got)
+    assert all(g["after"] == 8 for g in got)
+
+
+def _differing_window_rank(rank, world):
+    seq = 8 * world
+    docs = [0, 3, seq - 5, seq]
+    q = torch.randn(1, seq, 2, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    group = dist.new_group(list(range(world)))
+    # rank 0 balanced its shards for a window of 2, its peers for none: the same documents, different records
+    local = da.shard_sequence(q, "balanced", cu_seqlens=docs, group=group, balance_window=2 if rank == 0 else None)
+    ids = da.position_ids(8, "balanced", cu_seqlens=docs, group=group)
+    msg = _error(lambda: context_parallel_attn(local, local, local, causal=True, cu_seqlens=docs,
+                                               layout="balanced", group=group, strategy="ring"))
+    out = None
+    if msg is None:
+        out = context_parallel_attn(local, local, local, causal=True, cu_seqlens=docs, layout="balanced",
+                                    group=group, strategy="ring")
+    return {"msg": msg, "ids": ids, "out": out, "sync": _in_sync(world)}
+
+
+@pytest.mark.xfail(strict=True, reason="library: the balance window a rank recorded (shard_sequence's "
+                                       "balance_window) is not verified across the ring: ranks whose records differ "
+                                       "plan different assignments silently (positions held twice / never)")
+def test_differing_balance_window_records():
+    """Ranks that sharded the same documents for different balance windows, then attend with layout="balanced":
+    either the same ValueError on every rank (as for a differing layout record, Note [Layout record]), or every
+    position held once and the reference output."""
+    world = 2
+    got = run_world(_differing_window_rank, world, timeout=60)
+    assert all(g["sync"] for g in got)
+    if any(g["msg"] is not None for g in got):
+        assert all(g["msg"] == got[0]["msg"] for g in got)
+        return
+    assert torch.equal(torch.cat([g["ids"] for g in got]).sort().values, torch.arange(8 * world))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layer 2: the hybrids on a 2 x 2 mesh
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _hybrid_cases():
+    n, world = 4, 4
+    seq = n * world
+    cases = []
+    for o, opts in enumerate((dict(causal=True), dict(causal=True, window=(3, 0), softcap=1.5), dict(causal=False))):
+        for strategy in ("hybrid", "hybrid_allgather"):
+            h, hkv = ((4, 1), (8, 2))[(o + len(cases)) % 2]
+            case = dict(world=world, n=n, seq=seq, docs=[0, 1, 2, 11, 13, 16], h=h, hkv=hkv, d=8,
+                        layout="balanced", strategy=strategy, seed=900 + o)
+            case.update(opts)
+            cases.append(case)
+    return cases
+
+
+def _hybrid_rank(rank, world, names):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+    coords = (mesh.get_local_rank("ring"), mesh.get_local_rank("ulysses"))
+    results = []
+    for case in _hybrid_cases():
+        q, k, v, dout, _ = _l2_inputs(case)
+        cu, bw = case["docs"], _balance_window(case)
+        shards = [da.shard_sequence(t, "balanced", group=mesh, cu_seqlens=cu, balance_window=bw) for t in (q, k, v)]
+        ids = da.position_ids(case["n"], "balanced", group=mesh, cu_seqlens=cu)
+        ql, kl, vl = (t.detach().clone().requires_grad_() for t in shards)
+        out = context_parallel_attn(ql, kl, vl, strategy=case["strategy"], layout="balanced", group=mesh,
+                                    cu_seqlens=cu, **_l2_options(case))
+        out.backward(dout.index_select(1, ids))
+        results.append({"out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad, "ids": ids,
+                        "gathered_out": da.gather_sequence(out.detach(), "balanced", group=mesh, cu_seqlens=cu)})
+    return coords, results
+
+
+@pytest.mark.parametrize("names", [("ulysses", "ring"), ("ring", "ulysses")])
+def test_hybrids_with_balanced_layout(names):
+    """hybrid and hybrid_allgather on a 2 x 2 gloo mesh with layout "balanced" over the ring dimension: each
+    coordinate holds its piece of the balanced ring shard (``hybrid_positions``), and its outputs and q/k/v
+    gradients there equal the float64 reference; the gathered output is the reference on every rank."""
+    got = run_world(_hybrid_rank, 4, names, timeout=120)
+    assert sorted(c for c, _ in got) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for i, case in enumerate(_hybrid_cases()):
+        want = _l2_expected(case)
+        assignment = balance.balanced(tuple(case["docs"]), case["seq"], 2, _window(_balance_window(case)))
+        for (ring_rank, u_rank), results in got:
+            res, where = results[i], f"coordinate {(ring_rank, u_rank)} of {names}, case {case}"
+            ids = layouts.hybrid_positions(assignment, case["seq"], 2, ring_rank, 2, u_rank)
+            assert torch.equal(res["ids"], ids), where
+            for name in ("out", "dq", "dk", "dv"):
+                torch.testing.assert_close(res[name], want[name].index_select(1, ids), **FP64,
+                                           msg=lambda m, name=name: f"{name} at {where}: {m}")
+            torch.testing.assert_close(res["gathered_out"], want["out"], **FP64)
