@@ -49,6 +49,7 @@ from distcomm_attention.planning.plans import gathered_plan
 from distcomm_attention.planning.visibility import Visibility, ring_plan, visible_mask
 from distcomm_attention.sharding import shift_labels
 from tests.dist_harness import run_world
+from tests.test_strategies import _block_pairs
 
 FP64 = dict(rtol=1e-10, atol=1e-12)
 
@@ -346,27 +347,6 @@ def test_documents_that_fill_ranks_stay_whole():
 # ---------------------------------------------------------------------------------------------------------
 # Layer 1, 4: the planner on assignments
 # ---------------------------------------------------------------------------------------------------------
-
-
-def _block_pairs(block, nq_all, nk_all):
-    """(q0, q1, k0, k1, (nq, nk) bool): the pairs one kernel call marks visible."""
-    q0, q1, _ = block.q.indices(nq_all)
-    k0, k1, _ = block.kv.indices(nk_all)
-    nq, nk = q1 - q0, k1 - k0
-    assert nq > 0 and nk > 0, f"empty kernel call {block}"
-    if block.mode == "full":
-        sub = torch.ones(nq, nk, dtype=torch.bool)
-    elif block.mode == "causal":
-        assert nq == nk, block
-        sub = torch.ones(nq, nk, dtype=torch.bool).tril()
-    else:
-        assert block.mode == "interval", block
-        lo, hi, clo, chi = (t.long() for t in block.intervals)
-        j, i = torch.arange(nk), torch.arange(nq)
-        sub = (lo[:, None] <= j) & (j < hi[:, None])
-        assert torch.equal(sub, (clo[None, :] <= i[:, None]) & (i[:, None] < chi[None, :])), "inverse intervals"
-    assert sub.any(), f"kernel call with no visible pair {block}"
-    return q0, q1, k0, k1, sub
 
 
 def _ring_coverage(a, vis, world, rank):

@@ -109,29 +109,35 @@ def test_kv_head_index_examples(heads, kv_heads, degree, want):
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _block_pairs(block, nq_all, nk_all):
+    """(q0, q1, k0, k1, (nq, nk) bool): the pairs one kernel call marks visible (its intervals checked)."""
+    q0, q1, _ = block.q.indices(nq_all)
+    k0, k1, _ = block.kv.indices(nk_all)
+    nq, nk = q1 - q0, k1 - k0
+    assert nq > 0 and nk > 0, f"empty kernel call {block}"
+    if block.mode == "full":
+        sub = torch.ones(nq, nk, dtype=torch.bool)
+    elif block.mode == "causal":
+        assert nq == nk, block
+        sub = torch.ones(nq, nk, dtype=torch.bool).tril()
+    else:
+        assert block.mode == "interval", block
+        lo, hi, clo, chi = (a.long() for a in block.intervals)
+        j, i = torch.arange(nk), torch.arange(nq)
+        sub = (lo[:, None] <= j) & (j < hi[:, None])
+        assert torch.equal(sub, (clo[None, :] <= i[:, None]) & (i[:, None] < chi[None, :])), "inverse intervals"
+        for a in (lo, hi, clo, chi):
+            assert bool((a[1:] >= a[:-1]).all()), "interval bounds must be nondecreasing"
+    assert sub.any(), f"kernel call with no visible pair {block}"
+    return q0, q1, k0, k1, sub
+
+
 def _coverage(plan, n, s):
     """(n, s) int: how many of the plan's kernel calls mark each (query row, buffer key) pair visible."""
     assert plan.steps == (0,) and len(plan.blocks) == 1, "a gathered plan is a single step"
     count = torch.zeros(n, s, dtype=torch.int64)
     for block in plan.blocks[0]:
-        q0, q1, _ = block.q.indices(n)
-        k0, k1, _ = block.kv.indices(s)
-        nq, nk = q1 - q0, k1 - k0
-        assert nq > 0 and nk > 0, f"empty kernel call {block}"
-        if block.mode == "full":
-            sub = torch.ones(nq, nk, dtype=torch.bool)
-        elif block.mode == "causal":
-            assert nq == nk, block
-            sub = torch.ones(nq, nk, dtype=torch.bool).tril()
-        else:
-            assert block.mode == "interval", block
-            lo, hi, clo, chi = (a.long() for a in block.intervals)
-            j, i = torch.arange(nk), torch.arange(nq)
-            sub = (lo[:, None] <= j) & (j < hi[:, None])
-            assert torch.equal(sub, (clo[None, :] <= i[:, None]) & (i[:, None] < chi[None, :])), "inverse intervals"
-            for a in (lo, hi, clo, chi):
-                assert bool((a[1:] >= a[:-1]).all()), "interval bounds must be nondecreasing"
-        assert sub.any(), f"kernel call with no visible pair {block}"
+        q0, q1, k0, k1, sub = _block_pairs(block, n, s)
         count[q0:q1, k0:k1] += sub.long()
     return count
 
