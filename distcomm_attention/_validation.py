@@ -158,6 +158,8 @@ def _tensor_code(t: torch.Tensor, op: str) -> list[int]:
 _TEXT_BYTES = 256  # per field and rank in the second exchange of a disagreement
 _HINTS = {
     "layout": "pass the same `layout=` (or `sharding=`) on every rank",
+    "balance_window": "shard the documents with the same balance_window (Sharding(..., balance_window=) or "
+                      "shard_sequence(..., balance_window=)) on every rank",
     "requires_grad": "q, k and v must need grad on every rank or on none (a rank without grads would skip the "
                      "backward its peers wait in)",
 }

@@ -32,6 +32,23 @@ Note [Layout record]
     torch.compile the layout left out is resolved when the compiled op runs. ``Sharding`` is the explicit
     handle, and the way to rely on no process state: shard with ``s.shard(x)`` and attend with
     ``ring_flash_attn(q, k, v, sharding=s)``.
+
+Note [Balanced sharding]
+    The data-dependent layouts ("balanced", "auto"; Note [Balanced layout] in planning/balance.py) place tokens
+    from the documents (cu_seqlens) and, optionally, a balance window (the attention's left window, which
+    changes the work per token). Every call that needs the placement must compute the same one:
+    ``shard_sequence``, ``gather_sequence``, ``position_ids``, ``Sharding.shard_labels`` and the attention.
+    Each takes ``cu_seqlens``; the balance window travels with a ``Sharding`` (``balance_window=``, carried
+    in its ``spec`` as "balanced:1023"), or is looked up: ``shard_sequence`` records, per ring (the key of
+    Note [Layout record]), the (cu_seqlens, balance window) pairs it placed, the 32 most recent. A call given
+    cu_seqlens that were recorded uses the window recorded with them; with nothing recorded for the ring it
+    uses none; with other documents recorded and never these it raises a ValueError naming cu_seqlens (the
+    shards cannot be what the call assumes). The placement is cached by (cu_seqlens, S, W, window).
+
+    Across ranks: the attention verifies cu_seqlens and the balance window it placed with (the field
+    ``balance_window``) like every other call fact (Note [Verified signatures]); the lookup's error is found
+    before the exchange and raised after it, so a rank whose documents were never sharded ends the call on
+    every rank with the same error instead of raising alone while its peers wait.
 """
 
 from __future__ import annotations
@@ -48,7 +65,7 @@ from distcomm_attention.planning import balance, layouts
 from distcomm_attention.strategies.ring import ring_all_gather
 
 __all__ = ["Sharding", "shard_sequence", "gather_sequence", "position_ids", "resolve_layout", "merge_sharding",
-           "concrete_layout"]
+           "concrete_layout", "balance_window_of"]
 
 # (group name, ring size) -> the distinct layouts shard_sequence used for that ring, in order (Note [Layout record])
 _recorded: dict[tuple[str, int], tuple[str, ...]] = {}
@@ -85,25 +102,34 @@ def _docs_text(docs) -> str:
     return str(list(docs)) if len(docs) <= 8 else f"[{', '.join(map(str, docs[:4]))}, ..., {docs[-1]}] ({len(docs) - 1} documents)"
 
 
+def balance_window_of(layout, comm: RingComm | None, docs: tuple[int, ...] | None, op: str) -> int | None:
+    """The balance window a data-dependent layout places these documents with (None: no window; also for the
+    static layouts): the layout's own ("name:window", a ``Sharding`` with ``balance_window``), else the one
+    ``shard_sequence`` recorded for these documents on this ring (Note [Balanced sharding]). ValueError naming
+    cu_seqlens when shard_sequence sharded other documents for this ring and never these."""
+    name, window = layouts.split_spec(layout)
+    if name not in layouts.DATA_DEPENDENT or window is not None or comm is None:
+        return window
+    specs = _specs.get(_ring_key(comm), [])
+    windows = [w for d, w in reversed(specs) if d == docs]
+    if specs and not windows:
+        raise ValueError(
+            f"{op}: layout {name!r} places tokens by their documents, and this call's cu_seqlens="
+            f"{_docs_text(docs)} are not documents shard_sequence sharded for this ring (most recent: "
+            f"cu_seqlens={_docs_text(specs[-1][0])}): pass the same cu_seqlens to shard_sequence (or "
+            "Sharding.shard) and to the attention"
+        )
+    return windows[0] if windows else None
+
+
 def concrete_layout(layout, comm: RingComm | None, seq_len: int, ring_size: int,
                     docs: tuple[int, ...] | None, op: str):
-    """The planner's layout (a static name or an ``Assignment``) of a resolved layout for this call's documents
-    (see Note [Balanced sharding]). For "balanced" / "auto" without a balance window of its own (a ``Sharding``
-    carries one), the window is the one ``shard_sequence`` used for these documents on this ring."""
-    name, window = layouts.split_spec(layout)
+    """The planner's layout (a static name or an ``Assignment``) of a resolved layout for this call's documents,
+    placed with the window ``balance_window_of`` finds (see Note [Balanced sharding])."""
+    name, _ = layouts.split_spec(layout)
     if name not in layouts.DATA_DEPENDENT:
         return name
-    if window is None and comm is not None:
-        specs = _specs.get(_ring_key(comm), [])
-        windows = [w for d, w in reversed(specs) if d == docs]
-        if specs and not windows:
-            raise ValueError(
-                f"{op}: layout {name!r} places tokens by their documents, and this call's cu_seqlens="
-                f"{_docs_text(docs)} are not documents shard_sequence sharded for this ring (most recent: "
-                f"cu_seqlens={_docs_text(specs[-1][0])}): pass the same cu_seqlens to shard_sequence (or "
-                "Sharding.shard) and to the attention"
-            )
-        window = windows[0] if windows else None
+    window = balance_window_of(layout, comm, docs, op)
     return balance.resolve(layouts.spec(name, window), seq_len, ring_size, docs)
 
 

@@ -10,25 +10,29 @@ Note [Balanced layout]
         traffic    a document stays whole on one rank where it fits; a longer one is split over few ranks
 
     Work model: under a causal mask a query at offset i of its document sees min(i, left) + 1 keys (left:
-    the window's left edge, unbounded without one). A document split over k ranks gives each rank a nested
-    pair of pieces, the i-th rank the i-th chunk from the document's head and the i-th from its tail (the
-    zigzag layout, per document): under a causal mask without a window every such share has the same work
-    per token, (L + 1) / 2 for a document of L tokens. Bidirectional attention has L visible keys per
-    token, an affine function of the same density, so the same assignment balances it too.
+    the window's left edge, unbounded without one), so the work per token never falls along a document. A
+    document split over k ranks gives each rank a nested share: a piece from the head of the part not yet
+    placed and one from its tail. Without a window the two pieces are equal (half of the share each, the
+    zigzag layout per document) and every share has the document's work per token, (L + 1) / 2 for L
+    tokens. With a window the cheap tokens are only the first ``left`` of each document, so halves would give
+    the head's rank too little: the head piece is sized (binary search) so that the share's work per token is
+    again that of the unplaced rest, which keeps every share of a document at its density. Bidirectional
+    attention has L visible keys per token, an affine function of the same density, so the same assignment
+    balances it too.
 
-    Greedy, longest document first (deterministic: ties by document index, then rank):
+    Greedy, densest document first (deterministic: ties by document index, then rank), rank by rank, each
+    rank's target the work not yet placed over the ranks left:
 
-        fill    = mean work per token of the documents not placed yet
-        whole   the document goes whole to the rank that can hold it with the least projected work, where
-                projected = work + (free tokens) x fill  (what the rank will end with once its free tokens
-                are filled with the rest); accepted when that stays within ``TOLERANCE`` of the mean
-        split   otherwise ranks take nested shares in order of least projected work, each the largest
-                share (in steps of ``GRANULE`` tokens) keeping its projection within the mean, until the
-                document is placed; once no rank has room under the mean, the rest goes to free tokens
+        heavy   from the dense end: shares as large as the rank's free tokens allow while its projected
+                work (its work + its remaining free tokens filled at the density of the lightest unplaced
+                documents) stays within ``TOLERANCE`` of the target; the document that does not fit is
+                split: the largest share keeping the projection within the target (binary search)
+        light   then the rank's free tokens are filled from the light end: whole documents, the last one
+                split (a nested share) to fill the rank exactly
 
     Ranks then hold their pieces in increasing global order (what the planner requires; adjacent pieces
     merged). The result depends only on (cu_seqlens, W, window), so every rank computes the same; it is
-    cached. One document reproduces zigzag exactly. The planner turns any assignment into blocks (Note [Ring
+    cached. One document without a window reproduces zigzag exactly. The planner turns any assignment into blocks (Note [Ring
     plan]): pairs of ranks sharing no document are skipped, and a ring step no rank needs is not taken.
 """
 
@@ -40,14 +44,13 @@ import functools
 from distcomm_attention.planning import layouts
 from distcomm_attention.planning.layouts import Assignment
 
-__all__ = ["balanced", "work", "rank_work", "resolve", "choose_layout", "TOLERANCE", "GRANULE", "AUTO_CANDIDATES"]
+__all__ = ["balanced", "work", "rank_work", "resolve", "choose_layout", "TOLERANCE", "AUTO_CANDIDATES"]
 
 # what layout="auto" compares with packed documents; striped is not among them: its blocks break into a kernel
 # call per document and ring step (measured 0.03-0.36 of one varlen call, docs/bench/balanced.md)
 AUTO_CANDIDATES = ("balanced", "zigzag", "contiguous")
 
-TOLERANCE = 0.01  # a whole placement may leave a rank this far above the mean work
-GRANULE = 128  # split shares are multiples of this (64 tokens at each end), but for the last one
+TOLERANCE = 0.01  # a whole placement may leave a rank this far above its target work
 
 
 def _prefix(x: int, left: int | None) -> int:
@@ -97,10 +100,26 @@ def balanced(cu_seqlens: tuple[int, ...] | None, seq_len: int, ring_size: int,
     loads = [0] * ring_size
     rest_work = sum(whole.values())
 
+    def share_work(d: int, x: int, h: int) -> int:
+        return work(head[d], head[d] + h, left) + work(tail[d] - (x - h), tail[d], left)
+
     def share(d: int, x: int) -> tuple[int, int]:
-        """Document d's next nested share of x tokens: (head tokens, work)."""
-        h = (x + 1) // 2
-        return h, work(head[d], head[d] + h, left) + work(tail[d] - (x - h), tail[d], left)
+        """Document d's next nested share of x tokens: (head tokens, work), the share's work per token that of
+        the document's unplaced rest (Note [Balanced layout])."""
+        if left is None:  # half from each end: every nested share has the document's density
+            h = (x + 1) // 2
+            return h, share_work(d, x, h)
+        rest = tail[d] - head[d]
+        goal = x * work(head[d], tail[d], left) / rest
+        lo, hi = 0, x  # share_work falls as h grows (head tokens see fewer keys): the last h above the goal
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if share_work(d, x, mid) >= goal:
+                lo = mid
+            else:
+                hi = mid - 1
+        h = min((lo, min(lo + 1, x)), key=lambda c: abs(share_work(d, x, c) - goal))
+        return h, share_work(d, x, h)
 
     def take(r: int, d: int, x: int) -> None:
         h, w = share(d, x)

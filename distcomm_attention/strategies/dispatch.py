@@ -143,8 +143,13 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
         attention_mask, cu_seqlens, backend: str, requires_grad: bool):
     """Validate, verify, plan and run one call of ``strategy`` ("auto": the cost model's pick)."""
     if strategy == "auto":
-        strategy = choose(q, k, group=group, layout=layout, causal=causal, window=window,
-                          attention_mask=attention_mask, cu_seqlens=cu_seqlens).strategy
+        try:
+            strategy = choose(q, k, group=group, layout=layout, causal=causal, window=window,
+                              attention_mask=attention_mask, cu_seqlens=cu_seqlens).strategy
+        except ValueError:
+            # Input errors are raised by ``prepare`` too: the per-rank ones on this rank, the ones a peer must
+            # see (documents shard_sequence never sharded) after the ring's exchange, on every rank alike.
+            strategy = "ring"
     common = dict(layout=layout, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
                   attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
                   requires_grad=requires_grad)

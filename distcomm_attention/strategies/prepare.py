@@ -14,9 +14,9 @@ from distcomm import _check
 from distcomm.ring import RingComm
 from distcomm_attention import _validation
 from distcomm_attention.kernels import dispatch
-from distcomm_attention.planning import layouts
+from distcomm_attention.planning import balance, layouts
 from distcomm_attention.planning.visibility import RingPlan, Visibility, ring_plan
-from distcomm_attention.sharding import concrete_layout, resolve_layout
+from distcomm_attention.sharding import balance_window_of, resolve_layout
 
 __all__ = ["Prepared", "prepare"]
 
@@ -56,18 +56,39 @@ def prepare(
     layout = resolved.layout
     docs = None
     docs_field = None  # the verified cu_seqlens: the boundaries, None, or why this rank's are invalid
-    concrete = None  # the planner's layout
+    placement: list = [None, None]  # the balance window of a data-dependent layout, or the error finding it
+
+    def find_placement():
+        # Found before the exchange and raised after it (``concrete_layout``): a rank whose documents
+        # shard_sequence never sharded must not raise while its peers wait in the exchange.
+        try:
+            placement[:] = [balance_window_of(layout, comm, docs, "ring_flash_attn"), None]
+        except ValueError as e:
+            placement[:] = [None, e]
+
+    def placement_field():
+        window_used, error = placement
+        if error is not None:
+            return _validation.Shown(("invalid", str(error)), f"invalid here ({error})")
+        return _validation.Shown(-1, "None") if window_used is None else window_used
 
     def local_checks():
-        nonlocal docs, concrete
+        nonlocal docs
         _validation.check_qkv(q, k, v)
         _validation.check_attention_mask(attention_mask, q)
         n = q.shape[1] if shard_len is None else shard_len
         layouts.check_local_length(layout, n, ranks)
         docs = _validation.check_cu_seqlens(cu_seqlens, q.shape[1] * comm.size)
-        concrete = concrete_layout(layout, comm, n * ranks, ranks, docs, "ring_flash_attn")
+        find_placement()
         vis = Visibility(causal, window, docs, attention_mask is not None)
         return vis, dispatch.select_kernels(backend, q, vis, softcap)
+
+    def concrete_layout():
+        if placement[1] is not None:
+            raise placement[1]
+        n = q.shape[1] if shard_len is None else shard_len
+        name, _ = layouts.split_spec(layout)
+        return balance.resolve(layouts.spec(name, placement[0]), n * ranks, ranks, docs)
 
     def verify(scale: float) -> None:
         fields = {
@@ -79,6 +100,8 @@ def prepare(
             "softcap": softcap,
             "attention_mask": attention_mask is not None,
             "cu_seqlens": docs if docs_field is None else docs_field,
+            # the window a balanced / auto layout placed the documents with (-1: none; Note [Balanced sharding])
+            "balance_window": placement_field(),
             # a rank whose inputs need no grad would skip the backward its peers wait in
             "requires_grad": requires_grad,
             # other strategies override these (the hybrids' degrees): every rank verifies the same fields
@@ -102,6 +125,8 @@ def prepare(
                 docs = _validation.check_cu_seqlens(cu_seqlens, q.shape[1] * comm.size)
             except (TypeError, ValueError) as e:  # reported by the local checks below, on this rank
                 docs_field = _validation.Shown(("invalid", str(e)), f"invalid here ({e})")
+            else:
+                find_placement()
         verify(_validation.check_scale(softmax_scale, q.shape[-1] if q.dim() else 1))
         resolved.raise_if_ambiguous("ring_flash_attn")
         vis, (_name, fwd, bwd) = local_checks()
@@ -110,6 +135,7 @@ def prepare(
         vis, (_name, fwd, bwd) = local_checks()
         scale = _validation.check_scale(softmax_scale, q.shape[3])
         verify(scale)
+    concrete = concrete_layout()  # the planner's layout
     if planner is not None:
         return Prepared(planner(vis, concrete), scale, fwd, bwd, concrete)
     return Prepared(ring_plan(concrete, vis, comm.size, comm.rank, q.shape[1]), scale, fwd, bwd, concrete)
