@@ -8,11 +8,13 @@ Layer 1 (pure functions, no process group):
      deterministic (also after ``cache_clear``); one document is exactly zigzag;
   2. balance, counted here independently (visible causal keys per token: offset in its document + 1, clamped
      by the window): max / mean <= 1.05 for S / W >= 512 without a window; tiny shapes within two tokens'
-     work of it; a window never leaves it worse than zigzag / contiguous (within 5% with a window: a known
-     miss, strict xfail); the 64k + 64 x 1k mix at W = 8, where the static layouts are off by > 30% and "auto"
-     picks balanced; ``rank_work`` counts the same;
+     work of it; with a window (1023, 4095) too, and never worse than zigzag / contiguous; long documents much
+     longer than the window (``WINDOWED_MISSES``): within 5% is a strict xfail (a known miss, fixed in the
+     library by e1bc5d7: it XPASSes now, to be flipped with that fix); the 64k + 64 x 1k mix at W = 8, where
+     the static layouts are off by > 30% and "auto" picks balanced; ``rank_work`` counts the same;
   3. locality: documents cut across ranks at most twice per rank boundary (the greedy's heavy and light
-     cut), so at most 2 (W - 1) extra pieces;
+     cut), so at most 2 (W - 1) extra pieces; documents that fill ranks stay whole, and in the 64k + 64 x 1k mix
+     only the long document is split;
   4. the planner on assignments: ``ring_plan`` and ``gathered_plan`` cover each visible (query, key) pair
      exactly once and nothing invisible (causal, windows, full, documents); documents held whole need no ring
      step but the first;
@@ -20,14 +22,23 @@ Layer 1 (pure functions, no process group):
      ``rank=``); ``resolve`` and ``choose_layout`` ("auto");
   6. errors: ``balance_window`` with a static layout or negative, ``cu_seqlens`` not ending at S, S not
      divisible by W.
-Layer 2 (gloo worlds of 1, 2, 3, 4 and 8 CPU ranks), against the float64 reference on the whole sequence
-(``_reference.attention_reference``, sharing no code with the strategies):
-  7. ring / allgather / ulysses / auto x layouts "balanced" / "auto" (given, left out, via ``Sharding``) x
-     causal, windows, softcap, GQA: outputs and q/k/v gradients at the positions ``position_ids`` gives;
-     ``Sharding.shard_labels`` against labels shifted here;
+Layer 2 (gloo worlds of 1 to 8 CPU ranks), against the float64 reference on the whole sequence
+(``_reference.attention_reference``, sharing no code with the strategies); ``test_layer2_cases_cover_the_matrix``
+checks that the case lists hold what is listed here:
+  7. every world W = 1..8 (W = 5, 6, 7: one light run of 8 cases each): ring / allgather / ulysses / auto x
+     layouts "balanced" / "auto" (given, left out, via ``Sharding``) x causal and not, windows, softcap, GQA
+     (the three Ulysses kv-head paths), key padding masks (queries with no visible key among them) x backends
+     "auto" and "torch" (float64), on documents with one-token ones, one longer than S / 2, ones crossing every
+     contiguous rank boundary (split over ranks by the assignment), one document, short ones: outputs and q/k/v
+     gradients at the positions ``position_ids`` gives (the planner's, computed here), q and mask shards those
+     rows; ``Sharding.shard_labels`` against labels shifted here; backend "triton" (Triton interpreter, float32,
+     W = 2, 3) and the block-backend path of "fa4" / "cudnn" (window / varlen calls and merging, with exact
+     float64 stand-ins for the GPU kernels from tests/test_backends.py, W = 2, 3): every strategy, both layouts,
+     windows, softcap, GQA (Triton: padding too);
   8. ``gather_sequence`` of the outputs is the reference on every rank; gather(shard(x)) is x bitwise;
   9. cu_seqlens the ring never sharded: the same ValueError, naming cu_seqlens, on every rank (no hang); ranks
-     that recorded different balance windows (not verified across the ring: a known miss, strict xfail);
+     that recorded different balance windows (not verified across the ring: a known miss, strict xfail; fixed
+     by the same library change, XPASS now, to be flipped);
  10. the hybrids on a 2 x 2 mesh with layout "balanced".
 """
 
@@ -149,8 +160,8 @@ def _positions(layout, seq, world):
     return [layouts.positions(layout, seq, world, r) for r in range(world)]
 
 
-def _extra_pieces(assignment, cu):
-    """(documents held by more than one rank, sum over documents of (ranks holding it - 1))."""
+def _holders(assignment, cu):
+    """How many ranks hold (part of) each document."""
     world, n = assignment.ring_size, assignment.local_len
     owner = torch.empty(assignment.seq_len, dtype=torch.int64)
     owner[assignment.table().flatten()] = torch.arange(world).repeat_interleave(n)
@@ -158,7 +169,12 @@ def _extra_pieces(assignment, cu):
     doc = torch.bucketize(torch.arange(assignment.seq_len), bounds, right=True) - 1
     held = torch.zeros(bounds.numel() - 1, world, dtype=torch.bool)
     held[doc, owner] = True
-    holders = held.sum(1)
+    return held.sum(1)
+
+
+def _extra_pieces(assignment, cu):
+    """(documents held by more than one rank, sum over documents of (ranks holding it - 1))."""
+    holders = _holders(assignment, cu)
     return int((holders > 1).sum()), int((holders - 1).sum())
 
 
@@ -256,14 +272,17 @@ def test_balanced_work_within_five_percent():
     assert worst > 1.0  # the check measured something
 
 
-def test_balanced_with_a_window_is_no_worse_than_the_static_layouts():
-    """With a left window (1023, 4095) the balanced assignment for that window is at least as balanced as zigzag
-    and as contiguous, counted under the same window."""
+def test_balanced_is_no_worse_than_the_static_layouts():
+    """Without a window and with a left window (1023, 4095), S / W >= 512, W 2..32: the balanced assignment for
+    that window is within 5% of the mean and at least as balanced as zigzag and as contiguous, counted under the
+    same window (``rank_work`` agrees)."""
     for cu, seq, world in _large_mixes(seed=12, count=80):
-        for left in (1023, 4095):
-            a = balance.balanced(cu, seq, world, (left, 0))
-            mine = _imbalance(_work(_positions(a, seq, world), cu, seq, left))
-            assert balance.rank_work(a, cu, seq, (left, 0)) == _work(_positions(a, seq, world), cu, seq, left)
+        for left in (None, 1023, 4095):
+            a = balance.balanced(cu, seq, world, _window(left))
+            work = _work(_positions(a, seq, world), cu, seq, left)
+            assert balance.rank_work(a, cu, seq, _window(left)) == work
+            mine = _imbalance(work)
+            assert mine <= 1.05, (left, world, seq, mine)
             for static in ("zigzag", "contiguous"):
                 theirs = _imbalance(_work(_positions(static, seq, world), cu, seq, left))
                 assert mine <= theirs + 1e-12, (static, left, world, seq, mine, theirs)
@@ -304,11 +323,13 @@ def test_balanced_tiny_shapes_within_two_tokens():
 
 def test_long_document_among_short_ones_beats_the_static_layouts():
     """One 64k-token document and 64 of 1k, W = 8 (S = 131072): balanced within 5% of the mean, contiguous and
-    zigzag more than 30% above it (the case the layout exists for); layout="auto" picks it."""
+    zigzag more than 30% above it (the case the layout exists for); layout="auto" picks it. The long document
+    is the only one split: every 1k document stays whole on one rank."""
     seq, world = 131072, 8
     cu = (0, 65536) + tuple(65536 + 1024 * i for i in range(1, 65))
     assert cu[-1] == seq
     a = balance.balanced(cu, seq, world)
+    assert _holders(a, cu)[1:].tolist() == [1] * 64 and int(_holders(a, cu)[0]) > 1
     assert _imbalance(_work(_positions(a, seq, world), cu, seq, None)) <= 1.05
     for static in ("contiguous", "zigzag"):
         assert _imbalance(_work(_positions(static, seq, world), cu, seq, None)) > 1.3, static
@@ -532,48 +553,97 @@ def test_errors():
 # Layer 2: cases and the float64 reference
 # ---------------------------------------------------------------------------------------------------------
 
-L2_HEADS = {1: [(4, 2), (2, 1)], 2: [(4, 2), (4, 1)], 3: [(6, 2), (6, 3)], 4: [(8, 2), (4, 1)], 8: [(8, 2), (8, 1)]}
+L2_WORLDS = (1, 2, 3, 4, 5, 6, 7, 8)
+TRITON_WORLDS = (2, 3)
+BLOCK_WORLDS = (2, 3)
+L2_LAYOUTS = ("balanced", "auto")
+L2_STRATEGIES = ("ring", "allgather", "ulysses", "auto")
+L2_N = {w: 12 if w <= 4 else 8 for w in L2_WORLDS}  # tokens per rank
+# (heads, kv heads): the heads divide for Ulysses, and the pairs take its three GQA paths (kv heads split over
+# the ranks: Hkv % W == 0; one kv head sent per rank; kv heads expanded per query head; Note [Ulysses])
+L2_HEADS = {1: [(4, 2), (2, 1)], 2: [(4, 2), (4, 1)], 3: [(6, 2), (6, 3)], 4: [(8, 2), (4, 1)],
+            5: [(5, 1), (10, 2)], 6: [(6, 2), (12, 4)], 7: [(7, 1), (14, 7)], 8: [(8, 2), (8, 1)]}
 L2_OPTIONS = [
     dict(causal=True),
     dict(causal=True, window=(5, 0)),  # sharded with balance_window=5
     dict(causal=True, window=(3, 0), softcap=1.5),
     dict(causal=False, softcap=2.0),
+    dict(causal=True, pad="rows"),  # a key padding mask, batch 2 (see _l2_mask)
+    dict(causal=False, window=(4, 2), softcap=1.0, pad="end"),
 ]
-L2_STRATEGIES = ("ring", "allgather", "ulysses", "auto")
+L2_DOCS = ("one-token + long", "crossing", "one document", "short")
+TRITON_TOL = dict(rtol=1e-4, atol=5e-5)  # the Triton interpreter in float32 (tests/test_ring_features.py)
 
 
 def _l2_docs(world, n, which):
-    """Seeded documents of a Layer 2 case: 0 = three one-token documents, one longer than S / 2, the rest cut at
-    random; 1 = random lengths up to 2 n (crossing rank boundaries)."""
+    """Seeded documents of a Layer 2 case (``L2_DOCS[which]``): 0 = three one-token documents, one longer than
+    S / 2, the rest cut at random; 1 = random lengths up to 2 n, every contiguous rank boundary r n strictly
+    inside a document; 2 = one document (balanced is zigzag); 3 = short documents (3, 1, then 6 each)."""
     seq = n * world
     rng = random.Random(1000 * world + which)
     if which == 0:
         long = min(seq - 3, seq // 2 + 1 + rng.randint(0, n // 4))
         rest = _fill((rng.randint(1, n) for _ in itertools.count()), seq - 3 - long) if seq - 3 - long else (0,)
         return [0, 1, 2, 3, 3 + long] + [3 + long + c for c in rest[1:]]
-    return list(_fill((rng.randint(1, 2 * n) for _ in itertools.count()), seq))
+    if which == 1:
+        return [c for c in _fill((rng.randint(1, 2 * n) for _ in itertools.count()), seq) if c % n or c in (0, seq)]
+    if which == 2:
+        return [0, seq]
+    return [0, 3] + list(range(4, seq, 6)) + [seq]
 
 
-def _l2_cases(world):
-    """(docs x options x layout x strategy) of one world, the way of sharding cycling through "given" (layout=),
-    "sharding" (a Sharding handle) and "left out" (layout=None: the one shard_sequence recorded)."""
-    n = 8 if world == 8 else 12
-    cases, i = [], 0
-    docs_sets = (0,) if world == 8 else (0, 1)
-    options = L2_OPTIONS[:2] if world == 8 else L2_OPTIONS
-    for which in docs_sets:
-        docs = _l2_docs(world, n, which)
-        for o, opts in enumerate(options):
-            h, hkv = L2_HEADS[world][(which + o) % 2]
-            for layout in ("balanced", "auto"):
-                strategies = ("ring", "auto") if world == 8 else L2_STRATEGIES
-                for strategy in strategies:
-                    how = ("given", "sharding", "left out")[i % 3]
-                    i += 1
-                    case = dict(world=world, n=n, seq=n * world, docs=docs, h=h, hkv=hkv, d=8, layout=layout,
-                                strategy=strategy, how=how, seed=100 * world + 10 * which + o)
-                    case.update(opts)
-                    cases.append(case)
+def _l2_case(world, which, o, layout, strategy, i, **extra):
+    n = L2_N[world]
+    h, hkv = L2_HEADS[world][(which + o) % 2]
+    case = dict(world=world, n=n, seq=n * world, kind=L2_DOCS[which], docs=_l2_docs(world, n, which), h=h, hkv=hkv, d=8,
+                b=2 if L2_OPTIONS[o].get("pad") == "rows" else 1, layout=layout, strategy=strategy,
+                how=("given", "sharding", "left out")[i % 3], backend=("auto", "torch")[i % 2],
+                seed=100 * world + 10 * which + o)
+    case.update(L2_OPTIONS[o])
+    case.update(extra)
+    return case
+
+
+def _l2_cases(world, suite="exact"):
+    """The cases of one world. The way of sharding cycles through "given" (layout=), "sharding" (a Sharding
+    handle) and "left out" (layout=None: the one shard_sequence recorded); the backend through "auto" and "torch".
+
+    "exact" (float64, backend "auto" / "torch"): W <= 4: documents 0, 1 x every option x both layouts x every
+    strategy, and documents 2, 3 causal / padded with layout "balanced"; W = 8: documents 0, 1 x every option but
+    the plain non-causal one x every strategy, the layouts alternating; W = 5-7 (light): documents 0, 1 x every
+    strategy, the options and layouts cycling.
+    "triton" (float32 through the Triton interpreter, d = 16) and "block" (the block-backend path of "fa4" /
+    "cudnn": FlashAttention window / varlen calls, computed by tests/test_backends.py's exact float64 stand-ins;
+    no key padding mask, which those backends refuse): documents 0, 1 x every strategy, the options and layouts
+    cycling."""
+    cases = []
+    if suite != "exact":
+        options = [0, 1, 2, 4, 3, 5] if suite == "triton" else [0, 1, 2, 3]
+        extra = dict(dtype="float32", d=16, backend="triton") if suite == "triton" else dict(backend="block")
+        for which in (0, 1):
+            for s, strategy in enumerate(L2_STRATEGIES):
+                i = len(cases)
+                cases.append(_l2_case(world, which, options[i % len(options)], L2_LAYOUTS[(s + which) % 2], strategy,
+                                      i, **extra))
+        return cases
+    if world in (5, 6, 7):
+        for which in (0, 1):
+            for s, strategy in enumerate(L2_STRATEGIES):
+                cases.append(_l2_case(world, which, (2 * s + which) % len(L2_OPTIONS), L2_LAYOUTS[(s + which) % 2],
+                                      strategy, len(cases)))
+        return cases
+    for which in (0, 1):
+        for o in range(len(L2_OPTIONS)):
+            if world == 8 and o == 3:
+                continue
+            for layout in (L2_LAYOUTS[(which + o) % 2],) if world == 8 else L2_LAYOUTS:
+                for strategy in L2_STRATEGIES:
+                    cases.append(_l2_case(world, which, o, layout, strategy, len(cases)))
+    if world <= 4:
+        for which in (2, 3):
+            for o in (0, 4):
+                for strategy in L2_STRATEGIES:
+                    cases.append(_l2_case(world, which, o, "balanced", strategy, len(cases)))
     return cases
 
 
@@ -582,14 +652,33 @@ def _balance_window(case):
 
 
 def _l2_inputs(case):
+    """q, k, v, dout (float64, rounded through the case's dtype: the reference sees what the ranks see), labels."""
     g = torch.Generator().manual_seed(case["seed"])
-    seq, h, hkv, d = case["seq"], case["h"], case["hkv"], case["d"]
-    q = torch.randn(1, seq, h, d, generator=g, dtype=torch.float64)
-    k = torch.randn(1, seq, hkv, d, generator=g, dtype=torch.float64)
-    v = torch.randn(1, seq, hkv, d, generator=g, dtype=torch.float64)
-    dout = torch.randn(1, seq, h, d, generator=g, dtype=torch.float64)
-    labels = torch.randint(0, 100, (1, seq), generator=g)
+    b, seq, h, hkv, d = case.get("b", 1), case["seq"], case["h"], case["hkv"], case["d"]
+    dtype = getattr(torch, case.get("dtype", "float64"))
+    q, k, v, dout = (torch.randn(b, seq, heads, d, generator=g, dtype=torch.float64).to(dtype).double()
+                     for heads in (h, hkv, hkv, h))
+    labels = torch.randint(0, 100, (b, seq), generator=g)
     return q, k, v, dout, labels
+
+
+def _l2_mask(case):
+    """The key padding mask (batch, S), True = attend, or None. "end": the last 5 tokens padded. "rows" (batch
+    2): row 0 pads its first 3 tokens (with documents 0: the one-token documents, whose queries then see no key
+    and output zeros) and 3 tokens from the first contiguous rank boundary on; row 1 pads everything but the
+    first n / 2 and the last n tokens."""
+    pad, seq, n = case.get("pad"), case["seq"], case["n"]
+    if pad is None:
+        return None
+    mask = torch.ones(case.get("b", 1), seq, dtype=torch.bool)
+    if pad == "end":
+        mask[:, seq - 5:] = False
+    else:
+        assert pad == "rows" and mask.shape[0] == 2
+        mask[0, :3] = False
+        mask[0, n:n + 3] = False
+        mask[1, n // 2:seq - n] = False
+    return mask
 
 
 def _l2_options(case):
@@ -601,11 +690,13 @@ _L2_REFERENCES: dict = {}
 
 def _l2_expected(case):
     """The float64 reference of the whole sequence: out, dq, dk, dv (shared by a case's layouts and strategies)."""
-    key = (case["seed"], case["h"], case["hkv"], case["seq"], tuple(case["docs"]), repr(_l2_options(case)))
+    key = (case["seed"], case["h"], case["hkv"], case["d"], case["seq"], case.get("b", 1), tuple(case["docs"]),
+           case.get("pad"), case.get("dtype"), repr(_l2_options(case)))
     if key not in _L2_REFERENCES:
         q, k, v, dout, _ = _l2_inputs(case)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out = attention_reference(q, k, v, cu_seqlens=case["docs"], **_l2_options(case))
+        out = attention_reference(q, k, v, cu_seqlens=case["docs"], attention_mask=_l2_mask(case),
+                                  **_l2_options(case))
         grads = torch.autograd.grad(out, (q, k, v), dout)
         _L2_REFERENCES[key] = dict(zip(("out", "dq", "dk", "dv"), (out.detach(), *grads)))
     return _L2_REFERENCES[key]
@@ -624,35 +715,43 @@ def _planned_positions(case, rank, rings=None):
 def _l2_rank_case(case, groups):
     """One case on this rank: shard, attend, backward; positions, the gathered output and the labels."""
     q, k, v, dout, labels = _l2_inputs(case)
+    mask = _l2_mask(case)
     layout, cu, bw, n = case["layout"], case["docs"], _balance_window(case), case["n"]
     cu_arg = torch.tensor(cu, dtype=torch.int32) if case["seed"] % 2 else cu  # a tensor or a list
     how = case["how"]
     if how == "sharding":
         s = da.Sharding(layout, balance_window=bw)
-        shards = [s.shard(t, cu_seqlens=cu_arg) for t in (q, k, v)]
+        shard = lambda x: s.shard(x, cu_seqlens=cu_arg)  # noqa: E731
+        shards = [shard(t) for t in (q, k, v)]
         ids = s.position_ids(n, cu_seqlens=cu_arg)
         kw = dict(sharding=s)
         gather = lambda x: s.gather(x, cu_seqlens=cu_arg)  # noqa: E731
         got_labels = s.shard_labels(labels, cu_seqlens=cu_arg)
     elif how == "given":
-        shards = [da.shard_sequence(t, layout, cu_seqlens=cu_arg, balance_window=bw) for t in (q, k, v)]
+        shard = lambda x: da.shard_sequence(x, layout, cu_seqlens=cu_arg, balance_window=bw)  # noqa: E731
+        shards = [shard(t) for t in (q, k, v)]
         ids = da.position_ids(n, layout, cu_seqlens=cu_arg)  # the window: what shard_sequence recorded
         kw = dict(layout=layout)
         gather = lambda x: da.gather_sequence(x, layout, cu_seqlens=cu_arg)  # noqa: E731
-        got_labels = da.shard_sequence(shift_labels(labels, cu_seqlens=cu_arg), layout, cu_seqlens=cu_arg,
-                                       balance_window=bw)
+        got_labels = shard(shift_labels(labels, cu_seqlens=cu_arg))
     else:  # left out: a ring whose record holds this layout only
         group = groups[layout]
-        shards = [da.shard_sequence(t, layout, cu_seqlens=cu_arg, balance_window=bw, group=group) for t in (q, k, v)]
+        shard = lambda x: da.shard_sequence(x, layout, cu_seqlens=cu_arg, balance_window=bw,  # noqa: E731
+                                            group=group)
+        shards = [shard(t) for t in (q, k, v)]
         ids = da.position_ids(n, cu_seqlens=cu_arg, group=group)
         kw = dict(group=group)
         gather = lambda x: da.gather_sequence(x, cu_seqlens=cu_arg, group=group)  # noqa: E731
         got_labels = None
-    ql, kl, vl = (t.detach().clone().requires_grad_() for t in shards)
-    out = context_parallel_attn(ql, kl, vl, strategy=case["strategy"], cu_seqlens=cu_arg, **kw, **_l2_options(case))
-    out.backward(dout.index_select(1, ids))
+    local_mask = None if mask is None else shard(mask)
+    dtype = getattr(torch, case.get("dtype", "float64"))
+    ql, kl, vl = (t.detach().to(dtype, copy=True).requires_grad_() for t in shards)
+    backend = "auto" if case["backend"] == "block" else case["backend"]  # "block": the stand-ins, see _l2_rank
+    out = context_parallel_attn(ql, kl, vl, strategy=case["strategy"], cu_seqlens=cu_arg, backend=backend,
+                                attention_mask=local_mask, **kw, **_l2_options(case))
+    out.backward(dout.index_select(1, ids).to(dtype))
     result = {"out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad, "ids": ids,
-              "shard_q": shards[0].detach()}
+              "shard_q": shards[0].detach(), "shard_mask": local_mask}
     if case["strategy"] == "ring":  # the round trip, once per case family
         result["gathered_out"] = gather(out.detach())
         result["gathered_q"] = gather(shards[0].detach())
@@ -661,41 +760,125 @@ def _l2_rank_case(case, groups):
     return result
 
 
-def _l2_rank(rank, world):
-    groups = {layout: dist.new_group(list(range(world))) for layout in ("balanced", "auto")}
-    return [_l2_rank_case(case, groups) for case in _l2_cases(world)]
+def _l2_rank(rank, world, suite="exact"):
+    groups = {layout: dist.new_group(list(range(world))) for layout in L2_LAYOUTS}
+    calls = []
+    if suite == "block":  # this rank's process only: every call runs the block-backend adapters (as "fa4")
+        from distcomm_attention.kernels import dispatch
+        from tests.test_backends import WindowedExactBackward, WindowedExactForward
+
+        class Counted(WindowedExactForward):
+            def block(self, *args, **kwargs):
+                calls.append(kwargs.get("window") is not None or kwargs.get("varlen") is not None)
+                return super().block(*args, **kwargs)
+
+        dispatch.select_kernels = lambda backend, q, vis=None, softcap=0.0: ("fa4", Counted(), WindowedExactBackward())
+    results = [_l2_rank_case(case, groups) for case in _l2_cases(world, suite)]
+    return results, calls
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
-def test_balanced_attention_matches_reference(world):
-    """ring / allgather / ulysses / auto with layout "balanced" and "auto" (given, via Sharding, left out) on
-    documents with one-token ones, one longer than S / 2 and boundaries crossing ranks; causal, windows (the
-    balance window the same), softcap, GQA: every rank holds the planner's positions, its outputs and q/k/v
-    gradients equal the float64 reference there; the gathered output is the reference on every rank,
-    gather(shard(q)) is q bitwise; shard_labels are the labels shifted (on the whole sequence) and sharded."""
-    got = run_world(_l2_rank, world, timeout=240)
-    cases = _l2_cases(world)
-    assert len(cases) == len(got[0])
+def _l2_check(world, suite, got, tol=FP64):
+    """Every rank holds the planner's positions (its q and mask shards are those rows); its outputs and q/k/v
+    gradients equal the reference there; gathered outputs, round trip and labels."""
+    cases = _l2_cases(world, suite)
+    assert len(cases) == len(got[0][0])
     for i, case in enumerate(cases):
         want = _l2_expected(case)
         q, _, _, _, labels = _l2_inputs(case)
+        mask = _l2_mask(case)
         held = []
         for r in range(world):
-            res, where = got[r][i], f"rank {r} of {world}, case {case}"
+            res, where = got[r][0][i], f"rank {r} of {world}, case {case}"
             _, ids = _planned_positions(case, r)
             assert torch.equal(res["ids"], ids), where
             assert torch.equal(res["shard_q"], q.index_select(1, ids)), where
+            if mask is not None:
+                assert torch.equal(res["shard_mask"], mask.index_select(1, ids)), where
             held.append(ids)
             for name in ("out", "dq", "dk", "dv"):
+                assert res[name].dtype == getattr(torch, case.get("dtype", "float64")), where
                 assert not res[name].isnan().any(), f"{name} NaN at {where}"
-                torch.testing.assert_close(res[name], want[name].index_select(1, ids), **FP64,
+                torch.testing.assert_close(res[name].double(), want[name].index_select(1, ids), **tol,
                                            msg=lambda m, name=name: f"{name} at {where}: {m}")
             if "gathered_out" in res:
-                torch.testing.assert_close(res["gathered_out"], want["out"], **FP64)
+                torch.testing.assert_close(res["gathered_out"].double(), want["out"], **tol)
                 assert torch.equal(res["gathered_q"], q), where
             if "labels" in res:
                 assert torch.equal(res["labels"], _shifted_here(labels, tuple(case["docs"]), -100)[:, ids]), where
         assert torch.equal(torch.cat(held).sort().values, torch.arange(case["seq"]))
+
+
+def _contiguous_cuts_inside(docs, world, n):
+    return all(c % n or c in (0, world * n) for c in docs)
+
+
+def test_layer2_cases_cover_the_matrix():
+    """The case lists below hold what this file claims (trimming them fails here): every world 1-8 runs ring,
+    allgather, ulysses and auto with layouts "balanced" and "auto", causal and not, windows, softcap, GQA and a
+    key padding mask (with queries that see no key), backends "auto" and "torch", on documents with one-token
+    ones, one longer than S / 2 and one crossing every contiguous rank boundary, which the balanced assignment
+    splits over ranks (W > 1); the Triton and block-backend suites take every strategy, windows, softcap and
+    GQA (Triton: padding too)."""
+    for world in L2_WORLDS:
+        cases = _l2_cases(world)
+        seq, n = world * L2_N[world], L2_N[world]
+        assert {c["strategy"] for c in cases} == set(L2_STRATEGIES), world
+        assert {c["layout"] for c in cases} == set(L2_LAYOUTS), world
+        assert {c["backend"] for c in cases} == {"auto", "torch"}, world
+        assert {c["causal"] for c in cases} == {True, False}, world
+        for feature in ("window", "softcap", "pad"):
+            assert any(feature in c for c in cases), (world, feature)
+        assert any(c["h"] > c["hkv"] for c in cases), world
+        assert any(bool((_l2_expected(c)["out"] == 0).all(-1).all(-1).any()) for c in cases if "pad" in c), world
+        docs = [c["docs"] for c in cases]
+        assert any(any(b - a == 1 for a, b in zip(d, d[1:])) for d in docs), world
+        assert any(any(b - a > seq // 2 for a, b in zip(d, d[1:])) for d in docs), world
+        if world > 1:
+            assert any(_contiguous_cuts_inside(d, world, n) and len(d) > 2 for d in docs), world
+            assert any(_extra_pieces(balance.balanced(tuple(d), seq, world), tuple(d))[0] > 0 for d in docs), world
+    for suite, worlds in (("triton", TRITON_WORLDS), ("block", BLOCK_WORLDS)):
+        for world in worlds:
+            cases = _l2_cases(world, suite)
+            assert {c["strategy"] for c in cases} == set(L2_STRATEGIES), (suite, world)
+            assert {c["layout"] for c in cases} == set(L2_LAYOUTS), (suite, world)
+            for feature in ("window", "softcap") + (("pad",) if suite == "triton" else ()):
+                assert any(feature in c for c in cases), (suite, world, feature)
+            assert not any("pad" in c for c in cases) or suite == "triton"
+            assert any(c["h"] > c["hkv"] for c in cases), (suite, world)
+
+
+@pytest.mark.parametrize("world", L2_WORLDS)
+def test_balanced_attention_matches_reference(world):
+    """ring / allgather / ulysses / auto with layout "balanced" and "auto" (given, via Sharding, left out) on
+    documents with one-token ones, one longer than S / 2, boundaries crossing ranks, one document and short ones;
+    causal, windows (the balance window the same), softcap, GQA, key padding masks (queries with no visible key
+    included); backends "auto" and "torch": every rank holds the planner's positions, its outputs and q/k/v
+    gradients equal the float64 reference there; the gathered output is the reference on every rank,
+    gather(shard(q)) is q bitwise; shard_labels are the labels shifted (on the whole sequence) and sharded."""
+    got = run_world(_l2_rank, world, timeout=240)
+    _l2_check(world, "exact", got)
+
+
+@pytest.mark.parametrize("world", TRITON_WORLDS)
+def test_balanced_attention_with_the_triton_backend(world):
+    """backend="triton" (its forward and backward kernels, the planner's interval blocks of the balanced
+    assignment included) in the Triton interpreter, float32: every strategy, both layouts, causal, windows,
+    softcap, GQA and padding against the float64 reference of the float32 inputs."""
+    pytest.importorskip("triton")
+    got = run_world(_l2_rank, world, "triton", timeout=240)
+    _l2_check(world, "triton", got, tol=TRITON_TOL)
+
+
+@pytest.mark.parametrize("world", BLOCK_WORLDS)
+def test_balanced_attention_with_a_block_backend(world):
+    """The block-backend path ("fa4"'s: interval blocks of the balanced assignment cut into band pieces and
+    grouped into FlashAttention window / varlen calls, merged by logsumexp) with exact float64 stand-ins for the
+    GPU kernels: every strategy, both layouts, causal, windows, softcap, GQA against the float64 reference; the
+    stand-ins were called, window / varlen calls among them."""
+    got = run_world(_l2_rank, world, "block", timeout=240)
+    _l2_check(world, "block", got)
+    for _, calls in got:
+        assert calls and any(calls), "the block backend's window / varlen calls were not used"
 
 
 # ---------------------------------------------------------------------------------------------------------
