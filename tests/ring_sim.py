@@ -7,6 +7,7 @@ import torch
 
 from distcomm_attention.planning import layouts
 from distcomm_attention.planning.visibility import ring_plan
+from distcomm_attention.strategies.ring import packed
 
 
 def simulate_ring(q, k, v, dout, key_mask, *, layout, ring_size, vis, scale, softcap, fwd, bwd):
@@ -25,6 +26,10 @@ def simulate_ring(q, k, v, dout, key_mask, *, layout, ring_size, vis, scale, sof
         state = fwd.init_state(qs[r])
         for i, t in enumerate(plans[r].steps):
             src = (r - t) % w
+            calls = packed(plans[r], i, fwd, kms[src], q.device, backward=False)
+            if calls is not None:  # the step's pieces in few varlen calls, as the ring runs them
+                fwd.packed_step(state, qs[r], ks[src], vs[src], calls, scale=scale, softcap=softcap)
+                continue
             for j, block in enumerate(plans[r].blocks[i]):
                 fwd.step(
                     state, qs[r], ks[src][:, block.kv], vs[src][:, block.kv],
@@ -41,6 +46,14 @@ def simulate_ring(q, k, v, dout, key_mask, *, layout, ring_size, vis, scale, sof
         delta = (dos[r].float() * outs[r].float()).sum(-1).transpose(1, 2).contiguous()
         for i, t in enumerate(plans[r].steps):
             src = (r - t) % w
+            calls = packed(plans[r], i, bwd, kms[src], q.device, backward=True)
+            if calls is not None:
+                for kv, dk, dv in bwd.packed_step(dos[r], qs[r], ks[src], vs[src], outs[r], lses[r], calls,
+                                                  scale=scale, softcap=softcap, dq_acc=dqs[r],
+                                                  dkv_dtype=torch.float32):
+                    dks[src][:, kv] += dk
+                    dvs[src][:, kv] += dv
+                continue
             for j, block in enumerate(plans[r].blocks[i]):
                 rows = block.q
                 _, dk, dv = bwd.step(

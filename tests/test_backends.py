@@ -63,17 +63,29 @@ def _window_mask(nq, nk, window):
 
 
 def _segments(varlen, b):
-    """(rows, keys) slices of each packed sequence of a varlen call."""
+    """(rows, keys) slices of each packed sequence of a varlen call: [cu[i], cu[i + 1]), or with segment lengths
+    (Note [Packed steps]) [cu[i], cu[i] + used[i])."""
     cu_q, cu_k = varlen.cu_q.tolist(), varlen.cu_k.tolist()
-    return [(slice(a, c), slice(x, y)) for a, c, x, y in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
+    if varlen.used_q is None:
+        return [(slice(a, c), slice(x, y)) for a, c, x, y in zip(cu_q, cu_q[1:], cu_k, cu_k[1:])]
+    return [(slice(a, a + m), slice(x, x + n)) for a, m, x, n in
+            zip(cu_q, varlen.used_q.tolist(), cu_k, varlen.used_k.tolist())]
+
+
+def _unwritten(shape, like, given):
+    """An output buffer as FlashAttention treats it: the caller's (rows no segment covers keep its values), or
+    a fresh one whose uncovered rows are garbage (NaN here, so that reading them fails the comparison)."""
+    return given if given is not None else torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
 
 
 class WindowedExactForward(ExactBlockForward):
-    """FlashAttention's window and varlen semantics, computed exactly: an independent stand-in for FA4."""
+    """FlashAttention's window and varlen semantics, computed exactly: an independent stand-in for FA4
+    (segment lengths and caller-given outputs included, as in Note [Packed steps])."""
 
     takes_windows = True
+    packs = True
 
-    def block(self, q, k, v, *, causal, scale, softcap, window=None, varlen=None):
+    def block(self, q, k, v, *, causal, scale, softcap, window=None, varlen=None, out=None, lse=None):
         if window is None and varlen is None:
             return super().block(q, k, v, causal=causal, scale=scale, softcap=softcap)
         kernel = TorchForward()
@@ -82,22 +94,25 @@ class WindowedExactForward(ExactBlockForward):
             kernel.step(state, q, k, v, mask=_window_mask(q.shape[1], k.shape[1], window), scale=scale,
                         softcap=softcap)
             return kernel.finalize(state, q.dtype)
-        outs, lses = [], []
+        out = _unwritten(q.shape, q, out)
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        lse = _unwritten((q.shape[1], q.shape[0]), torch.empty(0, dtype=lse_dtype), lse)
         for rows, keys in _segments(varlen, 1):
             qs, ks, vs = q[None, rows], k[None, keys], v[None, keys]
             state = kernel.init_state(qs)
             kernel.step(state, qs, ks, vs, mask=_window_mask(qs.shape[1], ks.shape[1], window), scale=scale,
                         softcap=softcap)
-            out, lse = kernel.finalize(state, q.dtype)
-            outs.append(out[0])
-            lses.append(lse[0])
-        return torch.cat(outs), torch.cat(lses, dim=-1)  # (total, H, D), (H, total)
+            o, ls = kernel.finalize(state, q.dtype)
+            out[rows], lse[:, rows] = o[0], ls[0].to(lse.dtype)
+        return out, lse  # (total, H, D), (H, total)
 
 
 class WindowedExactBackward(ExactBlockBackward):
     takes_windows = True
+    packs = True
 
-    def block(self, dout, q, k, v, out, lse, *, causal, scale, softcap, window=None, varlen=None):
+    def block(self, dout, q, k, v, out, lse, *, causal, scale, softcap, window=None, varlen=None, dq=None,
+              dk=None, dv=None):
         if window is None and varlen is None:
             return super().block(dout, q, k, v, out, lse, causal=causal, scale=scale, softcap=softcap)
         if varlen is None:
@@ -111,12 +126,19 @@ class WindowedExactBackward(ExactBlockBackward):
                                      for i, x in enumerate(batched))
             delta = (do.double() * o.double()).sum(-1).transpose(1, 2)
             mask = _window_mask(qs.shape[1], ks.shape[1], window)
-            dq, dk, dv = TorchBackward().step(do, qs, ks, vs, o, ls, delta, mask=mask, scale=scale,
-                                              softcap=softcap)
-            grads[0][:, rows] += dq
-            grads[1][:, keys] += dk
-            grads[2][:, keys] += dv
-        return tuple(g if varlen is None else g[0] for g in grads)
+            g_q, g_k, g_v = TorchBackward().step(do, qs, ks, vs, o, ls, delta, mask=mask, scale=scale,
+                                                 softcap=softcap)
+            grads[0][:, rows] += g_q
+            grads[1][:, keys] += g_k
+            grads[2][:, keys] += g_v
+        if varlen is None:
+            return tuple(grads)
+        result = [_unwritten(x.shape, x, given) for x, given in zip((q, k, v), (dq, dk, dv))]
+        for rows, keys in segments:  # only the rows and keys of a segment are written
+            result[0][rows] = grads[0][0, rows]
+            result[1][keys] = grads[1][0, keys]
+            result[2][keys] = grads[2][0, keys]
+        return tuple(result)
 
 
 def _qkv(b=2, s=32, h=4, hkv=2, d=16, dtype=torch.float64, seed=0):
@@ -582,3 +604,61 @@ def test_importing_the_package_never_imports_flash_attn():
         "assert not cute, cute\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _packed_cases():
+    """(cu_seqlens, seq, world, left window or None): documents of one token, one longer than S / 2, boundaries
+    crossing ranks; balanced placements with and without a balance window."""
+    rng = random.Random(5)
+    cases = []
+    for world in (1, 2, 3, 4):
+        seq = 24 * world
+        for kind in ("long", "mixed", "ones"):
+            if kind == "long":
+                cut = seq // 2 + rng.randint(1, seq // 4)
+                cu = [0, cut] + sorted(rng.sample(range(cut + 1, seq), 2)) + [seq]
+            elif kind == "mixed":
+                cu = [0] + sorted(rng.sample(range(1, seq), 5)) + [seq]
+            else:
+                cu = [0, 1, 2, 3] + sorted(rng.sample(range(4, seq), 3)) + [seq]
+            cases += [(tuple(cu), seq, world, None), (tuple(cu), seq, world, 5)]
+    return cases
+
+
+@pytest.mark.parametrize("case", _packed_cases(), ids=str)
+def test_packed_steps_with_the_balanced_layout(case):
+    """Note [Packed steps]: with the balanced layout every ring step's pieces run in few varlen calls (segment
+    offsets and lengths, caller-given outputs) through the FA4 stand-in; outputs and gradients equal float64
+    attention, and without a window each step is ONE forward call and at most two backward calls."""
+    from distcomm_attention.planning import balance
+    from distcomm_attention.planning.visibility import ring_plan
+    from distcomm_attention.strategies.ring import packed
+
+    cu, seq, world, left = case
+    window = (-1, -1) if left is None else (left, 0)
+    assignment = balance.balanced(cu, seq, world, window)
+    vis = Visibility(True, window, cu)
+    q, k, v, dout = _qkv(b=2, s=seq, seed=seq + world)
+    fwd, bwd = WindowedExactForward(), WindowedExactBackward()
+    out, dq, dk, dv = simulate_ring(q, k, v, dout, None, layout=assignment, ring_size=world, vis=vis, scale=0.3,
+                                    softcap=3.0, fwd=fwd, bwd=bwd)
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    ref = attention_reference(qr, kr, vr, causal=True, softmax_scale=0.3, softcap=3.0, window_size=window,
+                              cu_seqlens=list(cu))
+    grads = torch.autograd.grad(ref, (qr, kr, vr), dout)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (ref, *grads)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=name)
+    cpu = torch.device("cpu")
+    for rank in range(world):
+        plan = ring_plan(assignment, vis, world, rank, seq // world)
+        for i in range(len(plan.steps)):
+            calls_f = packed(plan, i, fwd, None, cpu, backward=False)
+            calls_b = packed(plan, i, bwd, None, cpu, backward=True)
+            if calls_f is None:  # no packed pieces at this step: plain blocks
+                assert all(b.mode != "interval" for b in plan.blocks[i])
+                continue
+            if left is None:
+                assert len(calls_f) <= 1 and len(calls_b) <= 2, (rank, i, calls_f, calls_b)
+            for call in calls_b:  # the backward's segments never share a key
+                keys = [(p.k0, p.k1) for p in call.pieces]
+                assert all(a1 <= b0 for (_, a1), (b0, _) in zip(keys, keys[1:]))

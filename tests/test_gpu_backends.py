@@ -79,16 +79,23 @@ def test_ring_of_one(backend, case, hkv, dtype):
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=str)
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped", "balanced"])
 @pytest.mark.parametrize("ring_size", [2, 4])
 @pytest.mark.parametrize("backend, case", BACKEND_CASES)
 def test_simulated_ring(backend, case, ring_size, layout, dtype):
-    """Every block a ring of 2 / 4 issues, merged by logsumexp, meets the criterion (GQA 4:1)."""
+    """Every block a ring of 2 / 4 issues, merged by logsumexp, meets the criterion (GQA 4:1); packed documents
+    and windows run as packed steps (Note [Packed steps]), "balanced" placed for the case's documents and
+    window."""
+    from distcomm_attention.planning import balance
     from tests.ring_sim import simulate_ring
 
     _usable(backend, dtype, case)
     vis = _vis(case, 2048)
     case = _scaled(case, 2048)
+    if layout == "balanced":
+        if vis.cu_seqlens is None:
+            pytest.skip("balanced without documents is zigzag")
+        layout = balance.balanced(vis.cu_seqlens, 2048, ring_size, (vis.window[0], 0) if vis.causal else (-1, -1))
     _name, fwd, bwd = _kernels.select_kernels(backend, torch.zeros(2, 8, 4, 128, device="cuda", dtype=dtype),
                                               vis, case.get("softcap", 0.0))
     q, k, v, dout = _inputs(dtype, 2048, 4, 1, seed=2)

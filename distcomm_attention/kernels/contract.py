@@ -23,6 +23,21 @@ Note [Window calls]
     unbounded) packs with its neighbours. Packed documents of one rank are thus one kernel call per block,
     and a window is one call per chunk pair.
 
+Note [Packed steps]
+    A backend whose varlen calls take each segment's offset and length apart (FA4: ``cu_seqlens`` gives the
+    offsets, ``seqused`` the lengths; ``packs = True``) runs every piece of a ring step (or of a gathered
+    plan) in as few calls as these rules allow, grouped first-fit in row order:
+
+        rows     disjoint and increasing within a call (an output row is written by one segment)
+        keys     increasing starts; disjoint too in the backward (a key's dK/dV is written by one segment)
+        window   one (left, right) fits every piece (Note [Window calls])
+
+    Rows and keys that no segment of a call covers are not written by the kernel: only the runs of rows (and
+    keys) a call's segments cover are merged (accumulated), the rest of its outputs is never read. A ring step with packed documents is thus one forward
+    call, and the backward needs a second call only where a document split over ranks has two pieces
+    reading the same keys (a rank's head and tail share); one step of all-gather KV likewise. The pieces are
+    the same as the per-block calls', so the visible pairs and the arithmetic per pair are unchanged.
+
 Note [Merging block outputs]
     A block backend normalises each block on its own: it returns out_b = softmax(S_b) V_b and
     lse_b = log sum exp(S_b) per row. Two blocks of the same rows combine exactly by
@@ -53,7 +68,7 @@ from torch import Tensor
 from distcomm_attention.planning.visibility import BlockMask, Piece, Visibility, pieces_of
 
 __all__ = ["BlockForward", "BlockBackward", "MergeState", "merge_block", "call_features", "WindowCall",
-           "window_calls", "Varlen"]
+           "window_calls", "Varlen", "PackedCall", "packed_calls"]
 
 
 def call_features(vis: Visibility, softcap: float) -> dict[str, str]:
@@ -90,12 +105,89 @@ class WindowCall(NamedTuple):
 
 
 class Varlen(NamedTuple):
-    """Variable-length arguments of a packed call: int32 boundaries on the device and the longest piece."""
+    """Variable-length arguments of a packed call: int32 boundaries on the device and the longest piece; with
+    ``used_q``/``used_k`` (Note [Packed steps]) ``cu_q``/``cu_k`` are the segments' offsets and these their
+    lengths."""
 
     cu_q: Tensor
     cu_k: Tensor
     max_q: int
     max_k: int
+    used_q: Tensor | None = None
+    used_k: Tensor | None = None
+
+
+class PackedCall(NamedTuple):
+    """Pieces of one step run as one varlen call (Note [Packed steps]): rows of the rank's queries and keys of
+    the step's key buffer (absolute), in increasing row order; ``window`` the call's (left, right)."""
+
+    pieces: tuple[Piece, ...]
+    window: tuple[int | None, int | None]
+
+
+def _step_pieces(blocks, masks) -> list[Piece]:
+    """Every block's visible pairs as band pieces with absolute rows and keys (a full block: one unbounded
+    piece; a causal one, square: right edge 0)."""
+    out = []
+    for block, mask in zip(blocks, masks):
+        r0, k0 = block.q.start or 0, block.kv.start or 0
+        if mask.mode == "interval":
+            out.extend(Piece(p.q0 + r0, p.q1 + r0, p.k0 + k0, p.k1 + k0, p.left, p.right) for p in pieces_of(mask))
+        else:
+            out.append(Piece(r0, block.q.stop, k0, block.kv.stop, None, 0 if mask.mode == "causal" else None))
+    return out
+
+
+def packed_calls(blocks, masks, disjoint_keys: bool) -> tuple[PackedCall, ...]:
+    """Group a step's pieces into varlen calls (Note [Packed steps]); ``disjoint_keys`` for the backward."""
+    groups: list[list[Piece]] = []
+    for p in sorted(_step_pieces(blocks, masks), key=lambda p: (p.q0, p.k0)):
+        if p.q1 <= p.q0 or p.k1 <= p.k0:
+            continue
+        for g in groups:
+            last = g[-1]
+            if p.q0 >= last.q1 and p.k0 >= (last.k1 if disjoint_keys else last.k0) and _fits(g + [p])[0]:
+                g.append(p)
+                break
+        else:
+            groups.append([p])
+    return tuple(PackedCall(tuple(g), _fits(g)[1]) for g in groups)
+
+
+def _runs(spans) -> tuple[tuple[int, int], ...]:
+    """Sorted disjoint [a, b) spans with adjacent ones merged."""
+    runs: list[list[int]] = []
+    for a, b in sorted(spans):
+        if runs and a <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], b)
+        else:
+            runs.append([a, b])
+    return tuple((a, b) for a, b in runs)
+
+
+class _Packed(NamedTuple):
+    varlen: Varlen
+    rows: tuple[tuple[int, int], ...]  # the row runs the call writes
+    keys: tuple[tuple[int, int], ...]  # the key runs
+    span: tuple[int, int]  # the keys handed to the kernel (the pieces' span for one batch element, else all)
+
+
+@functools.lru_cache(maxsize=1024)
+def _packed_varlen(call: PackedCall, batch: int, n: int, nk: int, device: torch.device) -> _Packed:
+    """The varlen arguments of a packed call over ``batch`` packed batch elements, and the runs of rows and keys
+    its segments cover (cached)."""
+    ps = call.pieces
+    # one batch element: the kernel gets only the keys between the first and last piece's (its key-sized
+    # scratch buffers shrink with them); several: every key (a slice of each would be a copy)
+    lo, hi = (min(p.k0 for p in ps), max(p.k1 for p in ps)) if batch == 1 else (0, nk)
+    cu_q = [e * n + p.q0 for e in range(batch) for p in ps] + [batch * n]
+    cu_k = [e * nk + p.k0 - lo for e in range(batch) for p in ps] + [batch * (hi - lo)]
+    used_q = [p.q1 - p.q0 for _ in range(batch) for p in ps]
+    used_k = [p.k1 - p.k0 for _ in range(batch) for p in ps]
+    i32 = dict(dtype=torch.int32, device=device)
+    varlen = Varlen(torch.tensor(cu_q, **i32), torch.tensor(cu_k, **i32), max(used_q), max(used_k),
+                    torch.tensor(used_q, **i32), torch.tensor(used_k, **i32))
+    return _Packed(varlen, _runs((p.q0, p.q1) for p in ps), _runs((p.k0, p.k1) for p in ps), (lo, hi))
 
 
 def _joint_bound(bounds: list[tuple[int | None, int]]) -> tuple[bool, int | None]:
@@ -227,6 +319,7 @@ class BlockForward:
     """ForwardKernel over a block backend's forward (``block``, set by subclasses)."""
 
     takes_windows = False  # whether ``block`` takes window= and varlen= (Note [Window calls])
+    packs = False  # whether ``block`` takes segment lengths and out=, lse= (Note [Packed steps])
 
     def block(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, softcap: float,
               window: tuple[int | None, int | None] | None = None,
@@ -270,6 +363,22 @@ class BlockForward:
                                              v[:, call.k0:call.k1], call, scale=scale, softcap=softcap)
             merge_block(state, out_b, lse_b, slice(start + call.q0, start + call.q1))
 
+    def packed_step(self, state: MergeState, q: Tensor, k: Tensor, v: Tensor, calls: tuple[PackedCall, ...], *,
+                    scale: float, softcap: float) -> None:
+        """Attend q (B, n, H, D) to the step's keys k, v (B, nk, Hkv, D) as ``calls`` (Note [Packed steps]) and
+        merge the rows each call wrote into the state."""
+        b, n, h, _ = q.shape
+        for call in calls:
+            packed = _packed_varlen(call, b, n, k.shape[1], q.device)
+            lo, hi = packed.span
+            out, lse = self.block(_pack(q), _pack(k[:, lo:hi]), _pack(v[:, lo:hi]), causal=False, scale=scale,
+                                  softcap=softcap, window=call.window, varlen=packed.varlen)
+            out, lse = out.view(q.shape), lse.view(h, b, n).transpose(0, 1)
+            for r0, r1 in packed.rows:  # rows no segment covers hold whatever the kernel left there
+                whole = r0 == 0 and r1 == n
+                merge_block(state, out if whole else out[:, r0:r1], lse if whole else lse[:, :, r0:r1],
+                            slice(r0, r1))
+
     def finalize(self, state: MergeState, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """-> out (B, Sq, H, D) in ``dtype``, lse (B, H, Sq) float32 (the blocks' lse dtype); rows that saw no
         key: out 0, lse -inf."""
@@ -287,6 +396,7 @@ class BlockBackward:
 
     uses_delta = False
     takes_windows = False  # whether ``block`` takes window= and varlen= (Note [Window calls])
+    packs = False  # whether ``block`` takes segment lengths and dq=, dk=, dv= (Note [Packed steps])
 
     def block(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool,
               scale: float, softcap: float, window: tuple[int | None, int | None] | None = None,
@@ -329,6 +439,29 @@ class BlockBackward:
         if dq_acc is None:
             dq = dq.to(q.dtype)
         return dq, dk.to(dkv_dtype or k.dtype), dv.to(dkv_dtype or v.dtype)
+
+    def packed_step(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    calls: tuple[PackedCall, ...], *, scale: float, softcap: float, dq_acc: Tensor,
+                    dkv_dtype: torch.dtype) -> list[tuple[slice, Tensor, Tensor]]:
+        """The backward of a step as ``calls`` (Note [Packed steps]): dq added into ``dq_acc`` (B, n, H, D) on the
+        rows each call wrote; returns (key rows, dk, dv) for each run of keys a call wrote, in ``dkv_dtype``."""
+        b, n, h, _ = q.shape
+        nk = k.shape[1]
+        lse = lse.transpose(0, 1).reshape(h, b * n)
+        grads = []
+        for call in calls:
+            packed = _packed_varlen(call, b, n, nk, q.device)
+            lo, hi = packed.span
+            kk, vv = k[:, lo:hi], v[:, lo:hi]
+            dq, dk, dv = self.block(_pack(dout), _pack(q), _pack(kk), _pack(vv), _pack(out), lse, causal=False,
+                                    scale=scale, softcap=softcap, window=call.window, varlen=packed.varlen)
+            dq, dk, dv = dq.view(q.shape), dk.view(kk.shape), dv.view(vv.shape)
+            for r0, r1 in packed.rows:  # rows and keys no segment covers hold whatever the kernel left there
+                dq_acc[:, r0:r1] += dq[:, r0:r1]
+            for k0, k1 in packed.keys:
+                keys = slice(k0 - lo, k1 - lo)
+                grads.append((slice(k0, k1), dk[:, keys].to(dkv_dtype), dv[:, keys].to(dkv_dtype)))
+        return grads
 
     def step(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
              delta: Tensor | None = None, *, mask: BlockMask, scale: float, softcap: float = 0.0,

@@ -157,6 +157,8 @@ def _extra(window, varlen: Varlen | None) -> dict:
     if varlen is not None:
         kwargs.update(cu_seqlens_q=varlen.cu_q, cu_seqlens_k=varlen.cu_k, max_seqlen_q=varlen.max_q,
                       max_seqlen_k=varlen.max_k)
+        if varlen.used_q is not None:
+            kwargs.update(seqused_q=varlen.used_q, seqused_k=varlen.used_k)
     return kwargs
 
 
@@ -164,13 +166,14 @@ class FA4Forward(BlockForward):
     """ForwardKernel: FA4 per block, merged by logsumexp (distcomm_attention.kernels.contract)."""
 
     takes_windows = True
+    packs = True
 
     def __init__(self):
         self._fwd = _interface()._flash_attn_fwd
 
-    def block(self, q, k, v, *, causal, scale, softcap, window=None, varlen=None):
+    def block(self, q, k, v, *, causal, scale, softcap, window=None, varlen=None, out=None, lse=None):
         res = self._fwd(q, k, v, softmax_scale=float(scale), causal=bool(causal), softcap=float(softcap),
-                        return_lse=True, **_extra(window, varlen))
+                        return_lse=True, out=out, lse=lse, **_extra(window, varlen))
         return res[0], res[1]
 
 
@@ -178,12 +181,14 @@ class FA4Backward(BlockBackward):
     """BackwardKernel: FA4's backward of one block from the merged out and lse."""
 
     takes_windows = True
+    packs = True
 
     def __init__(self):
         self._bwd = _interface()._flash_attn_bwd
 
-    def block(self, dout, q, k, v, out, lse, *, causal, scale, softcap, window=None, varlen=None):
+    def block(self, dout, q, k, v, out, lse, *, causal, scale, softcap, window=None, varlen=None, dq=None, dk=None,
+              dv=None):
         dq, dk, dv = self._bwd(q, k, v, out.to(q.dtype), dout.to(q.dtype), lse.to(torch.float32).contiguous(),
-                               softmax_scale=float(scale), causal=bool(causal), softcap=float(softcap),
-                               **_extra(window, varlen))[:3]
+                               softmax_scale=float(scale), causal=bool(causal), softcap=float(softcap), dq=dq,
+                               dk=dk, dv=dv, **_extra(window, varlen))[:3]
         return dq, dk, dv

@@ -174,6 +174,13 @@ class RingPlan:
     blocks: tuple[tuple[Block, ...], ...]
     _device_masks: dict = field(default_factory=dict, repr=False)
 
+    def cached(self, key, make):
+        """``make()``, computed once per plan and ``key`` (the kernels' derived forms of a step)."""
+        key = ("cached", key)
+        if key not in self._device_masks:
+            self._device_masks[key] = make()
+        return self._device_masks[key]
+
     def _pieces(self, step_index: int, block_index: int) -> "LazyPieces":
         """The block's band pieces, shared by its masks on every device."""
         key = (step_index, block_index, "pieces")

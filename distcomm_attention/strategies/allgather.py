@@ -28,7 +28,7 @@ from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention.planning.plans import gathered_in_natural_order, natural_order
 from distcomm_attention.planning.visibility import RingPlan
-from distcomm_attention.strategies.ring import _no_autocast, ring_forward
+from distcomm_attention.strategies.ring import _no_autocast, packed, ring_forward
 
 __all__ = ["AllGatherKV", "allgather_attention", "gather_kv", "local_backward"]
 
@@ -67,6 +67,13 @@ def local_backward(dout, q, k, v, out, lse, key_mask, plan: RingPlan, softcap: f
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+    calls = packed(plan, 0, bwd, key_mask, q.device, backward=True)
+    if calls is not None:  # Note [Packed steps]
+        for kv, dk_b, dv_b in bwd.packed_step(dout, q, k, v, out, lse, calls, scale=scale, softcap=softcap,
+                                              dq_acc=dq, dkv_dtype=acc_dtype):
+            dk[:, kv] += dk_b
+            dv[:, kv] += dv_b
+        return dq.to(q.dtype), dk, dv
     for j, block in enumerate(plan.blocks[0]):
         rows = block.q
         _dq, dk_b, dv_b = bwd.step(

@@ -41,9 +41,10 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from distcomm.ring import RingComm
+from distcomm_attention.kernels.contract import packed_calls
 from distcomm_attention.planning.visibility import RingPlan
 
-__all__ = ["ring_attention", "ring_forward", "ring_backward", "ring_all_gather", "ring_reduce_scatter"]
+__all__ = ["ring_attention", "ring_forward", "ring_backward", "ring_all_gather", "ring_reduce_scatter", "packed"]
 
 
 def _whole(rows: slice, n: int) -> bool:
@@ -96,6 +97,16 @@ def _as_bytes(key_mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     return () if key_mask is None else (key_mask.contiguous().view(torch.uint8),)
 
 
+def packed(plan: RingPlan, i: int, kernel, key_mask, device: torch.device, backward: bool):
+    """Step i's packed calls when ``kernel`` packs and the step has pieces to pack (an "interval" block: packed
+    documents or a window), else None: the per-block calls (Note [Packed steps] in kernels/contract.py)."""
+    blocks = plan.blocks[i]
+    if key_mask is not None or not getattr(kernel, "packs", False) or all(b.mode != "interval" for b in blocks):
+        return None
+    return plan.cached(("packed", i, backward, str(device)), lambda: packed_calls(
+        blocks, [plan.mask(i, j, device) for j in range(len(blocks))], disjoint_keys=backward))
+
+
 def _shifts(steps: tuple[int, ...], size: int) -> list[int]:
     """Ring distance from each needed step to the next one; the last entry takes a block home."""
     return [b - a for a, b in zip(steps, steps[1:])] + [size - steps[-1]]
@@ -110,6 +121,10 @@ def ring_forward(q, k, v, key_mask, comm: RingComm, plan: RingPlan, softcap: flo
     for i, blocks in enumerate(plan.blocks):
         more = i + 1 < len(plan.steps)
         handle = comm.send_recv(k, v, *_as_bytes(km), shift=shifts[i]) if more else None
+        calls = packed(plan, i, fwd, km, q.device, backward=False)
+        if calls is not None:
+            fwd.packed_step(state, q, k, v, calls, scale=scale, softcap=softcap)
+            blocks = ()
         for j, block in enumerate(blocks):
             # The very last call may normalise in place when it covers every row (always so at W = 1).
             final = not more and j + 1 == len(blocks) and _whole(block.q, q.shape[1])
@@ -157,6 +172,11 @@ def ring_backward(dout, q, k, v, out, lse, km, comm: RingComm, plan: RingPlan, s
         if i > 0:  # the previous block's partial sums go to the next rank that computes with it
             handles.append(comm.send_recv(dk_acc, dv_acc, shift=shifts[i - 1]))
         grads = []  # (kv rows, dk, dv) of this step's blocks, added to the accumulators after the wait
+        calls = packed(plan, i, bwd, km, q.device, backward=True)
+        if calls is not None:
+            grads = bwd.packed_step(dout, q, k, v, out, lse, calls, scale=scale, softcap=softcap, dq_acc=dq,
+                                    dkv_dtype=acc_dtype)
+            blocks = ()
         for j, block in enumerate(blocks):
             rows = block.q
             _dq, dk_b, dv_b = bwd.step(
