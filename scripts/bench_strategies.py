@@ -8,7 +8,8 @@ rank must do even with communication perfectly hidden:
 
 T_single: one flash-attn-4 forward + backward over the whole sequence (the fastest single-GPU kernel; for
 packed documents one flash-attn-4 varlen call over the pack); measured once per (S, heads, mask, documents)
-and shared by the rows of every W and layout.
+and shared by the rows of every W and layout. Every time is the median over ``--iters`` calls, each timed on its
+own CUDA events after ``--warmup`` calls.
 Beside it: the cost model's exposed communication for NVLink and for a 50 GB/s inter-node link, the
 modelled efficiency with it, the cost model's pick and the measured fastest.
 
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -86,16 +88,19 @@ class SimComm:
 
 
 def _timed(fn, iters: int, warmup: int) -> float:
+    """Seconds per call of ``fn``: the median over ``iters`` calls, each timed by its own CUDA events (issued
+    back to back, no synchronisation between calls), after ``warmup`` calls. The median keeps a rare stall of
+    the shared machine (a single call seen at 2x its neighbours) out of a per-rank time."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, stop in events:
+        start.record()
         fn()
-    stop.record()
+        stop.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(stop) / iters / 1e3
+    return statistics.median(start.elapsed_time(stop) for start, stop in events) / 1e3
 
 
 def _peak(fn) -> int:

@@ -49,8 +49,7 @@ def simulate_ring(q, k, v, dout, key_mask, *, layout, ring_size, vis, scale, sof
             calls = packed(plans[r], i, bwd, kms[src], q.device, backward=True)
             if calls is not None:
                 for kv, dk, dv in bwd.packed_step(dos[r], qs[r], ks[src], vs[src], outs[r], lses[r], calls,
-                                                  scale=scale, softcap=softcap, dq_acc=dqs[r],
-                                                  dkv_dtype=torch.float32):
+                                                  scale=scale, softcap=softcap, dq_acc=dqs[r]):
                     dks[src][:, kv] += dk
                     dvs[src][:, kv] += dv
                 continue

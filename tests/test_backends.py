@@ -186,7 +186,7 @@ def test_rows_never_reached_finalize_to_zero_and_minus_inf():
     state = MergeState(q.shape, q.device)
     merge_block(state, torch.ones(2, 10, 4, 16, dtype=torch.bfloat16), torch.zeros(2, 4, 10), slice(3, 13))
     out, lse = ExactBlockForward().finalize(state, torch.bfloat16)
-    assert state.out.dtype == torch.float32 and out.dtype == torch.bfloat16
+    assert state.acc.dtype == torch.float32 and state.in_acc == [(3, 13)] and out.dtype == torch.bfloat16
     assert (out[:, :3] == 0).all() and (out[:, 13:] == 0).all() and (out[:, 3:13] == 1).all()
     assert torch.isinf(lse[:, :, :3]).all() and (lse[:, :, 3:13] == 0).all()
     empty = ExactBlockForward().finalize(MergeState(q.shape, q.device), torch.bfloat16)
@@ -200,7 +200,78 @@ def test_merging_two_empty_rows_stays_finite():
     merge_block(state, torch.zeros(1, 2, 1, 4), lse.clone(), slice(0, 2))
     merge_block(state, torch.zeros(1, 2, 1, 4), lse.clone(), slice(0, 2))
     merge_block(state, torch.ones(1, 2, 1, 4), lse.clone(), slice(0, 2))
-    assert not state.out.isnan().any() and state.lse[0, 0, 0] == float("-inf")
+    out, lse = ExactBlockForward().finalize(state, torch.float32)
+    assert not out.isnan().any() and (out[0, 0] == 0).all() and lse[0, 0, 0] == float("-inf")
+
+
+def _attend64(q, k, v, keys):
+    """float64 attention of every row of q (B, n, H, D) to the keys ``keys[i]`` (a list of key indices per row)
+    -> out (B, n, H, D), lse (B, H, n); a row with no key: out 0, lse -inf."""
+    b, n, h, d = q.shape
+    s = torch.einsum("bihd,bjhd->bhij", q.double(), k.double())
+    seen = torch.zeros(n, k.shape[1], dtype=torch.bool)
+    for i, js in enumerate(keys):
+        seen[i, list(js)] = True
+    s = s.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
+    return torch.einsum("bhij,bjhd->bihd", p, v.double()), lse
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("first_whole", [True, False])
+def test_merge_state_of_overlapping_partial_blocks_matches_float64(fused, first_whole, monkeypatch):
+    """Blocks over overlapping row ranges (some rows merged twice or more, some once, some never), merged by
+    the state and finalized, equal float64 attention over the union of each row's keys; the merged rows are
+    summed in fp32 and rounded once. ``fused``: the Triton merge kernel (interpreter on CPU)."""
+    from distcomm_attention.kernels import triton_merge
+
+    monkeypatch.setattr(triton_merge, "fused_available", lambda device: fused)
+    if fused:
+        pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(3)
+    b, n, h, d, nk = 2, 24, 3, 16, 40
+    q, k, v = (torch.randn(b, m, h, d, generator=g) for m in (n, nk, nk))
+    blocks = [(0, n, 0, 8)] if first_whole else []  # (rows, keys) of each block; disjoint key ranges
+    blocks += [(4, 12, 8, 16), (8, 20, 16, 26), (2, 10, 26, 30), (21, 23, 30, 40)]
+    state = MergeState(q.shape, q.device)
+    for r0, r1, k0, k1 in blocks:
+        out_b, lse_b = _attend64(q[:, r0:r1], k, v, [range(k0, k1)] * (r1 - r0))
+        merge_block(state, out_b.to(BF16), lse_b.float(), slice(r0, r1))
+    out, lse = ExactBlockForward().finalize(state, BF16)
+    keys = [[j for r0, r1, k0, k1 in blocks if r0 <= i < r1 for j in range(k0, k1)] for i in range(n)]
+    ref_out, ref_lse = _attend64(q, k, v, keys)
+    assert out.dtype == BF16 and lse.dtype == torch.float32
+    # each block's output is rounded to bf16 once, the sum once: within two bf16 roundings of the reference
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    never = [i for i in range(n) if not keys[i]]
+    assert never == ([] if first_whole else [0, 1, 20, 23]) and (out[:, never] == 0).all()
+    assert torch.isinf(lse[:, :, never]).all()
+
+
+@pytest.mark.parametrize("d", [16, 24])
+def test_triton_merge_kernel_matches_the_formula_in_float64(d):
+    """The fused merge (interpreter on CPU) on strided views, rows where one side or both are empty (-inf),
+    src aliasing dst, against the merge formula evaluated in float64."""
+    pytest.importorskip("triton")
+    from distcomm_attention.kernels.triton_merge import merge_rows
+
+    g = torch.Generator().manual_seed(5)
+    b, r, h = 2, 37, 3
+    acc = torch.randn(b, r + 5, h, d, generator=g)  # dst = src: rows 5.. of a larger buffer
+    out_b = torch.randn(b, r, h, d, generator=g).to(BF16)
+    lse = torch.randn(b, h, r + 5, generator=g)
+    lse_b = torch.randn(h, b, r, generator=g).transpose(0, 1)  # a transposed view, as the packed calls give
+    lse[:, :, 5:9], lse_b[:, :, 2:6] = float("-inf"), float("-inf")  # old empty, new empty, both (rows 2, 3)
+    a64, o64, l64, lb64 = acc[:, 5:].double(), out_b.double(), lse[:, :, 5:].double(), lse_b.double()
+    new = torch.logaddexp(l64, lb64)
+    w = lambda x: torch.where(new == float("-inf"), 0.0, torch.exp(x - new)).transpose(1, 2).unsqueeze(-1)  # noqa: E731
+    expected = a64 * w(l64) + o64 * w(lb64)
+    merge_rows(acc[:, 5:], acc[:, 5:], lse[:, :, 5:], out_b, lse_b)
+    torch.testing.assert_close(acc[:, 5:].double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse[:, :, 5:].double(), new, atol=1e-6, rtol=1e-6)
+    assert torch.isinf(lse[:, :, 7:9]).all() and (acc[:, 7:9] == 0).all()
 
 
 def test_block_backward_honours_the_contract():
@@ -662,3 +733,44 @@ def test_packed_steps_with_the_balanced_layout(case):
             for call in calls_b:  # the backward's segments never share a key
                 keys = [(p.k0, p.k1) for p in call.pieces]
                 assert all(a1 <= b0 for (_, a1), (b0, _) in zip(keys, keys[1:]))
+
+
+def test_all_gather_packed_calls_with_the_balanced_layout():
+    """All-gather KV's one step with the balanced layout through the FA4 stand-in, batch 1 and 2: each rank's
+    queries against the whole gathered sequence in packed calls, outputs and the summed dK/dV equal float64
+    attention. A rank's documents lie scattered over the gathered keys: calls whose key runs fill less than a
+    third of their span hand the kernel only those runs, gathered (both kinds of call occur here)."""
+    from distcomm.ring import RingComm
+    from distcomm_attention.kernels.contract import _packed_varlen
+    from distcomm_attention.planning import balance
+    from distcomm_attention.planning.plans import gathered_plan
+    from distcomm_attention.strategies.allgather import local_backward
+    from distcomm_attention.strategies.ring import packed, ring_forward
+
+    rng = random.Random(11)
+    fwd, bwd, cpu = WindowedExactForward(), WindowedExactBackward(), torch.device("cpu")
+    gathered = set()
+    for world, seq, batch in ((4, 96, 1), (3, 72, 2), (4, 128, 1)):
+        cu = tuple([0] + sorted(rng.sample(range(1, seq), 9)) + [seq])
+        a = balance.balanced(cu, seq, world, (-1, -1))
+        vis = Visibility(True, cu_seqlens=cu)
+        q, k, v, dout = _qkv(b=batch, s=seq, seed=seq)
+        qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+        ref = attention_reference(qr, kr, vr, causal=True, softmax_scale=0.3, cu_seqlens=list(cu))
+        ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref, (qr, kr, vr), dout)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        n = seq // world
+        for rank in range(world):
+            rows = a.positions(rank)
+            plan = gathered_plan(a, vis, world, rank, n)
+            for call in packed(plan, 0, bwd, None, cpu, backward=True) + packed(plan, 0, fwd, None, cpu, False):
+                gathered.add(_packed_varlen(call, batch, n, seq, cpu).key_index is not None)
+            out, lse = ring_forward(q[:, rows], k, v, None, RingComm(None), plan, 0.0, 0.3, fwd)
+            dq_r, dk_r, dv_r = local_backward(dout[:, rows], q[:, rows], k, v, out, lse, None, plan, 0.0, 0.3, bwd)
+            torch.testing.assert_close(out, ref[:, rows], rtol=0, atol=1e-5)
+            torch.testing.assert_close(dq_r, ref_dq[:, rows], rtol=0, atol=1e-5)
+            dk += dk_r
+            dv += dv_r
+        torch.testing.assert_close(dk, ref_dk, rtol=0, atol=1e-5)
+        torch.testing.assert_close(dv, ref_dv, rtol=0, atol=1e-5)
+    assert gathered == {True, False}

@@ -45,12 +45,15 @@ Note [Merging block outputs]
         lse = log(exp(lse_a) + exp(lse_b))
         out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
 
-    (both weights <= 1, so nothing overflows). The running state is (out, lse) in fp32 for the rows a
-    step touches; a row no block has reached has lse = -inf and weight 0, and finalizes to out 0,
-    lse -inf like the other kernels. The state adopts the first block that covers every row as it is,
-    without a copy: a ring of one (one block) is exactly one kernel call, its out and lse returned
-    untouched. Only a second block converts the state to fp32 and merges, so each block's output is
-    rounded once, by its kernel, and the sum is rounded once, by ``finalize``.
+    (both weights <= 1, so nothing overflows). A row no block has reached has lse = -inf and weight 0,
+    and finalizes to out 0, lse -inf like the other kernels. The state adopts the first block that covers
+    every row as it is, without a copy: a ring of one (one block) is exactly one kernel call, its out and
+    lse returned untouched. A later block's rows get their running sum in fp32 (``acc``, allocated once,
+    never filled); rows no later block touches stay as the first block wrote them, with no conversion
+    either way. ``finalize`` rounds only the merged rows, into the adopted buffer: each block's output is
+    rounded once, by its kernel, and each sum once. On CUDA the merge of a run of rows is one Triton
+    kernel (distcomm_attention.kernels.triton_merge: one read of each input, one write) instead of five
+    PyTorch passes with fp32 temporaries.
 
     The backward needs no merging: given the merged (global) out and lse of a row, the block kernels'
     own backward (P = exp(S - lse), D = rowsum(dout * out)) yields exactly this block's share of dq and
@@ -60,6 +63,7 @@ Note [Merging block outputs]
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -169,25 +173,59 @@ class _Packed(NamedTuple):
     varlen: Varlen
     rows: tuple[tuple[int, int], ...]  # the row runs the call writes
     keys: tuple[tuple[int, int], ...]  # the key runs
-    span: tuple[int, int]  # the keys handed to the kernel (the pieces' span for one batch element, else all)
+    row_span: tuple[int, int]  # the rows handed to the kernel (the pieces' span for one batch element, else all)
+    key_span: tuple[int, int]  # the keys handed to the kernel: a slice of the step's keys ...
+    key_index: Tensor | None  # ... or, when the key runs are sparse in it, only the runs, gathered
+    key_at: tuple[int, ...]  # where each key run starts among the keys handed to the kernel
+
+    def call_keys(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """The keys and values handed to the kernel, from the step's (B, nk, Hkv, D)."""
+        if self.key_index is not None:
+            return k.index_select(1, self.key_index), v.index_select(1, self.key_index)
+        lo, hi = self.key_span
+        return k[:, lo:hi], v[:, lo:hi]
 
 
 @functools.lru_cache(maxsize=1024)
 def _packed_varlen(call: PackedCall, batch: int, n: int, nk: int, device: torch.device) -> _Packed:
     """The varlen arguments of a packed call over ``batch`` packed batch elements, and the runs of rows and keys
-    its segments cover (cached)."""
+    its segments cover (cached).
+
+    The kernel gets only the rows between the first and last piece's and the keys between the first and the
+    last key run (for one batch element; with several, every row and key: a slice of each would be a copy);
+    its row- and key-sized work outside the segments (zero fills, rowsum(dout * out), the dQ/dK/dV
+    conversions) shrinks with them. Key runs spread over less than a third of their span (documents of one
+    rank scattered over a gathered sequence) are gathered into one buffer instead: copying the visible keys
+    is cheaper than the kernel's per-key work over the span.
+    """
     ps = call.pieces
-    # one batch element: the kernel gets only the keys between the first and last piece's (its key-sized
-    # scratch buffers shrink with them); several: every key (a slice of each would be a copy)
-    lo, hi = (min(p.k0 for p in ps), max(p.k1 for p in ps)) if batch == 1 else (0, nk)
-    cu_q = [e * n + p.q0 for e in range(batch) for p in ps] + [batch * n]
-    cu_k = [e * nk + p.k0 - lo for e in range(batch) for p in ps] + [batch * (hi - lo)]
+    rows, keys = _runs((p.q0, p.q1) for p in ps), _runs((p.k0, p.k1) for p in ps)
+    covered = sum(b - a for a, b in keys)
+    if batch == 1:
+        (r_lo, r_hi), (lo, hi) = (rows[0][0], rows[-1][1]), (keys[0][0], keys[-1][1])
+    else:
+        (r_lo, r_hi), (lo, hi) = (0, n), (0, nk)
+    index = None
+    if 3 * covered < hi - lo:
+        index = torch.cat([torch.arange(a, b) for a, b in keys]).to(device)
+        key_at = tuple(itertools.accumulate((b - a for a, b in keys[:-1]), initial=0))
+        width = covered
+    else:
+        key_at = tuple(a - lo for a, _ in keys)
+        width = hi - lo
+
+    def key_pos(x: int) -> int:  # a piece's first key among the keys handed to the kernel
+        j = max(i for i, (a, _) in enumerate(keys) if a <= x)
+        return key_at[j] + x - keys[j][0]
+
+    cu_q = [e * n + p.q0 - r_lo for e in range(batch) for p in ps] + [batch * (r_hi - r_lo)]
+    cu_k = [e * width + key_pos(p.k0) for e in range(batch) for p in ps] + [batch * width]
     used_q = [p.q1 - p.q0 for _ in range(batch) for p in ps]
     used_k = [p.k1 - p.k0 for _ in range(batch) for p in ps]
     i32 = dict(dtype=torch.int32, device=device)
     varlen = Varlen(torch.tensor(cu_q, **i32), torch.tensor(cu_k, **i32), max(used_q), max(used_k),
                     torch.tensor(used_q, **i32), torch.tensor(used_k, **i32))
-    return _Packed(varlen, _runs((p.q0, p.q1) for p in ps), _runs((p.k0, p.k1) for p in ps), (lo, hi))
+    return _Packed(varlen, rows, keys, (r_lo, r_hi), (lo, hi), index, key_at)
 
 
 def _joint_bound(bounds: list[tuple[int | None, int]]) -> tuple[bool, int | None]:
@@ -267,19 +305,59 @@ def _covers(rows: slice, n: int) -> bool:
 class MergeState:
     """Running (out, lse) of one rank's queries (see Note [Merging block outputs]).
 
-    ``out`` is None (nothing seen yet), the first whole-coverage block's own output (q's dtype) or the
-    fp32 merged output (B, Sq, H, D); ``lse`` (B, H, Sq) fp32 alongside (fp64 both when the blocks' lse
-    is fp64, as from exact float64 kernels).
+    ``out`` is None (nothing seen yet) or (B, Sq, H, D) in the blocks' dtype: the first whole-coverage block's
+    own output, adopted, or zeros; ``lse`` (B, H, Sq) fp32 alongside (fp64 both when the blocks' lse is fp64,
+    as from exact float64 kernels). Rows merged at least once keep their running sum in ``acc`` (fp32 or
+    fp64, allocated on the first merge, never filled): ``in_acc`` lists them as sorted disjoint runs, and
+    every other row's output is still the one in ``out``.
     """
 
-    __slots__ = ("shape", "device", "out", "lse", "merged")
+    __slots__ = ("shape", "device", "out", "lse", "acc", "in_acc")
 
     def __init__(self, shape: torch.Size, device: torch.device):
         self.shape = shape
         self.device = device
         self.out: Tensor | None = None
         self.lse: Tensor | None = None
-        self.merged = False
+        self.acc: Tensor | None = None
+        self.in_acc: list[tuple[int, int]] = []
+
+    @property
+    def merged(self) -> bool:
+        """Whether any row has been merged (holds an fp32 sum)."""
+        return self.acc is not None
+
+
+def _merge_rows(dst: Tensor, src: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    """dst = exp(lse - new) src + exp(lse_b - new) out_b and lse <- new = logaddexp(lse, lse_b), summed in dst's
+    dtype (rows of the state; Note [Merging block outputs]): one fused kernel on CUDA fp32, else PyTorch."""
+    if dst.dtype == torch.float32 and lse.dtype == torch.float32:
+        from distcomm_attention.kernels import triton_merge
+
+        if triton_merge.fused_available(dst.device):
+            triton_merge.merge_rows(dst, src, lse, out_b, lse_b)
+            return
+    new = torch.logaddexp(lse, lse_b.to(lse.dtype))
+    shift = new.masked_fill(new == float("-inf"), 0.0)  # rows still empty keep weight 0 instead of NaN
+    w_old = torch.exp(lse - shift).transpose(1, 2).unsqueeze(-1)
+    w_new = torch.exp(lse_b - shift).transpose(1, 2).unsqueeze(-1)
+    dst.copy_(src * w_old + out_b * w_new)
+    lse.copy_(new)
+
+
+def _split_runs(a: int, b: int, runs: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
+    """[a, b) cut at the boundaries of ``runs`` (sorted, disjoint): (start, stop, inside a run) pieces."""
+    out, pos = [], a
+    for r0, r1 in runs:
+        if r1 <= pos or r0 >= b:
+            continue
+        if r0 > pos:
+            out.append((pos, r0, False))
+        out.append((max(pos, r0), min(b, r1), True))
+        pos = min(b, r1)
+    if pos < b:
+        out.append((pos, b, False))
+    return out
 
 
 def merge_block(state: MergeState, out_b: Tensor, lse_b: Tensor, rows: slice = slice(None)) -> None:
@@ -287,23 +365,22 @@ def merge_block(state: MergeState, out_b: Tensor, lse_b: Tensor, rows: slice = s
     rows ``rows`` (n of them), in place; the sums run in fp32 (fp64 for an fp64 ``lse_b``)."""
     b, sq, h, d = state.shape
     dtype = torch.float64 if lse_b.dtype == torch.float64 else torch.float32
+    r0, r1, _ = rows.indices(sq)
     if state.out is None:
-        if _covers(rows, sq):
+        if r0 == 0 and r1 == sq:
             state.out, state.lse = out_b, lse_b  # adopted as returned: no copy, no merge
             return
-        state.out = torch.zeros(b, sq, h, d, dtype=dtype, device=state.device)
+        state.out = torch.zeros(b, sq, h, d, dtype=out_b.dtype, device=state.device)
         state.lse = torch.full((b, h, sq), float("-inf"), dtype=dtype, device=state.device)
-        state.merged = True
-    elif not state.merged:
-        state.out = state.out.to(dtype)
-        state.merged = True
-    acc, lse = state.out[:, rows], state.lse[:, :, rows]
-    new = torch.logaddexp(lse, lse_b)
-    shift = new.masked_fill(new == float("-inf"), 0.0)  # rows still empty keep weight 0 instead of NaN
-    w_old = torch.exp(lse - shift).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(lse_b - shift).transpose(1, 2).unsqueeze(-1)
-    acc.mul_(w_old).add_(out_b * w_new)
-    lse.copy_(new)
+    if state.acc is None:
+        state.acc = torch.empty(b, sq, h, d, dtype=dtype, device=state.device)
+        if state.lse.dtype != dtype:
+            state.lse = state.lse.to(dtype)
+    for a, z, inside in _split_runs(r0, r1, state.in_acc):
+        src = state.acc if inside else state.out
+        _merge_rows(state.acc[:, a:z], src[:, a:z], state.lse[:, :, a:z], out_b[:, a - r0:z - r0],
+                    lse_b[:, :, a - r0:z - r0])
+    state.in_acc = list(_runs(state.in_acc + [(r0, r1)]))
 
 
 def _check_window_mask(name: str, takes_windows: bool, mask: BlockMask, key_mask: Tensor | None) -> bool:
@@ -370,14 +447,16 @@ class BlockForward:
         b, n, h, _ = q.shape
         for call in calls:
             packed = _packed_varlen(call, b, n, k.shape[1], q.device)
-            lo, hi = packed.span
-            out, lse = self.block(_pack(q), _pack(k[:, lo:hi]), _pack(v[:, lo:hi]), causal=False, scale=scale,
-                                  softcap=softcap, window=call.window, varlen=packed.varlen)
-            out, lse = out.view(q.shape), lse.view(h, b, n).transpose(0, 1)
+            r_lo, r_hi = packed.row_span
+            rows = q[:, r_lo:r_hi]
+            kk, vv = packed.call_keys(k, v)
+            out, lse = self.block(_pack(rows), _pack(kk), _pack(vv), causal=False, scale=scale, softcap=softcap,
+                                  window=call.window, varlen=packed.varlen)
+            out, lse = out.view(rows.shape), lse.view(h, b, r_hi - r_lo).transpose(0, 1)
             for r0, r1 in packed.rows:  # rows no segment covers hold whatever the kernel left there
-                whole = r0 == 0 and r1 == n
-                merge_block(state, out if whole else out[:, r0:r1], lse if whole else lse[:, :, r0:r1],
-                            slice(r0, r1))
+                whole = r0 == r_lo and r1 == r_hi
+                a, z = r0 - r_lo, r1 - r_lo
+                merge_block(state, out if whole else out[:, a:z], lse if whole else lse[:, :, a:z], slice(r0, r1))
 
     def finalize(self, state: MergeState, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """-> out (B, Sq, H, D) in ``dtype``, lse (B, H, Sq) float32 (the blocks' lse dtype); rows that saw no
@@ -386,7 +465,13 @@ class BlockForward:
             b, sq, h, _ = state.shape
             return (torch.zeros(state.shape, dtype=dtype, device=state.device),
                     torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=state.device))
-        return state.out.to(dtype), state.lse
+        out = state.out.to(dtype)
+        if state.acc is not None:
+            if len(state.in_acc) == 1 and state.in_acc[0] == (0, state.shape[1]):
+                return state.acc.to(dtype), state.lse
+            for a, z in state.in_acc:  # rounded once, from the fp32 sums (into the adopted output: no copy)
+                out[:, a:z] = state.acc[:, a:z]
+        return out, state.lse
 
 
 class BlockBackward:
@@ -441,26 +526,29 @@ class BlockBackward:
         return dq, dk.to(dkv_dtype or k.dtype), dv.to(dkv_dtype or v.dtype)
 
     def packed_step(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                    calls: tuple[PackedCall, ...], *, scale: float, softcap: float, dq_acc: Tensor,
-                    dkv_dtype: torch.dtype) -> list[tuple[slice, Tensor, Tensor]]:
+                    calls: tuple[PackedCall, ...], *, scale: float, softcap: float,
+                    dq_acc: Tensor) -> list[tuple[slice, Tensor, Tensor]]:
         """The backward of a step as ``calls`` (Note [Packed steps]): dq added into ``dq_acc`` (B, n, H, D) on the
-        rows each call wrote; returns (key rows, dk, dv) for each run of keys a call wrote, in ``dkv_dtype``."""
+        rows each call wrote; returns (key rows, dk, dv) for each run of keys a call wrote, as the kernel returned
+        them (the caller sums them in its accumulation dtype: no cast of its own)."""
         b, n, h, _ = q.shape
         nk = k.shape[1]
-        lse = lse.transpose(0, 1).reshape(h, b * n)
         grads = []
         for call in calls:
             packed = _packed_varlen(call, b, n, nk, q.device)
-            lo, hi = packed.span
-            kk, vv = k[:, lo:hi], v[:, lo:hi]
-            dq, dk, dv = self.block(_pack(dout), _pack(q), _pack(kk), _pack(vv), _pack(out), lse, causal=False,
-                                    scale=scale, softcap=softcap, window=call.window, varlen=packed.varlen)
-            dq, dk, dv = dq.view(q.shape), dk.view(kk.shape), dv.view(vv.shape)
+            r_lo, r_hi = packed.row_span
+            rows = slice(r_lo, r_hi)
+            qq, (kk, vv) = q[:, rows], packed.call_keys(k, v)
+            lse_rows = lse[:, :, rows].transpose(0, 1).reshape(h, b * (r_hi - r_lo))
+            dq, dk, dv = self.block(_pack(dout[:, rows]), _pack(qq), _pack(kk), _pack(vv), _pack(out[:, rows]),
+                                    lse_rows, causal=False, scale=scale, softcap=softcap, window=call.window,
+                                    varlen=packed.varlen)
+            dq, dk, dv = dq.view(qq.shape), dk.view(kk.shape), dv.view(vv.shape)
             for r0, r1 in packed.rows:  # rows and keys no segment covers hold whatever the kernel left there
-                dq_acc[:, r0:r1] += dq[:, r0:r1]
-            for k0, k1 in packed.keys:
-                keys = slice(k0 - lo, k1 - lo)
-                grads.append((slice(k0, k1), dk[:, keys].to(dkv_dtype), dv[:, keys].to(dkv_dtype)))
+                dq_acc[:, r0:r1] += dq[:, r0 - r_lo:r1 - r_lo]
+            for (k0, k1), at in zip(packed.keys, packed.key_at):
+                keys = slice(at, at + k1 - k0)
+                grads.append((slice(k0, k1), dk[:, keys], dv[:, keys]))
         return grads
 
     def step(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,

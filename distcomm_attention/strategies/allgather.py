@@ -70,7 +70,7 @@ def local_backward(dout, q, k, v, out, lse, key_mask, plan: RingPlan, softcap: f
     calls = packed(plan, 0, bwd, key_mask, q.device, backward=True)
     if calls is not None:  # Note [Packed steps]
         for kv, dk_b, dv_b in bwd.packed_step(dout, q, k, v, out, lse, calls, scale=scale, softcap=softcap,
-                                              dq_acc=dq, dkv_dtype=acc_dtype):
+                                              dq_acc=dq):
             dk[:, kv] += dk_b
             dv[:, kv] += dv_b
         return dq.to(q.dtype), dk, dv

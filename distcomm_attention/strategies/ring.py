@@ -174,8 +174,7 @@ def ring_backward(dout, q, k, v, out, lse, km, comm: RingComm, plan: RingPlan, s
         grads = []  # (kv rows, dk, dv) of this step's blocks, added to the accumulators after the wait
         calls = packed(plan, i, bwd, km, q.device, backward=True)
         if calls is not None:
-            grads = bwd.packed_step(dout, q, k, v, out, lse, calls, scale=scale, softcap=softcap, dq_acc=dq,
-                                    dkv_dtype=acc_dtype)
+            grads = bwd.packed_step(dout, q, k, v, out, lse, calls, scale=scale, softcap=softcap, dq_acc=dq)
             blocks = ()
         for j, block in enumerate(blocks):
             rows = block.q
