@@ -204,6 +204,10 @@ def test_merging_two_empty_rows_stays_finite():
     assert not out.isnan().any() and (out[0, 0] == 0).all() and lse[0, 0, 0] == float("-inf")
 
 
+# the merge kernel's tests run it on the GPU when there is one, else under the Triton interpreter
+_MERGE_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _attend64(q, k, v, keys):
     """float64 attention of every row of q (B, n, H, D) to the keys ``keys[i]`` (a list of key indices per row)
     -> out (B, n, H, D), lse (B, H, n); a row with no key: out 0, lse -inf."""
@@ -234,11 +238,11 @@ def test_merge_state_of_overlapping_partial_blocks_matches_float64(fused, first_
     q, k, v = (torch.randn(b, m, h, d, generator=g) for m in (n, nk, nk))
     blocks = [(0, n, 0, 8)] if first_whole else []  # (rows, keys) of each block; disjoint key ranges
     blocks += [(4, 12, 8, 16), (8, 20, 16, 26), (2, 10, 26, 30), (21, 23, 30, 40)]
-    state = MergeState(q.shape, q.device)
+    state = MergeState(q.shape, _MERGE_DEVICE)
     for r0, r1, k0, k1 in blocks:
         out_b, lse_b = _attend64(q[:, r0:r1], k, v, [range(k0, k1)] * (r1 - r0))
-        merge_block(state, out_b.to(BF16), lse_b.float(), slice(r0, r1))
-    out, lse = ExactBlockForward().finalize(state, BF16)
+        merge_block(state, out_b.to(_MERGE_DEVICE, BF16), lse_b.float().to(_MERGE_DEVICE), slice(r0, r1))
+    out, lse = (x.cpu() for x in ExactBlockForward().finalize(state, BF16))
     keys = [[j for r0, r1, k0, k1 in blocks if r0 <= i < r1 for j in range(k0, k1)] for i in range(n)]
     ref_out, ref_lse = _attend64(q, k, v, keys)
     assert out.dtype == BF16 and lse.dtype == torch.float32
@@ -265,10 +269,13 @@ def test_triton_merge_kernel_matches_the_formula_in_float64(d):
     lse_b = torch.randn(h, b, r, generator=g).transpose(0, 1)  # a transposed view, as the packed calls give
     lse[:, :, 5:9], lse_b[:, :, 2:6] = float("-inf"), float("-inf")  # old empty, new empty, both (rows 2, 3)
     a64, o64, l64, lb64 = acc[:, 5:].double(), out_b.double(), lse[:, :, 5:].double(), lse_b.double()
+    acc, out_b, lse = acc.to(_MERGE_DEVICE), out_b.to(_MERGE_DEVICE), lse.to(_MERGE_DEVICE)
+    lse_b = lse_b.transpose(0, 1).to(_MERGE_DEVICE).transpose(0, 1)
     new = torch.logaddexp(l64, lb64)
     w = lambda x: torch.where(new == float("-inf"), 0.0, torch.exp(x - new)).transpose(1, 2).unsqueeze(-1)  # noqa: E731
     expected = a64 * w(l64) + o64 * w(lb64)
     merge_rows(acc[:, 5:], acc[:, 5:], lse[:, :, 5:], out_b, lse_b)
+    acc, lse = acc.cpu(), lse.cpu()
     torch.testing.assert_close(acc[:, 5:].double(), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse[:, :, 5:].double(), new, atol=1e-6, rtol=1e-6)
     assert torch.isinf(lse[:, :, 7:9]).all() and (acc[:, 7:9] == 0).all()
