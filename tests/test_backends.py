@@ -543,6 +543,8 @@ def test_missing_flash_attn_4_is_an_import_error(hopper):
     hopper.setattr(_fa4, "_package_problem", _PACKAGE_PROBLEM)
     with pytest.raises(ImportError, match=r'^backend=\'fa4\' needs flash-attn-4.*pip install "distcomm\[fa4\]"'):
         _kernels.resolve_backend("fa4", CUDA, BF16, Visibility(True), head_dim=128, batch=1)
+    # uncached: a process that has used flash-attn-4 before holds its interface in the cache
+    hopper.setattr(_fa4, "_interface", _fa4._interface.__wrapped__)
     with pytest.raises(ImportError, match=r"needs flash-attn-4"):
         _fa4.FA4Forward()
 
@@ -656,6 +658,7 @@ def test_auto_without_any_usable_backend_says_so(monkeypatch):
     skipped backend's reason."""
     monkeypatch.setattr(_fa4, "_package_problem", lambda: "backend='fa4' needs flash-attn-4")
     monkeypatch.setattr(_fa4, "_capability", lambda device: (9, 0))  # the package is the only problem
+    monkeypatch.setattr(_cudnn, "_cudnn_version", lambda: None)  # a torch build without cuDNN, even on a GPU
     monkeypatch.setattr(_kernels, "_triton_importable", lambda: False)
     with pytest.raises(ImportError, match=r"backend='auto' on CUDA torch.bfloat16 .*pip install triton.*"
                                           r"fa4: backend='fa4' needs flash-attn-4.*backend='torch'"):
@@ -781,3 +784,34 @@ def test_all_gather_packed_calls_with_the_balanced_layout():
         torch.testing.assert_close(dk, ref_dk, rtol=0, atol=1e-5)
         torch.testing.assert_close(dv, ref_dv, rtol=0, atol=1e-5)
     assert gathered == {True, False}
+
+
+@pytest.mark.parametrize("first_whole", [True, False])
+def test_row_sum_rounds_each_row_once(first_whole):
+    """RowSum (a rank's dQ over block calls): bf16 terms over overlapping row runs; rows one term reaches are
+    that term exactly, rows two or more reach are their float64 sum within one bf16 rounding, rows none
+    reaches are 0; a first term over every row is adopted without a copy."""
+    from distcomm_attention.kernels.contract import RowSum
+
+    g = torch.Generator().manual_seed(4)
+    b, n, h, d = 2, 30, 3, 8
+    runs = ([(0, n)] if first_whole else []) + [(5, 12), (10, 20), (2, 6), (25, 27), (11, 19)]
+    terms = [torch.randn(b, r1 - r0, h, d, generator=g).to(BF16) for r0, r1 in runs]
+    expected = torch.zeros(b, n, h, d, dtype=torch.float64)
+    reached = [0] * n
+    for (r0, r1), t in zip(runs, terms):
+        expected[:, r0:r1] += t.double()
+        for i in range(r0, r1):
+            reached[i] += 1
+    total = RowSum(torch.Size((b, n, h, d)), torch.float32, torch.device("cpu"))
+    for (r0, r1), t in zip(runs, terms):
+        total.add(r0, r1, t)
+    out = total.result(BF16)
+    if first_whole:
+        assert out.data_ptr() == terms[0].data_ptr()  # adopted: the summed rows were rounded into it
+    assert out.dtype == BF16
+    # up to four bf16 terms of similar size: their fp32 sum is exact, so one rounding gives the float64 sum's
+    torch.testing.assert_close(out, expected.to(BF16), rtol=0, atol=0)
+    never = [i for i in range(n) if reached[i] == 0]
+    assert [i for i in range(n) if reached[i] == 1] and (out[:, never] == 0).all()
+    assert bool(never) == (not first_whole)

@@ -71,8 +71,8 @@ from torch import Tensor
 
 from distcomm_attention.planning.visibility import BlockMask, Piece, Visibility, pieces_of
 
-__all__ = ["BlockForward", "BlockBackward", "MergeState", "merge_block", "call_features", "WindowCall",
-           "window_calls", "Varlen", "PackedCall", "packed_calls"]
+__all__ = ["BlockForward", "BlockBackward", "MergeState", "RowSum", "merge_block", "call_features",
+           "WindowCall", "window_calls", "Varlen", "PackedCall", "packed_calls"]
 
 
 def call_features(vis: Visibility, softcap: float) -> dict[str, str]:
@@ -328,6 +328,62 @@ class MergeState:
         return self.acc is not None
 
 
+class RowSum:
+    """dQ of one rank's rows summed over block calls, each row rounded once (Note [Merging block outputs]'s rule
+    for outputs, applied to gradients): a row one call reaches keeps that call's dq as the kernel returned it
+    (the first call covering every row is adopted without a copy); only rows a second call reaches get a sum
+    in ``dtype`` (fp32; ``acc``, allocated once, never filled). The same values as summing every term into a
+    zero-filled fp32 buffer and rounding, without the fill, the first addition or the rounding of rows no
+    second call reached. ``add(r0, r1, term)`` adds term (B, r1 - r0, ...) to rows [r0, r1); ``result(dtype)``.
+    """
+
+    __slots__ = ("shape", "dtype", "device", "base", "acc", "touched", "in_acc")
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device):
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.base: Tensor | None = None  # rows reached once (and zeros elsewhere), in the terms' dtype
+        self.acc: Tensor | None = None
+        self.touched: list[tuple[int, int]] = []
+        self.in_acc: list[tuple[int, int]] = []
+
+    def add(self, r0: int, r1: int, term: Tensor) -> None:
+        n = self.shape[1]
+        if r1 <= r0:
+            return
+        if self.base is None:
+            if r0 == 0 and r1 == n:
+                self.base, self.touched = term, [(0, n)]
+                return
+            self.base = torch.zeros(self.shape, dtype=term.dtype, device=self.device)
+        for a, z, summed in _split_runs(r0, r1, self.in_acc):
+            t = term[:, a - r0:z - r0]
+            if summed:
+                self.acc[:, a:z] += t
+                continue
+            for a2, z2, seen in _split_runs(a, z, self.touched):
+                t2 = t[:, a2 - a:z2 - a]
+                if not seen:  # the first term of these rows: kept as given
+                    self.base[:, a2:z2] = t2
+                    continue
+                if self.acc is None:
+                    self.acc = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                self.acc[:, a2:z2] = self.base[:, a2:z2]
+                self.acc[:, a2:z2] += t2
+                self.in_acc = list(_runs(self.in_acc + [(a2, z2)]))
+        self.touched = list(_runs(self.touched + [(r0, r1)]))
+
+    def result(self, dtype: torch.dtype) -> Tensor:
+        """The sum in ``dtype`` (rows no term reached: 0); the summed rows are rounded into the adopted buffer."""
+        if self.base is None:
+            return torch.zeros(self.shape, dtype=dtype, device=self.device)
+        out = self.base
+        if self.in_acc == [(0, self.shape[1])]:
+            return self.acc.to(dtype)
+        for a, z in self.in_acc:
+            out[:, a:z] = self.acc[:, a:z]
+        return out.to(dtype)
+
+
 def _merge_rows(dst: Tensor, src: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
     """dst = exp(lse - new) src + exp(lse_b - new) out_b and lse <- new = logaddexp(lse, lse_b), summed in dst's
     dtype (rows of the state; Note [Merging block outputs]): one fused kernel on CUDA fp32, else PyTorch."""
@@ -527,9 +583,9 @@ class BlockBackward:
 
     def packed_step(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     calls: tuple[PackedCall, ...], *, scale: float, softcap: float,
-                    dq_acc: Tensor) -> list[tuple[slice, Tensor, Tensor]]:
-        """The backward of a step as ``calls`` (Note [Packed steps]): dq added into ``dq_acc`` (B, n, H, D) on the
-        rows each call wrote; returns (key rows, dk, dv) for each run of keys a call wrote, as the kernel returned
+                    dq_acc: Tensor | RowSum) -> list[tuple[slice, Tensor, Tensor]]:
+        """The backward of a step as ``calls`` (Note [Packed steps]): dq added into ``dq_acc`` (B, n, H, D, or a
+        ``RowSum``) on the rows each call wrote; returns (key rows, dk, dv) for each run of keys a call wrote, as the kernel returned
         them (the caller sums them in its accumulation dtype: no cast of its own)."""
         b, n, h, _ = q.shape
         nk = k.shape[1]
@@ -545,7 +601,10 @@ class BlockBackward:
                                     varlen=packed.varlen)
             dq, dk, dv = dq.view(qq.shape), dk.view(kk.shape), dv.view(vv.shape)
             for r0, r1 in packed.rows:  # rows and keys no segment covers hold whatever the kernel left there
-                dq_acc[:, r0:r1] += dq[:, r0 - r_lo:r1 - r_lo]
+                if isinstance(dq_acc, RowSum):
+                    dq_acc.add(r0, r1, dq[:, r0 - r_lo:r1 - r_lo])
+                else:
+                    dq_acc[:, r0:r1] += dq[:, r0 - r_lo:r1 - r_lo]
             for (k0, k1), at in zip(packed.keys, packed.key_at):
                 keys = slice(at, at + k1 - k0)
                 grads.append((slice(k0, k1), dk[:, keys], dv[:, keys]))

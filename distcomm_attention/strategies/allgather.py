@@ -28,7 +28,7 @@ from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention.planning.plans import gathered_in_natural_order, natural_order
 from distcomm_attention.planning.visibility import RingPlan
-from distcomm_attention.strategies.ring import _no_autocast, packed, ring_forward
+from distcomm_attention.strategies.ring import _add_dq, _dq_result, _dq_sum, _no_autocast, _rows_of, packed, ring_forward
 
 __all__ = ["AllGatherKV", "allgather_attention", "gather_kv", "local_backward"]
 
@@ -64,7 +64,7 @@ def local_backward(dout, q, k, v, out, lse, key_mask, plan: RingPlan, softcap: f
     delta = None
     if getattr(bwd, "uses_delta", True):
         delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1).transpose(1, 2).contiguous()
-    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    dq = _dq_sum(q, acc_dtype, bwd)
     dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
     calls = packed(plan, 0, bwd, key_mask, q.device, backward=True)
@@ -73,18 +73,19 @@ def local_backward(dout, q, k, v, out, lse, key_mask, plan: RingPlan, softcap: f
                                               dq_acc=dq):
             dk[:, kv] += dk_b
             dv[:, kv] += dv_b
-        return dq.to(q.dtype), dk, dv
+        return _dq_result(dq, q.dtype), dk, dv
     for j, block in enumerate(plan.blocks[0]):
         rows = block.q
-        _dq, dk_b, dv_b = bwd.step(
+        dq_b, dk_b, dv_b = bwd.step(
             dout[:, rows], q[:, rows], k[:, block.kv], v[:, block.kv], out[:, rows], lse[:, :, rows],
             None if delta is None else delta[:, :, rows], mask=plan.mask(0, j, q.device), scale=scale,
-            softcap=softcap, key_mask=None if key_mask is None else key_mask[:, block.kv], dq_acc=dq[:, rows],
-            dkv_dtype=acc_dtype,
+            softcap=softcap, key_mask=None if key_mask is None else key_mask[:, block.kv],
+            dq_acc=_rows_of(dq, rows), dkv_dtype=acc_dtype,
         )
+        _add_dq(dq, rows, dq_b)
         dk[:, block.kv] += dk_b
         dv[:, block.kv] += dv_b
-    return dq.to(q.dtype), dk, dv
+    return _dq_result(dq, q.dtype), dk, dv
 
 
 class AllGatherKV:

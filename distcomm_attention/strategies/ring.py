@@ -41,7 +41,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from distcomm.ring import RingComm
-from distcomm_attention.kernels.contract import packed_calls
+from distcomm_attention.kernels.contract import RowSum, packed_calls
 from distcomm_attention.planning.visibility import RingPlan
 
 __all__ = ["ring_attention", "ring_forward", "ring_backward", "ring_all_gather", "ring_reduce_scatter", "packed"]
@@ -107,6 +107,31 @@ def packed(plan: RingPlan, i: int, kernel, key_mask, device: torch.device, backw
         blocks, [plan.mask(i, j, device) for j in range(len(blocks))], disjoint_keys=backward))
 
 
+def _dq_sum(q: torch.Tensor, acc_dtype: torch.dtype, bwd) -> torch.Tensor | RowSum:
+    """The accumulator of a rank's dQ: a RowSum for kernels that pack (block backends that return each call's dq:
+    rows one call reaches are never converted), else a zero-filled buffer the kernels add into."""
+    if getattr(bwd, "packs", False):
+        return RowSum(q.shape, acc_dtype, q.device)
+    return torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+
+
+def _rows_of(dq, rows: slice):
+    """What a per-block backward call gets as ``dq_acc``: the rows of a buffer, or None for a RowSum (the call
+    returns its dq, added by ``_add_dq``)."""
+    return None if isinstance(dq, RowSum) else dq[:, rows]
+
+
+def _add_dq(dq, rows: slice, dq_b: torch.Tensor) -> None:
+    """Add a per-block call's dq into a RowSum (a buffer was already added to by the call)."""
+    if isinstance(dq, RowSum):
+        start, stop, _ = rows.indices(dq.shape[1])
+        dq.add(start, stop, dq_b)
+
+
+def _dq_result(dq, dtype: torch.dtype) -> torch.Tensor:
+    return dq.result(dtype) if isinstance(dq, RowSum) else dq.to(dtype)
+
+
 def _shifts(steps: tuple[int, ...], size: int) -> list[int]:
     """Ring distance from each needed step to the next one; the last entry takes a block home."""
     return [b - a for a, b in zip(steps, steps[1:])] + [size - steps[-1]]
@@ -160,7 +185,7 @@ def ring_backward(dout, q, k, v, out, lse, km, comm: RingComm, plan: RingPlan, s
     delta = None
     if getattr(bwd, "uses_delta", True):
         delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1).transpose(1, 2).contiguous()
-    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)  # this rank's dQ, summed in the kernels
+    dq = _dq_sum(q, acc_dtype, bwd)  # this rank's dQ
     k, v = k.contiguous(), v.contiguous()
     shifts = _shifts(plan.steps, size)
     dk_acc = dv_acc = None  # accumulators of the block computed at the previous step
@@ -178,11 +203,12 @@ def ring_backward(dout, q, k, v, out, lse, km, comm: RingComm, plan: RingPlan, s
             blocks = ()
         for j, block in enumerate(blocks):
             rows = block.q
-            _dq, dk_b, dv_b = bwd.step(
+            dq_b, dk_b, dv_b = bwd.step(
                 dout[:, rows], q[:, rows], k[:, block.kv], v[:, block.kv], out[:, rows], lse[:, :, rows],
                 None if delta is None else delta[:, :, rows], mask=plan.mask(i, j, q.device), scale=scale, softcap=softcap,
-                key_mask=None if km is None else km[:, block.kv], dq_acc=dq[:, rows], dkv_dtype=acc_dtype,
+                key_mask=None if km is None else km[:, block.kv], dq_acc=_rows_of(dq, rows), dkv_dtype=acc_dtype,
             )
+            _add_dq(dq, rows, dq_b)
             grads.append((block.kv, dk_b, dv_b))
         received = [t for h in handles for t in h.wait()]
         if not last:
@@ -197,7 +223,7 @@ def ring_backward(dout, q, k, v, out, lse, km, comm: RingComm, plan: RingPlan, s
             dk_acc = _accumulate(received[0], grads, acc_dtype, 1, k.dtype if last else None)
             dv_acc = _accumulate(received[1], grads, acc_dtype, 2, v.dtype if last else None)
     dk_acc, dv_acc = comm.send_recv(dk_acc.to(k.dtype), dv_acc.to(v.dtype), shift=shifts[-1]).wait()
-    return dq.to(q.dtype), dk_acc, dv_acc
+    return _dq_result(dq, q.dtype), dk_acc, dv_acc
 
 
 class _RingFlashAttn(torch.autograd.Function):
