@@ -427,7 +427,8 @@ def test_cuda_only_failures_raise_before_communication(monkeypatch):
 
 
 def test_backward_accumulators_round_once():
-    """dK/dV accumulation of the ring backward: a single block travels as the kernel returned it; partial sums
+    """dK/dV accumulation of the ring backward: a single block in the accumulation dtype travels as the kernel
+    returned it, one in another dtype is converted (every rank's first hop has the same dtype); partial sums
     are fp32; the last step rounds the complete sum to the input dtype exactly once (fp32 sum, then cast)."""
     from distcomm_attention.strategies.ring import _accumulate, _start_acc
 
@@ -435,8 +436,10 @@ def test_backward_accumulators_round_once():
     like = torch.empty(2, 6, 3, 4, dtype=torch.bfloat16)
     g1, g2 = (torch.randn(like.shape, generator=gen).bfloat16() for _ in range(2))
 
+    wide = g1.float()
+    assert _start_acc([(slice(None), wide, wide)], like, torch.float32, 1) is wide  # one term: no copy
     first = _start_acc([(slice(None), g1, g1)], like, torch.float32, 1)
-    assert first is g1  # one exact term: no widening copy before its first hop
+    assert first.dtype == torch.float32 and torch.equal(first, g1.float())  # the same dtype as a rank's sum
     part = _start_acc([(slice(0, 3), g1[:, :3], g1[:, :3])], like, torch.float32, 1)
     assert part.dtype == torch.float32 and torch.equal(part[:, :3], g1[:, :3].float()) and not part[:, 3:].any()
 

@@ -50,8 +50,9 @@ Note [Merging block outputs]
     every row as it is, without a copy: a ring of one (one block) is exactly one kernel call, its out and
     lse returned untouched. A later block's rows get their running sum in fp32 (``acc``, allocated once,
     never filled); rows no later block touches stay as the first block wrote them, with no conversion
-    either way. ``finalize`` rounds only the merged rows, into the adopted buffer: each block's output is
-    rounded once, by its kernel, and each sum once. On CUDA the merge of a run of rows is one Triton
+    either way. ``finalize`` rounds only the merged rows, into the first block's buffer (or into zeros when
+    the first block was partial; every row merged: ``acc`` rounded whole): each block's output is rounded
+    once, by its kernel, and each sum once. On CUDA the merge of a run of rows is one Triton
     kernel (distcomm_attention.kernels.triton_merge: one read of each input, one write) instead of five
     PyTorch passes with fp32 temporaries.
 
@@ -306,9 +307,9 @@ class MergeState:
     """Running (out, lse) of one rank's queries (see Note [Merging block outputs]).
 
     ``out`` is None (nothing seen yet) or (B, Sq, H, D) in the blocks' dtype: the first whole-coverage block's
-    own output, adopted, or zeros; ``lse`` (B, H, Sq) fp32 alongside (fp64 both when the blocks' lse is fp64,
-    as from exact float64 kernels). Rows merged at least once keep their running sum in ``acc`` (fp32 or
-    fp64, allocated on the first merge, never filled): ``in_acc`` lists them as sorted disjoint runs, and
+    own output, adopted, or zeros; ``lse`` (B, H, Sq) fp32 alongside (fp64 when the blocks' lse is fp64, as
+    from exact float64 kernels). Rows merged at least once keep their running sum in ``acc`` (fp32, or fp64
+    with an fp64 lse; allocated on the first merge, never filled): ``in_acc`` lists them as sorted disjoint runs, and
     every other row's output is still the one in ``out``.
     """
 

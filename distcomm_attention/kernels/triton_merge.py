@@ -37,8 +37,8 @@ def _merge_kernel(
     R, H, D,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_r, pid_h, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    pid_r, pid_h, pid_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # offsets in int64: states of > 2^31 elements
     cols = tl.arange(0, BLOCK_D)
     in_r = rows < R
     lse_ptr = lse + pid_b * s_lse_b + pid_h * s_lse_h + rows * s_lse_r

@@ -15,7 +15,7 @@ Note [Ring attention loop]
     backward, step t_i: post send_recv(k, v[, mask], shift=t_{i+1} - t_i) and
                         send_recv(dk_acc, dv_acc, shift=t_i - t_{i-1})   (the accumulators of the block
                         computed at the previous step, to the next rank that computes with it)
-                        dk_t, dv_t = contributions of this rank's queries to block src; dQ added in place
+                        dk_t, dv_t = contributions of this rank's queries to block src; dQ summed locally
                         wait; dk_acc = received dk_acc + dk_t   (received: the contributions of the ranks
                         that computed with src before; added in place when it is already fp32)
                         after the last step: one more hop (shift W - t_m) takes each accumulator to its
@@ -25,8 +25,11 @@ Note [Ring attention loop]
         plain ring, rank r:  t=0: block r   t=1: block r-1 (+acc from r-1)   ...   t=W-1: block r+1
                              then send acc(r+1) -> r+1, receive acc(r) <- r-1: the total dK, dV of r's block
 
-dQ accumulates locally in fp32 (fp64 for fp64 input); partial dK/dV sums of two or more blocks travel in
-    that dtype too, while the first hop carries a single block's gradient as the kernel returned it (exact).
+dQ accumulates locally in fp32 (fp64 for fp64 input): kernels that return each call's dq (those that pack)
+    add into a ``RowSum`` (distcomm_attention.kernels.contract), where a row one call reaches keeps that dq
+    and only rows a second call reaches are summed in fp32; the others add into a zero-filled buffer. The
+    dK/dV accumulators travel in the accumulation dtype at every hop but the last (the same dtype on every
+    rank, so that each receive matches its send).
     Communication is posted before the compute it overlaps with and waited after it; every rank posts the
     same sequence, so there is no barrier and no deadlock (see distcomm.ring). Only q, k, v, out and lse
     are saved for the backward (q, k, v as given, not copies). The whole loop runs with autocast disabled:
@@ -56,11 +59,12 @@ def _whole(rows: slice, n: int) -> bool:
 def _start_acc(grads: list, like: torch.Tensor, dtype: torch.dtype, which: int) -> torch.Tensor:
     """The accumulator of step 0: the sum of ``grads[i][which]`` over their kv rows, shaped like ``like``.
 
-    A single block covering every row is one term: it travels as the kernel returned it (the ring asks the
-    kernels for the accumulation dtype), with no zero fill and no extra add.
+    Always in ``dtype``: every rank posts the same receive for it, whatever its own blocks were. A single
+    block covering every row is one term: it is only converted (a no-op for kernels asked for the accumulation
+    dtype), with no zero fill and no extra add.
     """
     if len(grads) == 1 and _whole(grads[0][0], like.shape[1]):
-        return grads[0][which]
+        return grads[0][which].to(dtype)
     acc = torch.zeros(like.shape, dtype=dtype, device=like.device)
     for g in grads:
         acc[:, g[0]] += g[which]
