@@ -388,7 +388,7 @@ class RowSum:
 def _merge_rows(dst: Tensor, src: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
     """dst = exp(lse - new) src + exp(lse_b - new) out_b and lse <- new = logaddexp(lse, lse_b), summed in dst's
     dtype (rows of the state; Note [Merging block outputs]): one fused kernel on CUDA fp32, else PyTorch."""
-    if dst.dtype == torch.float32 and lse.dtype == torch.float32:
+    if dst.dtype == torch.float32 and lse.dtype == torch.float32 and all(x.stride(-1) == 1 for x in (dst, src, out_b)):
         from distcomm_attention.kernels import triton_merge
 
         if triton_merge.fused_available(dst.device):
@@ -586,8 +586,8 @@ class BlockBackward:
                     calls: tuple[PackedCall, ...], *, scale: float, softcap: float,
                     dq_acc: Tensor | RowSum) -> list[tuple[slice, Tensor, Tensor]]:
         """The backward of a step as ``calls`` (Note [Packed steps]): dq added into ``dq_acc`` (B, n, H, D, or a
-        ``RowSum``) on the rows each call wrote; returns (key rows, dk, dv) for each run of keys a call wrote, as the kernel returned
-        them (the caller sums them in its accumulation dtype: no cast of its own)."""
+        ``RowSum``) on the rows each call wrote; returns (key rows, dk, dv) for each run of keys a call wrote, as
+        the kernel returned them (the caller converts or sums them in its accumulation dtype)."""
         b, n, h, _ = q.shape
         nk = k.shape[1]
         grads = []

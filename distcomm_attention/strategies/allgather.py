@@ -28,7 +28,8 @@ from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention.planning.plans import gathered_in_natural_order, natural_order
 from distcomm_attention.planning.visibility import RingPlan
-from distcomm_attention.strategies.ring import _add_dq, _dq_result, _dq_sum, _no_autocast, _rows_of, packed, ring_forward
+from distcomm_attention.strategies.ring import (_add_dq, _dq_result, _dq_sum, _no_autocast, _rows_of, packed,
+                                                ring_forward)
 
 __all__ = ["AllGatherKV", "allgather_attention", "gather_kv", "local_backward"]
 
