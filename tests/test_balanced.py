@@ -1025,3 +1025,48 @@ def test_hybrids_with_balanced_layout(names):
                 torch.testing.assert_close(res[name], want[name].index_select(1, ids), **FP64,
                                            msg=lambda m, name=name: f"{name} at {where}: {m}")
             torch.testing.assert_close(res["gathered_out"], want["out"], **FP64)
+
+
+def test_auto_skips_only_candidates_that_cannot_win():
+    """layout="auto" plans a candidate only when its lower bound (its busiest rank's kernel work) does not exceed
+    a better prediction: on random documents (windows too) the pick equals the brute-force pick over every
+    candidate's full prediction, every bound is <= that candidate's predictions for ring and all-gather, and a
+    skipped candidate is reported with its bound. Heavy-tailed documents do skip some."""
+    from distcomm_attention.planning import cost
+    from distcomm_attention.planning.visibility import Visibility
+
+    rng = random.Random(77)
+    skipped = 0
+    # one document of S / 2 and documents of 1k at S = 32k and 64k, W = 8: far enough from balanced that the
+    # static layouts' kernel work alone exceeds the balanced prediction
+    fixed = [(tuple([0, s // 2] + list(range(s // 2 + 1024, s, 1024)) + [s]), s, 8, (-1, -1)) for s in (32768, 65536)]
+    for i in range(14):
+        if i < len(fixed):
+            cu, seq, world, window = fixed[i]
+        else:
+            world = rng.choice([2, 4, 8])
+            seq = 64 * world * rng.randint(1, 4)
+            if i % 3 == 0:  # one long document and short ones: static layouts far from balanced
+                cut = seq // 2 + 2 * world
+                cu = tuple([0, cut] + sorted(rng.sample(range(cut + 1, seq), 6)) + [seq])
+            else:
+                cu = tuple([0] + sorted(rng.sample(range(1, seq), rng.randint(2, 12))) + [seq])
+            window = (-1, -1) if i % 4 else (rng.randint(8, 64), 0)
+        balance.choose_layout.cache_clear()
+        pick, times = balance.choose_layout(cu, seq, world, window)
+        vis = Visibility(True, window, cu)
+        full = {}
+        for name in times:
+            layout = balance.balanced(cu, seq, world, window) if name == "balanced" else name
+            call = cost.Call(1, seq // world, 32, 8, 128, 2, layout, vis, world)
+            predicted = [cost.predict(call, s).seconds for s in ("ring", "allgather")]
+            positions = layout if name == "balanced" else [_positions(name, seq, world)[r] for r in range(world)]
+            bound = cost.lower_bound(call, max(balance.rank_work(positions, cu, seq, window)))
+            assert bound <= min(predicted) * (1 + 1e-12), (name, bound, predicted)
+            full[name] = min(predicted)
+            if times[name] != full[name]:
+                assert times[name] == bound and bound > min(full.get(n, times[n]) for n in times), (name, times)
+                skipped += 1
+        best = min(full, key=full.get)
+        assert pick == (balance.balanced(cu, seq, world, window) if best == "balanced" else best)
+    assert skipped > 0

@@ -239,20 +239,33 @@ def choose_layout(cu_seqlens: tuple[int, ...] | None, seq_len: int, ring_size: i
     """layout="auto": the candidate (``AUTO_CANDIDATES``) with the least predicted time, under the faster of the
     ring and all-gather strategies, for a reference call (bf16, 32 query / 8 kv heads of 128, batch 1, causal,
     NVLink; Note [Cost model]; Ulysses' time does not depend on the layout) ->
-    (the planner's layout, {name: predicted seconds}). Without documents: "balanced" (zigzag's positions)."""
+    (the planner's layout, {name: predicted seconds}; for a candidate whose lower bound (``cost.lower_bound``:
+    its busiest rank's kernel work alone) already exceeds a better one's prediction, that bound: it is not
+    planned). Without documents: "balanced" (zigzag's positions)."""
     from distcomm_attention.planning import cost
     from distcomm_attention.planning.visibility import Visibility
 
     if cu_seqlens is None or len(cu_seqlens) <= 2 or ring_size == 1:
         return balanced(cu_seqlens, seq_len, ring_size, window), {}
     vis = Visibility(True, window, tuple(cu_seqlens))
-    times = {}
-    concrete = {}
+    concrete, calls, bounds = {}, {}, {}
     for name in AUTO_CANDIDATES:
         if name == "zigzag" and seq_len % (2 * ring_size):
             continue
         concrete[name] = balanced(cu_seqlens, seq_len, ring_size, window) if name == "balanced" else name
-        call = cost.Call(1, seq_len // ring_size, 32, 8, 128, 2, concrete[name], vis, ring_size)
-        times[name] = min(cost.predict(call, strategy).seconds for strategy in ("ring", "allgather"))
+        calls[name] = cost.Call(1, seq_len // ring_size, 32, 8, 128, 2, concrete[name], vis, ring_size)
+        positions = concrete[name] if name == "balanced" else [
+            layouts.positions(name, seq_len, ring_size, r) for r in range(ring_size)]
+        bounds[name] = cost.lower_bound(calls[name], max(rank_work(positions, cu_seqlens, seq_len, window)))
+    # Candidates in order of their lower bound; one whose bound exceeds the best prediction so far cannot win
+    # and is not planned (planning every rank's steps is what costs): it is reported with its bound.
+    times, best = {}, float("inf")
+    for name in sorted(bounds, key=bounds.get):
+        if bounds[name] > best:
+            times[name] = bounds[name]
+            continue
+        times[name] = min(cost.predict(calls[name], strategy).seconds for strategy in ("ring", "allgather"))
+        best = min(best, times[name])
+    times = {name: times[name] for name in concrete}  # candidate order: ties go to the earlier candidate
     best = min(times, key=times.get)
     return concrete[best], times

@@ -40,7 +40,7 @@ from typing import NamedTuple
 from distcomm_attention.planning.plans import gathered_plan, local_plan
 from distcomm_attention.planning.visibility import RingPlan, Visibility, ring_plan
 
-__all__ = ["Hardware", "Prediction", "StrategyChoice", "Call", "predict", "choose"]
+__all__ = ["Hardware", "Prediction", "StrategyChoice", "Call", "predict", "choose", "lower_bound"]
 
 
 @dataclass(frozen=True)
@@ -119,11 +119,21 @@ def _step_costs(plan: RingPlan) -> tuple[tuple[int, int, int, int], ...]:
     return tuple(out)
 
 
+def _flops_s(pairs: int, c: Call, heads: int, hw: Hardware) -> float:
+    return 3.5 * 4 * c.batch * heads * c.head_dim * pairs / (hw.tflops * 1e12)
+
+
 def _compute_s(pairs: int, calls: int, rows: int, keys: int, c: Call, heads: int, kv_heads: int,
                hw: Hardware) -> float:
-    flops = 3.5 * 4 * c.batch * heads * c.head_dim * pairs
     state = 4 * c.batch * c.head_dim * (rows * heads + 2 * keys * kv_heads)
-    return flops / (hw.tflops * 1e12) + calls * hw.call_overhead_s + state / (hw.state_gbps * 1e9)
+    return _flops_s(pairs, c, heads, hw) + calls * hw.call_overhead_s + state / (hw.state_gbps * 1e9)
+
+
+def lower_bound(c: Call, busiest_pairs: int, hw: Hardware = Hardware()) -> float:
+    """A lower bound on ``predict(c, "ring")`` and ``predict(c, "allgather")`` seconds: the kernel work of the
+    rank with the most visible (query, key) pairs (``busiest_pairs``), with no call overhead, state traffic
+    or communication. Cheap (no plan): what layout="auto" uses to skip a candidate that cannot win."""
+    return _flops_s(busiest_pairs, c, c.heads, hw)
 
 
 def _transfer_s(nbytes: float, gbps: float, hw: Hardware) -> float:
