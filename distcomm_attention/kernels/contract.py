@@ -377,12 +377,18 @@ class RowSum:
         """The sum in ``dtype`` (rows no term reached: 0); the summed rows are rounded into the adopted buffer."""
         if self.base is None:
             return torch.zeros(self.shape, dtype=dtype, device=self.device)
-        out = self.base
-        if self.in_acc == [(0, self.shape[1])]:
-            return self.acc.to(dtype)
-        for a, z in self.in_acc:
-            out[:, a:z] = self.acc[:, a:z]
-        return out.to(dtype)
+        return _rounded(self.base, self.acc, self.in_acc, dtype)
+
+
+def _rounded(base: Tensor, acc: Tensor | None, in_acc: list[tuple[int, int]], dtype: torch.dtype) -> Tensor:
+    """``base`` in ``dtype`` with the rows of ``in_acc`` taken from the sums in ``acc``, each rounded once
+    (written into ``base`` itself when it has the dtype: no copy); every row summed: ``acc`` converted whole."""
+    if acc is not None and in_acc == [(0, base.shape[1])]:
+        return acc.to(dtype)
+    out = base.to(dtype)
+    for a, z in in_acc:
+        out[:, a:z] = acc[:, a:z]
+    return out
 
 
 def _merge_rows(dst: Tensor, src: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
@@ -522,13 +528,7 @@ class BlockForward:
             b, sq, h, _ = state.shape
             return (torch.zeros(state.shape, dtype=dtype, device=state.device),
                     torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=state.device))
-        out = state.out.to(dtype)
-        if state.acc is not None:
-            if len(state.in_acc) == 1 and state.in_acc[0] == (0, state.shape[1]):
-                return state.acc.to(dtype), state.lse
-            for a, z in state.in_acc:  # rounded once, from the fp32 sums (into the adopted output: no copy)
-                out[:, a:z] = state.acc[:, a:z]
-        return out, state.lse
+        return _rounded(state.out, state.acc, state.in_acc, dtype), state.lse
 
 
 class BlockBackward:
