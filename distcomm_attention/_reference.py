@@ -23,6 +23,7 @@ def attention_reference(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     cu_seqlens: torch.Tensor | list[int] | None = None,
+    upcast: bool = True,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v in float64, differentiable (autograd gives the reference grads).
 
@@ -38,11 +39,16 @@ def attention_reference(
         window_size: (left, right): key visible iff pos(i) - left <= pos(j) <= pos(i) + right (-1: unbounded).
         softcap: scores = softcap * tanh(scores / softcap) when > 0.
         cu_seqlens: document boundaries over positions; keys of another document are hidden.
+        upcast: False computes in the inputs' dtype instead of float64 ("plain PyTorch attention in the same
+            dtype", the yardstick of flash-attn's error criterion).
 
     Returns:
-        (batch, seq, heads, head_dim) in float64; a query with no visible key outputs zeros.
+        (batch, seq, heads, head_dim) in float64 (``upcast``, else the inputs' dtype); a query with no visible
+        key outputs zeros (and gets zero gradients); a NaN in q, k or v gives NaN in every output row it
+        reaches.
     """
-    q, k, v = q.double(), k.double(), v.double()
+    if upcast:
+        q, k, v = q.double(), k.double(), v.double()
     group = q.shape[2] // k.shape[2]
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
@@ -70,5 +76,7 @@ def attention_reference(
     if attention_mask is not None:
         visible = visible & attention_mask.to(scores.device)[:, None, None, :]
     scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a query with no visible key: zero weights
+    # A hidden key gets weight exactly 0, also in a row that is NaN (a NaN among the inputs reaches only the
+    # rows and keys it meets); a query with no visible key: zero weights (softmax of a row of -inf is NaN).
+    probs = torch.softmax(scores, dim=-1).masked_fill(~visible, 0.0)
     return torch.einsum("bhij,bjhd->bihd", probs, v)

@@ -46,7 +46,10 @@ Note [Merging block outputs]
         out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
 
     (both weights <= 1, so nothing overflows). A row no block has reached has lse = -inf and weight 0,
-    and finalizes to out 0, lse -inf like the other kernels. The state adopts the first block that covers
+    and finalizes to out 0, lse -inf like the other kernels. NaN in means NaN out: a NaN lse stays NaN
+    through the merge, a NaN output row stays NaN (0 * NaN is NaN), and ``finalize`` sets the lse of a row
+    whose output is NaN to NaN, since a kernel may report such a row with lse -inf (flash-attn-4 treats a
+    NaN row sum like an empty row) and the backward would then take it for a row that saw no key. The state adopts the first block that covers
     every row as it is, without a copy: a ring of one (one block) is exactly one kernel call, its out and
     lse returned untouched. A later block's rows get their running sum in fp32 (``acc``, allocated once,
     never filled); rows no later block touches stay as the first block wrote them, with no conversion
@@ -408,6 +411,14 @@ def _merge_rows(dst: Tensor, src: Tensor, lse: Tensor, out_b: Tensor, lse_b: Ten
     lse.copy_(new)
 
 
+def _nan_rows(out: Tensor, lse: Tensor) -> Tensor:
+    """``lse`` with NaN on the rows whose output holds a NaN (Note [Merging block outputs]): a kernel may report
+    a row with a NaN score as one that saw no key (lse -inf; flash-attn-4 does) while its output carries the NaN,
+    and the backward must not take it for an empty row (P = 0, zero gradients). One pass over the output."""
+    bad = out.isnan().any(-1).transpose(1, 2)
+    return lse.masked_fill(bad, float("nan"))
+
+
 def _split_runs(a: int, b: int, runs: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
     """[a, b) cut at the boundaries of ``runs`` (sorted, disjoint): (start, stop, inside a run) pieces."""
     out, pos = [], a
@@ -523,12 +534,13 @@ class BlockForward:
 
     def finalize(self, state: MergeState, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """-> out (B, Sq, H, D) in ``dtype``, lse (B, H, Sq) float32 (the blocks' lse dtype); rows that saw no
-        key: out 0, lse -inf."""
+        key: out 0, lse -inf; rows whose output is NaN: lse NaN."""
         if state.out is None:
             b, sq, h, _ = state.shape
             return (torch.zeros(state.shape, dtype=dtype, device=state.device),
                     torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=state.device))
-        return _rounded(state.out, state.acc, state.in_acc, dtype), state.lse
+        out = _rounded(state.out, state.acc, state.in_acc, dtype)
+        return out, _nan_rows(out, state.lse)
 
 
 class BlockBackward:

@@ -128,10 +128,13 @@ class TorchForward:
         m.copy_(m_new)
 
     def finalize(self, state: TorchState, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> out (B, Sq, H, D) in ``dtype`` and lse (B, H, Sq) in the state dtype (fp32; fp64 for fp64)."""
-        seen = state.l > 0
-        out = torch.where(seen.unsqueeze(-1), state.acc / state.l.unsqueeze(-1), 0.0)
-        lse = torch.where(seen, state.m + torch.log(state.l), float("-inf"))
+        """-> out (B, Sq, H, D) in ``dtype`` and lse (B, H, Sq) in the state dtype (fp32; fp64 for fp64).
+
+        Rows that saw no key (l == 0): out 0, lse -inf. A NaN score makes l NaN, so its row gives NaN out and lse
+        (never the no-key case)."""
+        empty = state.l == 0
+        out = torch.where(empty.unsqueeze(-1), 0.0, state.acc / state.l.unsqueeze(-1))
+        lse = torch.where(empty, float("-inf"), state.m + torch.log(state.l))
         return out.transpose(1, 2).to(dtype).contiguous(), lse
 
 

@@ -23,7 +23,8 @@ online-softmax rescaling (``alpha = 2^(m_old - m_new)``), and stores them back, 
 
 A step may be marked ``final``: the kernel then normalises in registers and writes ``out`` (input dtype)
 and ``lse`` directly, skipping the fp32 store/load round trip (with a single step this is ordinary flash
-attention). Rows that never saw a key keep l == 0 and finalise to out = 0, lse = -inf (no NaN).
+attention). Rows that never saw a key keep l == 0 and finalise to out = 0, lse = -inf (no NaN); a NaN score
+makes its row's l NaN, and the row finalises to NaN out and lse.
 
 Visibility: each step gets a ``BlockMask`` (Note [Visibility]: "full", top-left "causal", or "interval"
 arrays), an optional key padding mask and a softcap, selected in the kernel by the constexprs MODE,
@@ -320,10 +321,10 @@ def _ring_fwd_kernel(
     )
 
     if FINAL:
-        seen = l_i > 0.0
-        l_safe = tl.where(seen, l_i, 1.0)
+        empty = l_i == 0.0  # no key seen; a NaN l (a NaN score) gives NaN out and lse, not this case
+        l_safe = tl.where(empty, 1.0, l_i)
         out = acc * (1.0 / l_safe)[:, None]
-        lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # * ln(2)
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # * ln(2)
         out_ptrs = Out + off_b * stride_ob + off_h * stride_oh
         out_ptrs += rows_m[:, None] * stride_om + offs_d[None, :] * stride_od
         tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=md_ok)
@@ -536,10 +537,10 @@ def _rows_end(acc, l_i, m_i, Acc, M, L, Out, Lse, a_off, ml_off, o_off, lse_off,
         l_i = l_old * a_old + l_i * a_new
         m_i = m_new
     if FINAL:
-        seen = l_i > 0.0
-        l_safe = tl.where(seen, l_i, 1.0)
+        empty = l_i == 0.0  # no key seen; a NaN l (a NaN score) gives NaN out and lse, not this case
+        l_safe = tl.where(empty, 1.0, l_i)
         out = acc * (1.0 / l_safe)[:, None]
-        lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))  # * ln(2)
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # * ln(2)
         tl.store(Out + o_off + rows_m[:, None] * stride_om + offs_d[None, :] * stride_od,
                  out.to(Out.dtype.element_ty), mask=md_ok)
         tl.store(Lse + lse_off + rows_m * stride_lm, lse, mask=m_ok)
@@ -1114,9 +1115,9 @@ class TritonForward:
             out = torch.zeros(state.q_shape, dtype=dtype, device=state.device)
             lse = torch.full((batch, heads, seqlen_q), -math.inf, dtype=torch.float32, device=state.device)
             return out, lse
-        seen = state.l > 0
-        l_safe = torch.where(seen, state.l, torch.ones_like(state.l))
-        lse = torch.where(seen, (state.m + torch.log2(l_safe)) * _LN2, torch.full_like(state.l, -math.inf))
+        empty = state.l == 0  # a NaN l (a NaN score) gives NaN out and lse
+        l_safe = torch.where(empty, torch.ones_like(state.l), state.l)
+        lse = torch.where(empty, torch.full_like(state.l, -math.inf), (state.m + torch.log2(l_safe)) * _LN2)
         out = (state.acc * (1.0 / l_safe).transpose(1, 2).unsqueeze(-1)).to(dtype)
         return out, lse
 

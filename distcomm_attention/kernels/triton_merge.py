@@ -2,7 +2,8 @@
 distcomm_attention.kernels.contract): the running state of some rows and one block's normalised output
 combined in a single pass.
 
-    new  = logaddexp(lse, lse_b)                      (B, H, R) fp32; a row no block reached stays -inf
+    new  = logaddexp(lse, lse_b)                      (B, H, R) fp32; a row no block reached stays -inf,
+                                                      a NaN lse stays NaN
     dst  = exp(lse - new) * src + exp(lse_b - new) * out_b        (B, R, H, D), summed in fp32
     lse <- new
 
@@ -50,8 +51,9 @@ def _merge_kernel(
     e_old = tl.exp(old - shift)
     e_blk = tl.exp(blk - shift)
     total = e_old + e_blk
-    safe = tl.where(total > 0, total, 1.0)
-    new = tl.where(total > 0, shift + tl.log(safe), float("-inf"))
+    # total == 0: no block reached the row. A NaN (a NaN lse) is kept: log and the weights carry it.
+    safe = tl.where(total == 0, 1.0, total)
+    new = tl.where(total == 0, float("-inf"), shift + tl.log(safe))
     w_old = e_old / safe
     w_blk = e_blk / safe
     tile = in_r[:, None] & (cols[None, :] < D)
