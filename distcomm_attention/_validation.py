@@ -1,23 +1,26 @@
-"""Input validation for ring attention: per-rank facts before any communication, cross-rank facts once.
+r"""Input validation of the attention's entry points: every input error decided by all ranks together.
 
-Per-rank facts (types, ranks of tensors, dtypes, devices, head counts, lengths vs the layout) raise at once
-on the rank that sees them. Cross-rank facts (shapes, dtypes, layout and mask that differ between the ring's
-ranks) would make the ring hang or compute garbage: :func:`verify_across_ring` exchanges a small metadata
-vector around the ring and every rank of the ring raises the same ValueError, naming the fields that differ
-and each rank's values in the caller's terms (shapes and dtypes, layout names, floats, True/False, document
-boundaries); those values travel in a second exchange that only a disagreement pays for. In distcomm's check mode the
-exchange comes first and the per-rank shape checks after it, so that a rank whose shapes differ from its
-peers' (e.g. a local length the layout cannot split on one rank only) fails together with them instead of
-raising alone while they wait in the exchange.
+Every check of a call's inputs runs on each rank without raising (:func:`verdict`); the verdicts and a
+small metadata vector (shapes, dtypes, options) then travel in one exchange (:func:`verify_across_ring`), and
+every rank raises the same error: the input errors, naming each rank that found one and its message, else the
+fields the ranks of a ring disagree on, with each rank's values in the caller's terms (shapes and dtypes,
+layout names, floats, True/False, document boundaries). The texts travel in a second exchange that only an
+error pays for.
 
-Note [Verified signatures]
-    Exchanging metadata costs a host sync, so outside distcomm's check mode it happens once per new
-    signature (ring members, shapes, dtypes, options) and the verified signatures are remembered. A
-    signature is new on every rank at the same call as long as the ranks call with the same shapes, and
-    a disagreement is caught the first time it appears together with a new signature. A rank that
-    changes its shapes alone, after the ring verified the old ones, is caught only in check mode
-    (``distcomm.check_mode()`` or DISTCOMM_CHECK=1), which verifies every call. The exchange runs inside
-    the ring only (a ring all-gather), so rings of one group never wait for each other.
+Note [Collective verdicts]
+    A check that raises on one rank while its peers go on into a collective leaves the peers waiting until the
+    process group's timeout (30 minutes on gloo). So no input check of a communicating entry point raises
+    where it runs: each rank computes its verdict, and the verdicts are decided together.
+
+        rank 0:  checks -> ok       \                        / raise E (names rank 1) \
+                                      > exchange(verdicts) -<                          > or all run
+        rank 1:  checks -> error E  /                        \ raise E                /
+
+    The exchange runs on every call (a cache of verified signatures would let a rank skip it while a peer,
+    whose input changed, waits in it), over the whole group (so that ranks passing different ``ring_size``
+    meet), on the host: CPU tensors on gloo or an in-process group, and for NCCL a gloo group over the same
+    ranks made on first use, so verification never waits for the GPU's queue. Its cost is a small host
+    all-gather per call (docs/testing.md gives the measured time).
 """
 
 from __future__ import annotations
@@ -28,13 +31,13 @@ import struct
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
-from distcomm import _check
+from distcomm import _check, _groups
 from distcomm.ring import RingComm
 
-__all__ = ["check_is_tensor", "check_qkv", "check_flag", "check_scale", "Shown", "render_ints", "verify_across_ring"]
-
-_verified: set[tuple] = set()
+__all__ = ["check_is_tensor", "check_qkv", "check_flag", "check_scale", "Shown", "render_ints", "verdict",
+           "verify_across_ring"]
 
 
 def check_is_tensor(name: str, value) -> None:
@@ -149,23 +152,50 @@ def _render(value) -> str:
     return repr(value)
 
 
-def _tensor_code(t: torch.Tensor, op: str) -> list[int]:
-    if t.dim() > _check.MAX_DIMS:
-        raise ValueError(f"{op}: tensors of more than {_check.MAX_DIMS} dims are not supported")
+def _tensor_code(t) -> list[int]:
+    """A tensor's dims, dtype and shape as ints; ``-1`` in front for what is not a tensor of at most
+    ``MAX_DIMS`` dims (this rank's verdict then says why)."""
+    if not isinstance(t, torch.Tensor) or t.dim() > _check.MAX_DIMS:
+        return [-1, -1] + [0] * _check.MAX_DIMS
     return [t.dim(), _check.dtype_code(t.dtype)] + list(t.shape) + [0] * (_check.MAX_DIMS - t.dim())
 
 
+# The exception types a verdict may carry, by code (0: no error); anything else travels as RuntimeError.
+_ERRORS = (None, TypeError, ValueError, ImportError, NotImplementedError, RuntimeError)
+
+
+def verdict(fn, *args, **kwargs):
+    """``(fn(...), None)``, or ``(None, error)`` for an input error (TypeError, ValueError, ImportError,
+    NotImplementedError): this rank's verdict, to be raised by every rank after the exchange
+    (Note [Collective verdicts])."""
+    try:
+        return fn(*args, **kwargs), None
+    except (TypeError, ValueError, ImportError, NotImplementedError) as e:
+        return None, e
+
+
+def _error_code(error: BaseException | None) -> list[int]:
+    if error is None:
+        return [0, 0]
+    kind = next((i for i, t in enumerate(_ERRORS) if t is not None and type(error) is t), None)
+    if kind is None:
+        kind = next(i for i, t in enumerate(_ERRORS) if t is not None and isinstance(error, t))
+    return [kind, _digest(str(error).encode())]
+
+
 _TEXT_BYTES = 256  # per field and rank in the second exchange of a disagreement
+_ERROR_BYTES = 1024  # per rank: the text of an input error
 _HINTS = {
     "layout": "pass the same `layout=` (or `sharding=`) on every rank",
     "balance_window": "shard the documents with the same balance_window (Sharding(..., balance_window=) or "
                       "shard_sequence(..., balance_window=)) on every rank",
     "requires_grad": "q, k and v must need grad on every rank or on none (a rank without grads would skip the "
                      "backward its peers wait in)",
+    "ring_size": "pass the same `ring_size=` (or `sharding=`) on every rank of the group",
 }
 
 
-def _positions(ranks: list[int]) -> str:
+def _positions(ranks: list[int], what: str = "ring position") -> str:
     """``[0]`` -> "ring position 0"; ``[0, 2, 3, 4]`` -> "ring positions 0, 2-4"."""
     runs: list[list[int]] = []
     for r in ranks:
@@ -174,10 +204,10 @@ def _positions(ranks: list[int]) -> str:
         else:
             runs.append([r])
     text = ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
-    return f"ring position{'s' if len(ranks) > 1 else ''} {text}"
+    return f"{what}{'s' if len(ranks) > 1 else ''} {text}"
 
 
-def _describe(op: str, names: list[str], texts: list[list[str]]) -> str:
+def _describe(op: str, names: list[str], texts: list[list[str]], where: str = "the ring") -> str:
     """The message of a disagreement: the differing fields, and each group of ring positions with the values
     it passed (``texts[r][i]``: ring position r's value of ``names[i]``)."""
     groups: dict[tuple[str, ...], list[int]] = {}
@@ -190,21 +220,22 @@ def _describe(op: str, names: list[str], texts: list[list[str]]) -> str:
     hints = "".join(f"; {_HINTS[n]}" for n in names if n in _HINTS)
     fields = ", ".join(f"`{n}`" for n in names)
     return (
-        f"{op}: the ranks of the ring disagree on {fields} ({'; '.join(clauses)}); every rank of the ring must "
+        f"{op}: the ranks of {where} disagree on {fields} ({'; '.join(clauses)}); every rank of the ring must "
         f"pass the same shapes, dtypes and options{hints}"
     )
 
 
-def _exchange_texts(comm: RingComm, texts: list[str], device: torch.device) -> list[list[str]]:
-    """Every ring member's ``texts`` (the same number everywhere), each cut to ``_TEXT_BYTES`` bytes of UTF-8."""
+def _exchange_texts(comm: RingComm, texts: list[str], device: torch.device,
+                    size: int = _TEXT_BYTES) -> list[list[str]]:
+    """Every ring member's ``texts`` (the same number everywhere), each cut to ``size`` bytes of UTF-8."""
     row: list[int] = []
     for text in texts:
         data = text.encode()
-        if len(data) > _TEXT_BYTES:
-            data = data[: _TEXT_BYTES - 3] + b"..."
-        data = data.ljust(_TEXT_BYTES, b"\0")
-        row += [int.from_bytes(data[i : i + 8], "little", signed=True) for i in range(0, _TEXT_BYTES, 8)]
-    per = _TEXT_BYTES // 8
+        if len(data) > size:
+            data = data[: size - 3] + b"..."
+        data = data.ljust(size, b"\0")
+        row += [int.from_bytes(data[i : i + 8], "little", signed=True) for i in range(0, size, 8)]
+    per = size // 8
     out = []
     for ints in comm.all_gather_ints(row, device):
         raw = [b"".join(x.to_bytes(8, "little", signed=True) for x in ints[i * per : (i + 1) * per])
@@ -219,54 +250,120 @@ def _group_key(group) -> str:
     return getattr(group, "group_name", "") if group is not None else ""
 
 
+def _errors_text(op: str, whole: RingComm, device, codes: list[list[int]], error: BaseException | None) -> str:
+    """The input errors some ranks found (``codes[g]``: group rank g's error code), each rank named."""
+    failed = [g for g, code in enumerate(codes) if code[0]]
+    texts = [row[0] for row in _exchange_texts(whole, ["" if error is None else str(error)], device, _ERROR_BYTES)]
+    by_text: dict[str, list[int]] = {}
+    for g in failed:
+        by_text.setdefault(texts[g], []).append(whole.ranks[g])
+    clauses = "; ".join(f"{_positions(ranks, 'rank')}: {text}" for text, ranks in by_text.items())
+    others = " (the other ranks' inputs passed; every rank raises this error)" if len(failed) < len(codes) else ""
+    return f"{op}: invalid input on {clauses}{others}"
+
+
 def verify_across_ring(
     op: str,
     comm: RingComm | None,
-    tensors: dict[str, torch.Tensor],
+    tensors: dict[str, object],
     extra: dict[str, object] | None = None,
+    *,
+    error: BaseException | None = None,
 ) -> None:
-    """Raise the same ValueError on every rank of the ring unless all ranks agree on ``tensors``' shapes and
-    dtypes and on the ``extra`` options. Outside check mode, each signature is verified once (see
-    Note [Verified signatures]).
+    """Raise the same error on every rank of ``comm``'s group unless no rank found an input error (``error``:
+    this rank's, see :func:`verdict`) and the ranks of each ring agree on ``tensors``' shapes and dtypes and on
+    the ``extra`` options (Note [Collective verdicts]).
 
     ``extra`` values are bools, ints, floats, strings, None, tuples of ints (compared by a digest) or
-    :class:`Shown`. One exchange of one int per option (and 2 + MAX_DIMS per tensor); only when the ranks
-    disagree, a second exchange of the differing fields as text, so that the message (the same on every
-    rank) names each differing field and every rank's value as the user wrote it.
+    :class:`Shown`. One exchange of one int per option (and 2 + MAX_DIMS per tensor, 2 for the verdict), over
+    the host; only when a rank failed or the ranks disagree, a second exchange of the errors and the differing
+    fields as text, so that the message (the same on every rank, of the first failing rank's exception type,
+    else ValueError) names each failing rank with its error, each differing field and every rank's value as
+    the user wrote it.
     """
-    if comm is None or comm.size == 1:
+    if comm is None:
+        if error is not None:
+            raise error
         return
-    extra = extra or {}
+    whole, device = _exchange_comm(comm)
+    if whole.size == 1:
+        if error is not None:
+            raise error
+        return
+    extra = {**(extra or {}), "ring_size": comm.size}
     names = list(tensors) + list(extra)
     values = list(tensors.values()) + list(extra.values())
-    codes = [_tensor_code(t, op) for t in tensors.values()] + [[_encode(v)] for v in extra.values()]
-    row = [x for code in codes for x in code]
-    signature = (op, tuple(comm.ranks), _group_key(comm.group), tuple(names), tuple(row),
-                 tuple(t.device.type for t in tensors.values()))
-    if not _check.is_check_mode() and signature in _verified:
-        return
-    device = next(iter(tensors.values())).device
-    rows = comm.all_gather_ints(row, device)
-    if all(r == rows[0] for r in rows):
-        _verified.add(signature)
-        return
+    codes = [_tensor_code(t) for t in tensors.values()] + [[_encode(v)] for v in extra.values()]
+    rows = whole.all_gather_ints(_error_code(error) + [x for code in codes for x in code], device)
+    verdicts, rows = [r[:2] for r in rows], [r[2:] for r in rows]
     # Every rank holds the same rows, so every rank finds the same fields and joins the second exchange.
+    sizes = {r[-1] for r in rows}  # ring_size comes last
+    rings = [list(range(len(rows)))] if len(sizes) > 1 else \
+        [list(range(s, s + comm.size)) for s in range(0, len(rows), comm.size)]
     differing, spans, start = [], [], 0
     for i, code in enumerate(codes):
         end = start + len(code)
-        if any(r[start:end] != rows[0][start:end] for r in rows):
+        if any(rows[g][start:end] != rows[ring[0]][start:end] for ring in rings for g in ring):
             differing.append(i)
             spans.append((start, end))
         start = end
-    texts = _exchange_texts(comm, [_render(values[i]) for i in differing], device)
+    failed = [v[0] for v in verdicts if v[0]]
+    if failed:  # a failing rank's options may be unread: only its tensors' shapes and dtypes are facts
+        kept = [j for j, i in enumerate(differing) if i < len(tensors)]
+        differing, spans = [differing[j] for j in kept], [spans[j] for j in kept]
+    if not failed and not differing:
+        return
+    parts = [_errors_text(op, whole, device, verdicts, error)] if failed else []
+    if differing:
+        parts.append(_disagreement(op, whole, device, comm.size, rings, len(sizes) > 1, rows, spans,
+                                   [names[i] for i in differing], [values[i] for i in differing]))
+    raise (_ERRORS[failed[0]] if failed else ValueError)("; and ".join(parts)) from error
+
+
+def _disagreement(op, whole, device, ring_size, rings, sizes_differ, rows, spans, names, values) -> str:
+    """The message naming the fields (``names``, this rank's ``values``) the ranks of some ring disagree on."""
+    texts = _exchange_texts(whole, [_render(v) for v in values], device)
     for j, (lo, hi) in enumerate(spans):  # long boundary lists that differ only where they are not shown
         seen: dict[str, set] = {}
-        for r, row in enumerate(rows):
-            seen.setdefault(texts[r][j], set()).add(tuple(row[lo:hi]))
-        for r, row in enumerate(rows):
-            if len(seen[texts[r][j]]) > 1:
-                texts[r][j] += f" (digest {row[lo] & 0xFFFFFFFF:08x})"
-    raise ValueError(_describe(op, [names[i] for i in differing], texts))
+        for g, row in enumerate(rows):
+            seen.setdefault(texts[g][j], set()).add(tuple(row[lo:hi]))
+        for g, row in enumerate(rows):
+            if len(seen[texts[g][j]]) > 1:
+                texts[g][j] += f" (digest {row[lo] & 0xFFFFFFFF:08x})"
+    if len(rows) == ring_size:
+        return _describe(op, names, texts)
+    parts = []
+    for ring in rings:
+        if all(rows[g][lo:hi] == rows[ring[0]][lo:hi] for g in ring for lo, hi in spans):
+            continue
+        where = ("the group (ring_size must be the same on every rank)" if sizes_differ
+                 else f"the ring of global ranks {whole.ranks[ring[0]]}-{whole.ranks[ring[-1]]}")
+        parts.append(_describe(op, names, [texts[g] for g in ring], where))
+    return " | ".join(parts)
+
+
+_HOST_GROUPS: dict[tuple[int, ...], object] = {}  # global ranks -> a gloo group over them (NCCL groups' twins)
+
+
+def _exchange_comm(comm: RingComm) -> tuple[RingComm, torch.device]:
+    """The whole group of ``comm`` as a ring, and the device its small exchanges run on: the host (gloo or an
+    in-process group: CPU tensors; NCCL: a gloo twin over the same ranks, made once), so that verification never
+    waits for the GPU (Note [Collective verdicts])."""
+    whole = comm if comm.size == _groups.group_size(comm.group) else RingComm(comm.group)
+    if whole.size == 1:
+        return whole, torch.device("cpu")
+    try:
+        backend = str(dist.get_backend(whole.group)).lower()
+    except (RuntimeError, ValueError):
+        backend = ""
+    if "nccl" not in backend or "gloo" in backend:
+        return whole, torch.device("cpu")
+    if not dist.is_initialized():  # a group made without a default group: exchange on its own device
+        return whole, torch.device("cuda", torch.cuda.current_device())
+    key = tuple(whole.ranks)
+    if key not in _HOST_GROUPS:
+        _HOST_GROUPS[key] = dist.new_group(list(key), backend="gloo", use_local_synchronization=True)
+    return RingComm(_HOST_GROUPS[key]), torch.device("cpu")
 
 
 def check_window(window_size) -> tuple[int, int]:

@@ -19,6 +19,31 @@ from distcomm_attention.sharding import Sharding, merge_sharding
 __all__ = ["ring_flash_attn", "context_parallel_attn", "which_kernels", "which_strategy"]
 
 
+def _check_arguments(q, k, v, *, causal, layout, group, ring_size, sharding, backend, window_size, softcap,
+                     strategy="ring"):
+    """The entry points' argument checks: (layout, group, ring_size, window, softcap) or an input error."""
+    if strategy != "ring":
+        strategies.check_strategy(strategy)
+    layout, group, ring_size = merge_sharding(sharding, layout, group, ring_size)
+    if strategy != "ring" and ring_size is not None:
+        raise ValueError(
+            f"context_parallel_attn runs over the whole group: a `sharding` with ring_size={ring_size} is for "
+            f"ring_flash_attn (independent rings inside the group)"
+        )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _validation.check_is_tensor(name, t)
+    _validation.check_flag("causal", causal)
+    if layout is not None:  # None: resolved for the ring in prepare (Note [Layout record])
+        layouts.check_layout(layout)
+    dispatch.check_backend(backend)
+    return layout, group, ring_size, _validation.check_window(window_size), _validation.check_softcap(softcap)
+
+
+def _fallback_group(sharding, group):
+    """The group an input error is decided over when the arguments could not be read."""
+    return group if group is not None or not isinstance(sharding, Sharding) else sharding.group
+
+
 def ring_flash_attn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -111,27 +136,29 @@ def ring_flash_attn(
             same error on every rank of the ring).
         ImportError: an explicitly requested backend whose package is missing.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _validation.check_is_tensor(name, t)
-    _validation.check_flag("causal", causal)
-    layout, group, ring_size = merge_sharding(sharding, layout, group, ring_size)
-    if layout is not None:  # None: resolved for the ring in prepare (Note [Layout record])
-        layouts.check_layout(layout)
-    dispatch.check_backend(backend)
-    window = _validation.check_window(window_size)
-    softcap = _validation.check_softcap(softcap)
+    options, error = _validation.verdict(_check_arguments, q, k, v, causal=causal, layout=layout, group=group,
+                                         ring_size=ring_size, sharding=sharding, backend=backend,
+                                         window_size=window_size, softcap=softcap)
+    layout, group, ring_size, window, softcap = options or (layout, _fallback_group(sharding, group), None,
+                                                            (-1, -1), 0.0)
     if torch.compiler.is_compiling():
+        if error is not None:
+            raise error
         from distcomm_attention._compiled import compiled_ring_flash_attn
 
         return compiled_ring_flash_attn(
             q, k, v, group=group, ring_size=ring_size, layout=layout, causal=causal, softmax_scale=softmax_scale,
             window=window, softcap=softcap, attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
         )
-    comm = RingComm(group, ring_size)
-    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    comm, ring_error = _validation.verdict(RingComm, group, ring_size)
+    if comm is None:  # a ring_size the group cannot take: the error is decided over the whole group
+        comm, error = RingComm(group), error or ring_error
+    requires_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     plan, scale, fwd, bwd, _ = prepare(
         q, k, v, comm, layout=layout, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
         attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend, requires_grad=requires_grad,
+        error=error,
     )
     return ring_attention(
         q, k, v, comm, plan=plan, key_mask=attention_mask, softcap=softcap, scale=scale, fwd=fwd, bwd=bwd
@@ -230,27 +257,15 @@ def context_parallel_attn(
             before any communication; cross-rank disagreements (the strategy included): the same error on
             every rank.
     """
-    strategies.check_strategy(strategy)
-    layout, group, ring_size = merge_sharding(sharding, layout, group, None)
-    if ring_size is not None:
-        raise ValueError(
-            f"context_parallel_attn runs over the whole group: a `sharding` with ring_size={ring_size} is for "
-            f"ring_flash_attn (independent rings inside the group)"
-        )
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _validation.check_is_tensor(name, t)
-    _validation.check_flag("causal", causal)
-    if layout is not None:
-        layouts.check_layout(layout)
-    dispatch.check_backend(backend)
-    window = _validation.check_window(window_size)
-    softcap = _validation.check_softcap(softcap)
+    options, error = _validation.verdict(_check_arguments, q, k, v, causal=causal, layout=layout, group=group,
+                                         ring_size=None, sharding=sharding, backend=backend,
+                                         window_size=window_size, softcap=softcap, strategy=strategy)
+    layout, group, _, window, softcap = options or (layout, _fallback_group(sharding, group), None, (-1, -1), 0.0)
     compiling = torch.compiler.is_compiling()
-    if strategy == "auto":
-        # the cost model runs on the host; a compiled region runs the ring (Note [Compiled strategies])
-        strategy = "ring" if compiling else strategies.choose(
-            q, k, group=group, layout=layout, causal=causal, window=window, attention_mask=attention_mask,
-            cu_seqlens=cu_seqlens).strategy
+    if compiling and error is not None:
+        raise error
+    if compiling and strategy == "auto":
+        strategy = "ring"  # the cost model runs on the host; a compiled region runs the ring (Note [Compiled strategies])
     if compiling:
         if strategy == "ring":
             return ring_flash_attn(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, group=group,
@@ -267,10 +282,12 @@ def context_parallel_attn(
             q, k, v, strategy=strategy, group=group, layout=layout, causal=causal, softmax_scale=softmax_scale,
             window=window, softcap=softcap, attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
         )
-    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return strategies.run(q, k, v, strategy=strategy, group=group, layout=layout, causal=causal,
-                          softmax_scale=softmax_scale, window=window, softcap=softcap, attention_mask=attention_mask,
-                          cu_seqlens=cu_seqlens, backend=backend, requires_grad=requires_grad)
+    requires_grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+    return strategies.run(q, k, v, strategy=strategy if error is None else "ring", group=group, layout=layout,
+                          causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
+                          attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
+                          requires_grad=requires_grad, error=error)
 
 
 def which_strategy(

@@ -58,7 +58,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from distcomm import _check
 from distcomm.ring import RingComm
 from distcomm_attention import _validation
 from distcomm_attention.planning import balance, layouts
@@ -467,6 +466,15 @@ def shard_sequence(
     return shard
 
 
+def _gather_ring(group, ring_size):
+    """(mesh coordinates or None, the ring, its size) of a ``gather_sequence`` call."""
+    mesh = _mesh_coords(group, ring_size)
+    if mesh is not None:
+        return mesh, mesh[0], mesh[0].size
+    comm, size, _ = _ring_position(ring_size, group, None)
+    return None, comm, size
+
+
 def gather_sequence(
     x_local: torch.Tensor,
     layout: str | None = None,
@@ -484,7 +492,7 @@ def gather_sequence(
 
     Args:
         x_local: this rank's shard, the sequence along ``dim``; same shape and dtype on every rank of the
-            ring (checked once per new shape, or on every call in distcomm's check mode).
+            ring (checked on every call, Note [Collective verdicts] in distcomm_attention/_validation.py).
         layout: the layout of the shards. ``None``: the layout ``shard_sequence`` recorded for this ring in
             this process, else "contiguous" (Note [Layout record]; an explicit layout is never overridden).
         dim: the sequence dimension.
@@ -505,45 +513,44 @@ def gather_sequence(
     Gradient (summing convention, total loss = sum of per-rank losses): rank r receives, for each position
     it holds, the sum over the ring's ranks of that position's grad (all_gather <-> reduce_scatter(sum)).
     """
-    if layout is not None:
-        layouts.check_layout(layout)
-        layout = _with_window(layout, balance_window)
-    elif balance_window is not None:
-        raise ValueError("`balance_window` needs an explicit layout ('balanced' or 'auto')")
-    _check_dim(dim)
-    mesh = _mesh_coords(group, ring_size)
-    comm, ring_size, _rank = (mesh[0], mesh[0].size, None) if mesh is not None else _ring_position(ring_size, group,
-                                                                                                   None)
-    resolved = resolve_layout(layout, comm)
-    local_len, dim = layouts.seq_len_along(x_local, dim)
-    seq_len = local_len * (ring_size if mesh is None else mesh[1] * mesh[3])
-    docs = _validation.check_cu_seqlens(cu_seqlens, seq_len)
+    ring, error = _validation.verdict(_gather_ring, group, ring_size)
+    mesh, comm, ring_size = ring or (None, RingComm(None) if is_2d_mesh(group) else RingComm(group), 1)
+    facts: dict = {"dim": dim, "layout": None, "cu_seqlens": None}
 
-    def verify() -> None:
-        _validation.verify_across_ring(
-            "gather_sequence", comm, {"x_local": x_local}, extra={
-                "dim": dim,
-                "layout": resolved.field,
-                "cu_seqlens": docs if layouts.split_spec(resolved.layout)[0] in layouts.DATA_DEPENDENT else None,
-                "requires_grad": torch.is_grad_enabled() and x_local.requires_grad,
-            }
-        )
+    def local_checks():
+        nonlocal layout, dim
+        if error is not None:
+            raise error
+        if layout is not None:
+            layouts.check_layout(layout)
+            layout = _with_window(layout, balance_window)
+        elif balance_window is not None:
+            raise ValueError("`balance_window` needs an explicit layout ('balanced' or 'auto')")
+        _validation.check_is_tensor("x_local", x_local)
+        _check_dim(dim)
+        resolved = resolve_layout(layout, comm)
+        local_len, dim = layouts.seq_len_along(x_local, dim)
+        seq_len = local_len * (ring_size if mesh is None else mesh[1] * mesh[3])
+        docs = _validation.check_cu_seqlens(cu_seqlens, seq_len)
+        facts.update(dim=dim, layout=resolved.field,
+                     cu_seqlens=docs if layouts.split_spec(resolved.layout)[0] in layouts.DATA_DEPENDENT else None)
+        if not resolved.ambiguous:  # raised after the exchange, by every rank alike (Note [Layout record])
+            if mesh is None:
+                layouts.check_local_length(resolved.layout, local_len, ring_size,
+                                           name=f"local length along dim {dim}")
+            else:
+                layouts.check_local_length(resolved.layout, local_len * mesh[3], mesh[1],
+                                           name=f"local length along dim {dim} x ulysses size")
+            rings = ring_size if mesh is None else mesh[1]
+            return resolved, seq_len, concrete_layout(resolved.layout, comm, seq_len, rings, docs, "gather_sequence")
+        return resolved, seq_len, None
 
-    # cross-rank facts first in check mode, so that every rank raises the same error; an ambiguous layout
-    # is raised after the exchange, which every rank of the ring then raises alike (Note [Layout record])
-    early = _check.is_check_mode() or resolved.ambiguous
-    if early:
-        verify()
-        resolved.raise_if_ambiguous("gather_sequence")
-    if mesh is None:
-        layouts.check_local_length(resolved.layout, local_len, ring_size, name=f"local length along dim {dim}")
-    else:
-        layouts.check_local_length(resolved.layout, local_len * mesh[3], mesh[1],
-                                   name=f"local length along dim {dim} x ulysses size")
-    rings = ring_size if mesh is None else mesh[1]
-    concrete = concrete_layout(resolved.layout, comm, seq_len, rings, docs, "gather_sequence")
-    if not early:
-        verify()
+    checked, local_error = _validation.verdict(local_checks)
+    requires_grad = torch.is_grad_enabled() and isinstance(x_local, torch.Tensor) and x_local.requires_grad
+    _validation.verify_across_ring("gather_sequence", comm, {"x_local": x_local},
+                                   extra={**facts, "requires_grad": requires_grad}, error=local_error)
+    resolved, seq_len, concrete = checked
+    resolved.raise_if_ambiguous("gather_sequence")
     cat = ring_all_gather(x_local, comm, dim)
     if mesh is not None:  # the hybrids' shards, in the default group's rank order
         order = _mesh_order(group, concrete, seq_len).to(cat.device)

@@ -618,10 +618,10 @@ def _errors_1d_rank(rank, world):
     out = {}
     out["heads"] = _error(lambda: context_parallel_attn(q3, q3, q3, strategy="ulysses"))
     out["heads_sync"] = _in_sync(world)
-    # per-rank mistakes on rank 0 only: its peers go straight to the next collective
-    if rank == 0:
-        out["unknown"] = _error(lambda: context_parallel_attn(q, q, q, strategy="rung"))
-        out["hybrid_1d"] = _error(lambda: context_parallel_attn(q, q, q, strategy="hybrid", group=dist.group.WORLD))
+    # mistakes on rank 0 only: every rank raises rank 0's error (Note [Collective verdicts])
+    out["unknown"] = _error(lambda: context_parallel_attn(q, q, q, strategy="rung" if rank == 0 else "ring"))
+    out["hybrid_1d"] = _error(lambda: context_parallel_attn(q, q, q, strategy="hybrid" if rank == 0 else "ring",
+                                                            group=dist.group.WORLD))
     out["local_sync"] = _in_sync(world)
     mine = {0: "ring"}.get(rank, "allgather")
     out["ring_vs_allgather"] = _error(lambda: context_parallel_attn(q, q, q, strategy=mine, causal=True))
@@ -640,9 +640,12 @@ def test_errors_one_dimensional_group():
     assert all(g["heads_sync"] and g["local_sync"] and g["disagree_sync"] for g in got)
     assert got[0]["heads"] is not None and got[0]["heads"] == got[1]["heads"]
     assert got[0]["heads"].startswith("ValueError: ") and "heads=3 is not divisible by the degree 2" in got[0]["heads"]
-    assert got[0]["unknown"].startswith("ValueError: `strategy` must be one of")
+    for key in ("unknown", "hybrid_1d"):
+        assert got[0][key] is not None and got[0][key] == got[1][key], key
+    assert got[0]["unknown"].startswith("ValueError: context_parallel_attn: invalid input on rank 0: `strategy` "
+                                        "must be one of")
     assert "'rung'" in got[0]["unknown"]
-    assert "2-D DeviceMesh" in got[0]["hybrid_1d"]
+    assert "invalid input on rank 0: " in got[0]["hybrid_1d"] and "2-D DeviceMesh" in got[0]["hybrid_1d"]
     for key in ("ring_vs_allgather", "ulysses_vs_ring"):
         assert got[0][key] is not None and got[0][key] == got[1][key], key
         assert "disagree" in got[0][key] and "strategy=" in got[0][key], got[0][key]
@@ -655,11 +658,11 @@ def _errors_mesh_rank(rank, world):
     q3 = torch.randn(1, 4, 3, 8, dtype=torch.float64)
     q6 = torch.randn(1, 4, 6, 8, dtype=torch.float64)
     out = {}
-    if rank == 0:  # a 2-D mesh for a 1-D strategy: raised on this rank alone, before communicating
-        out["mesh_ulysses"] = _error(lambda: context_parallel_attn(q, q, q, strategy="ulysses", group=mesh))
-        out["mesh_ring"] = _error(lambda: context_parallel_attn(q, q, q, strategy="ring", group=mesh))
-        out["mesh_allgather"] = _error(lambda: context_parallel_attn(q, q, q, strategy="allgather", group=mesh))
-        out["misnamed"] = _error(lambda: context_parallel_attn(q, q, q, strategy="hybrid", group=misnamed))
+    # a 2-D mesh for a 1-D strategy on rank 0 only, its peers calling the hybrid: rank 0's error everywhere
+    for strategy in ONE_D:
+        out[f"mesh_{strategy}"] = _error(lambda: context_parallel_attn(
+            q, q, q, strategy=strategy if rank == 0 else "hybrid", group=mesh))
+    out["misnamed"] = _error(lambda: context_parallel_attn(q, q, q, strategy="hybrid", group=misnamed))
     out["local_sync"] = _in_sync(world)
     out["heads_hybrid"] = _error(lambda: context_parallel_attn(q3, q3, q3, strategy="hybrid", group=mesh))
     out["heads_ulysses"] = _error(lambda: context_parallel_attn(q6, q6, q6, strategy="ulysses"))
@@ -676,9 +679,13 @@ def test_errors_on_a_mesh():
     world = 4
     got = run_world(_errors_mesh_rank, world, timeout=60)
     assert all(g["local_sync"] and g["sync"] for g in got)
+    for key in [f"mesh_{strategy}" for strategy in ONE_D] + ["misnamed"]:
+        assert got[0][key] is not None and all(g[key] == got[0][key] for g in got), key
     for strategy in ONE_D:
         msg = got[0][f"mesh_{strategy}"]
-        assert msg is not None and f"strategy '{strategy}' runs over one group" in msg and "2-D DeviceMesh" in msg
+        assert f"invalid input on rank 0: strategy '{strategy}' runs over one group" in msg, msg
+        assert "2-D DeviceMesh" in msg
+    assert "invalid input on ranks 0-3: " in got[0]["misnamed"], got[0]["misnamed"]
     assert "mesh dimensions named 'ulysses' and 'ring', got ('dp', 'cp')" in got[0]["misnamed"], got[0]["misnamed"]
     for key, heads, degree in (("heads_hybrid", 3, 2), ("heads_ulysses", 6, 4)):
         assert all(g[key] == got[0][key] for g in got), key

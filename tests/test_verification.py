@@ -89,8 +89,8 @@ def _fields_rank(rank, world):
         "gather shape": lambda: da.gather_sequence(torch.zeros(2, 4 if first else 6)),
     }
     msgs = {name: _catch(fn) for name, fn in calls.items()}
-    with distcomm.check_mode():  # this rank's boundaries cannot be parsed: shown as such, on every rank
-        msgs["cu_seqlens invalid"] = _catch(attn(cu_seqlens=[0, 3, 8] if first else [0, 3, 9]))
+    # this rank's boundaries are invalid: its error, raised on every rank (in default mode too)
+    msgs["cu_seqlens invalid"] = _catch(attn(cu_seqlens=[0, 3, 8] if first else [0, 3, 9]))
 
     # One exchange when the ranks agree (as before), a second only for the message of a disagreement.
     calls_made = []
@@ -145,9 +145,9 @@ EXPECTED = {
     "gather dim": _disagree("gather_sequence", ["dim"], "dim=0", "dim=1"),
     "gather shape": _disagree("gather_sequence", ["x_local"], r"x_local=\(2, 4\) torch.float32",
                               r"x_local=\(2, 6\) torch.float32"),
-    "cu_seqlens invalid": _disagree("ring_flash_attn", ["cu_seqlens"], r"cu_seqlens=\[0, 3, 8\]",
-                                    r"cu_seqlens=invalid here \(`cu_seqlens` must end at the global sequence length "
-                                    r"8 .*, got 9\)"),
+    "cu_seqlens invalid": r"^ring_flash_attn: invalid input on rank 1: `cu_seqlens` must end at the global sequence "
+                          r"length 8 \(local_seq x ring size\), got 9 \(the other ranks' inputs passed; every rank "
+                          r"raises this error\)$",
 }
 
 

@@ -92,8 +92,9 @@ class Assignment:
         return self.seq_len // self.ring_size
 
     def positions(self, rank: int) -> torch.Tensor:
-        """Global positions of ``rank``'s tokens, increasing: int64 (local_len,)."""
-        return self.table()[rank]
+        """Global positions of ``rank``'s tokens, increasing: int64 (local_len,), a tensor of the caller's own
+        (the table is cached: a view into it, changed in place, would change every later call)."""
+        return self.table()[rank].clone()
 
     @functools.lru_cache(maxsize=64)
     def table(self) -> torch.Tensor:

@@ -139,20 +139,37 @@ def choose(q, k, *, group, layout: str, causal: bool, window, attention_mask, cu
     return cost.choose(call, candidates, hardware or cost.Hardware())
 
 
+def _group_error(strategy: str, group) -> ValueError | None:
+    """Why ``group`` cannot carry ``strategy`` (a 2-D mesh for a 1-D strategy, or the reverse), or None."""
+    if strategy in _HYBRID:
+        return _validation.verdict(resolve_mesh, group)[1]
+    if is_2d_mesh(group):
+        return ValueError(
+            f"strategy {strategy!r} runs over one group; a 2-D DeviceMesh is for strategy='hybrid' or "
+            f"'hybrid_allgather' (or pass one of its dimensions, (mesh, 'ring'))"
+        )
+    return None
+
+
 def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_scale, window, softcap,
-        attention_mask, cu_seqlens, backend: str, requires_grad: bool):
-    """Validate, verify, plan and run one call of ``strategy`` ("auto": the cost model's pick)."""
-    if strategy == "auto":
-        try:
-            strategy = choose(q, k, group=group, layout=layout, causal=causal, window=window,
-                              attention_mask=attention_mask, cu_seqlens=cu_seqlens).strategy
-        except ValueError:
-            # Input errors are raised by ``prepare`` too: the per-rank ones on this rank, the ones a peer must
-            # see (documents shard_sequence never sharded) after the ring's exchange, on every rank alike.
-            strategy = "ring"
+        attention_mask, cu_seqlens, backend: str, requires_grad: bool, error: BaseException | None = None):
+    """Validate, verify, plan and run one call of ``strategy`` ("auto": the cost model's pick).
+
+    ``error``: an input error the caller found; like every input error it is raised on every rank after the
+    exchange (Note [Collective verdicts]).
+    """
     common = dict(layout=layout, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
                   attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
-                  requires_grad=requires_grad)
+                  requires_grad=requires_grad, op="context_parallel_attn")
+    if error is None and strategy == "auto":
+        # Input errors make choose fail; ``prepare`` then raises them on every rank after the exchange.
+        picked, _ = _validation.verdict(choose, q, k, group=group, layout=layout, causal=causal, window=window,
+                                        attention_mask=attention_mask, cu_seqlens=cu_seqlens)
+        strategy = "ring" if picked is None else picked.strategy
+    if error is None:
+        error = _group_error(strategy, group)
+    if error is not None:
+        prepare(q, k, v, _verification_comm(group), error=error, **common)  # raises on every rank
     if strategy in _HYBRID:
         ulysses_group, ring_group = resolve_mesh(group)
         comm = RingComm(None)  # verification over the default group: every rank of the mesh
@@ -176,11 +193,6 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
                                            fwd, bwd)
         return _ulysses.ulysses(q, k, v, attention_mask, ulysses_group, wu, inner)
 
-    if is_2d_mesh(group):
-        raise ValueError(
-            f"strategy {strategy!r} runs over one group; a 2-D DeviceMesh is for strategy='hybrid' or "
-            f"'hybrid_allgather' (or pass one of its dimensions, (mesh, 'ring'))"
-        )
     comm = RingComm(group)
     world, rank = comm.size, comm.rank
     extra = {"strategy": _CODES[strategy]}
