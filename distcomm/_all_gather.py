@@ -245,8 +245,8 @@ def all_gather_tensor(tensor: torch.Tensor, dim: int = 0, group: dist.ProcessGro
         ``reduce_scatter_tensor(grad, dim, SUM)``: rank j receives sum_r g_r[chunk j].
     """
     _require_tensor("tensor", tensor)
-    dim = _normalize_dim(dim, tensor)
     group, n, _ = _setup(group)
+    dim = _check.decide("all_gather_tensor", group, n, _normalize_dim, dim, tensor)
     if torch.compiler.is_compiling():
         return compiled_path().all_gather_tensor(tensor, dim, group)
     if n > 1 and _check.is_check_mode():
@@ -255,15 +255,22 @@ def all_gather_tensor(tensor: torch.Tensor, dim: int = 0, group: dist.ProcessGro
 
 
 def _learn_sizes(
-    tensor: torch.Tensor, dim: int, sizes: list[int] | None, needs_grad: bool, group, n: int
+    tensor: torch.Tensor, dim: int | None, sizes: list[int] | None, needs_grad: bool, group, n: int,
+    error: Exception | None = None,
 ) -> list[int]:
-    """Exchange shapes (and the given ``sizes``), raising the same ValueError on every rank on a mismatch.
+    """Exchange shapes (and the given ``sizes``), raising the same error on every rank on a mismatch.
 
-    In check mode the ranks must also agree on whether the input needs a backward (``needs_grad``).
+    ``error`` is this rank's verdict on its own arguments (None: they passed), raised on every rank
+    (Note [Collective verdicts] in :mod:`distcomm._check`). In check mode the ranks must also agree on
+    whether the input needs a backward (``needs_grad``).
     """
     op = "all_gather_variable"
-    metas, rows = _check.gather_meta(tensor, group, extra=[int(needs_grad), *(sizes or [])])
-    extras = None if sizes is None else [row[1:] for row in rows]
+    given = sizes if sizes is not None and error is None else [0] * n
+    extra = [int(needs_grad), int(sizes is not None), *given, *_check.encode_verdict(error)]
+    metas, rows = _check.gather_meta(tensor, group, extra=extra)
+    _check.raise_verdicts(op, [row[2 + n :] for row in rows])
+    _check.require_agreement(op, "sizes given", [row[1] for row in rows], show=lambda v: "a list" if v else "None")
+    extras = None if sizes is None else [row[2 : 2 + n] for row in rows]
     ref = metas[0]
     for m in metas:
         if m.dtype != ref.dtype:
@@ -276,12 +283,33 @@ def _learn_sizes(
     if extras is not None:
         if any(e != extras[0] for e in extras):
             detail = ", ".join(f"rank {r}: {e}" for r, e in enumerate(extras))
-            raise ValueError(f"{op}: the `sizes` passed differ across ranks ({detail})")
+            raise ValueError(f"{op}: the `sizes` passed differ across ranks ({detail}); every rank must pass the same")
         if learned != list(extras[0]):
             raise ValueError(f"{op}: `sizes`={list(extras[0])} but the tensors have sizes {learned} along dim {dim}")
     if _check.is_check_mode():
         _check.require_agreement(op, "requires_grad", [row[0] for row in rows])
     return learned
+
+
+def _variable_args(tensor: torch.Tensor, dim, sizes, n: int, rank: int, checking: bool):
+    """all_gather_variable's checks of this rank's arguments: (dim normalised, sizes as a list or None)."""
+    dim = _normalize_dim(dim, tensor)
+    if sizes is None:
+        return dim, None
+    if type(sizes) is not list and (isinstance(sizes, torch.Tensor) or not isinstance(sizes, Sequence)):
+        raise TypeError(f"`sizes` must be a list of ints or None, got {type(sizes).__name__}")
+    sizes = list(sizes)
+    for s in sizes:
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise TypeError(f"`sizes` must be a list of ints or None, got {sizes!r}")
+    if len(sizes) != n or min(sizes, default=0) < 0:
+        raise ValueError(f"`sizes`={sizes} must hold {n} non-negative ints (one per group rank)")
+    # In check mode the exchange compares every rank's size on every rank, naming them all.
+    if sizes[rank] != tensor.shape[dim] and not checking:
+        raise ValueError(
+            f"`sizes`[{rank}]={sizes[rank]} but this rank's tensor has size {tensor.shape[dim]} along dim {dim}"
+        )
+    return dim, sizes
 
 
 def all_gather_variable(
@@ -298,7 +326,8 @@ def all_gather_variable(
         dim: the dim to concatenate along (negative counts from the end).
         sizes: every rank's s_r, in group-rank order, if known. ``None``: one small exchange learns them
             (a host sync) and checks the other dims and the dtype, raising the same ValueError on every
-            rank on a mismatch. Given: no exchange and no host sync (check mode verifies them).
+            rank on a mismatch (and any rank's bad ``dim``, on every rank). Given: no exchange and no host
+            sync (check mode verifies them). Every rank passes ``sizes`` or every rank passes ``None``.
         group: process group (``None``: the default group).
 
     Returns:
@@ -307,31 +336,21 @@ def all_gather_variable(
         receives sum_r g_r[slice j]. See Note [Variable sizes] for the communication.
     """
     _require_tensor("tensor", tensor)
-    dim = _normalize_dim(dim, tensor)
     group, n, rank = _setup(group)
     compiling = torch.compiler.is_compiling()
     if sizes is None and n > 1 and compiling:
-        return compiled_path().all_gather_variable_eagerly(tensor, dim, None, group)
+        return compiled_path().all_gather_variable_eagerly(tensor, _normalize_dim(dim, tensor), None, group)
     checking = n > 1 and _check.is_check_mode() and not compiling
-    if sizes is not None:
-        if type(sizes) is not list and (isinstance(sizes, torch.Tensor) or not isinstance(sizes, Sequence)):
-            raise TypeError(f"`sizes` must be a list of ints or None, got {type(sizes).__name__}")
-        sizes = list(sizes)
-        for s in sizes:
-            if isinstance(s, bool) or not isinstance(s, int):
-                raise TypeError(f"`sizes` must be a list of ints or None, got {sizes!r}")
-        if len(sizes) != n or min(sizes) < 0:
-            raise ValueError(f"`sizes`={sizes} must hold {n} non-negative ints (one per group rank)")
-        # In check mode the exchange below compares every rank's size on every rank: a rank raising here
-        # alone would leave its peers waiting in that exchange.
-        if sizes[rank] != tensor.shape[dim] and not checking:
-            raise ValueError(
-                f"`sizes`[{rank}]={sizes[rank]} but this rank's tensor has size {tensor.shape[dim]} along dim {dim}"
-            )
-    if n == 1:
-        sizes = [tensor.shape[dim]]
-    elif sizes is None or checking:
-        sizes = _learn_sizes(tensor, dim, sizes, _needs_graph(tensor), group, n)
+    if n > 1 and not compiling and (sizes is None or checking):
+        try:
+            (dim, sizes), error = _variable_args(tensor, dim, sizes, n, rank, checking), None
+        except _check.collective_errors() as e:
+            error, dim = e, None
+        sizes = _learn_sizes(tensor, dim, sizes, _needs_graph(tensor), group, n, error)
+    else:
+        dim, sizes = _variable_args(tensor, dim, sizes, n, rank, checking)
+        if n == 1:
+            sizes = [tensor.shape[dim]]
     if compiling:
         return compiled_path().all_gather_variable(tensor, dim, sizes, group), sizes
     return _AllGatherVariable.apply(tensor, dim, tuple(sizes), group, rank), sizes
@@ -354,6 +373,19 @@ class _AllGatherBaseWrite(Function):
         return None, chunk.reshape(ctx.shape), None, None, None, None
 
 
+def _base_args(output_tensor: torch.Tensor, input_tensor: torch.Tensor, n: int) -> None:
+    """_all_gather_base's checks of this rank's arguments."""
+    _require_writable("output_tensor", output_tensor, input_tensor)
+    allowed = [(n, *input_tensor.shape)]
+    if input_tensor.dim():
+        allowed.insert(0, (n * input_tensor.shape[0], *input_tensor.shape[1:]))
+    if tuple(output_tensor.shape) not in allowed:
+        raise ValueError(
+            f"`output_tensor` has shape {tuple(output_tensor.shape)}; for an input of shape "
+            f"{tuple(input_tensor.shape)} on {n} ranks it must be one of {allowed}"
+        )
+
+
 def _all_gather_base(
     output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
@@ -372,15 +404,7 @@ def _all_gather_base(
     _require_tensor("output_tensor", output_tensor)
     _require_tensor("input_tensor", input_tensor)
     group, n, rank = _setup(group)
-    _require_writable("output_tensor", output_tensor, input_tensor)
-    allowed = [(n, *input_tensor.shape)]
-    if input_tensor.dim():
-        allowed.insert(0, (n * input_tensor.shape[0], *input_tensor.shape[1:]))
-    if tuple(output_tensor.shape) not in allowed:
-        raise ValueError(
-            f"`output_tensor` has shape {tuple(output_tensor.shape)}; for an input of shape "
-            f"{tuple(input_tensor.shape)} on {n} ranks it must be one of {allowed}"
-        )
+    _check.decide("_all_gather_base", group, n, _base_args, output_tensor, input_tensor, n)
     if torch.compiler.is_compiling():
         return compiled_path().all_gather_base(output_tensor, input_tensor, group)
     needs_grad = _needs_graph(input_tensor)

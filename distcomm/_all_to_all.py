@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from distcomm import _check
+from distcomm import _check, _groups
 from distcomm._dispatch import compiled_path
 from distcomm._movement_args import (
     _is_direct,
@@ -70,7 +70,7 @@ def _require_splits(name: str, splits, n: int, total: int, tensor_name: str) -> 
 
 
 def _is_nccl(group, tensor: torch.Tensor) -> bool:
-    return tensor.is_cuda and "nccl" in str(dist.get_backend(group)).lower()
+    return tensor.is_cuda and "nccl" in _groups.backend_name(group).lower()
 
 
 def _raw_all_to_all(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group, n: int) -> None:
@@ -209,6 +209,36 @@ def _check_all_to_all(
     _check.require_agreement(op, "requires_grad", [e[0] for e in extras])
 
 
+def _list_args(output_tensor_list, input_tensor_list, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """all_to_all's checks of this rank's arguments: (outputs, inputs) as lists."""
+    outputs = _require_tensor_list("output_tensor_list", output_tensor_list, n)
+    inputs = _require_tensor_list("input_tensor_list", input_tensor_list, n)
+    for i, t in enumerate(inputs):
+        if t.dtype != inputs[0].dtype or t.device != inputs[0].device:
+            raise ValueError(
+                f"`input_tensor_list[{i}]` has dtype {t.dtype} on {t.device}, but `input_tensor_list[0]` has "
+                f"dtype {inputs[0].dtype} on {inputs[0].device}; all must match"
+            )
+    for i, o in enumerate(outputs):
+        _require_writable("output_tensor_list", o, inputs[0], i)
+    return outputs, inputs
+
+
+def _single_args(output, input, output_split_sizes, input_split_sizes, n: int):
+    """all_to_all_single's checks of this rank's arguments: (output splits, input splits), None for equal."""
+    if input.dim() == 0 or output.dim() == 0:
+        raise ValueError("all_to_all_single splits along dim 0: `input` and `output` need at least 1 dim")
+    _require_writable("output", output, input)
+    if output.shape[1:] != input.shape[1:]:
+        raise ValueError(
+            f"`output` has shape {tuple(output.shape)}; its dims after the first must equal the input's "
+            f"{tuple(input.shape[1:])}"
+        )
+    out_splits = _require_splits("output_split_sizes", output_split_sizes, n, output.shape[0], "output")
+    in_splits = _require_splits("input_split_sizes", input_split_sizes, n, input.shape[0], "input")
+    return out_splits, in_splits
+
+
 def all_to_all(
     output_tensor_list: Sequence[torch.Tensor],
     input_tensor_list: Sequence[torch.Tensor],
@@ -230,16 +260,7 @@ def all_to_all(
         from this rank.
     """
     group, n, _ = _setup(group)
-    outputs = _require_tensor_list("output_tensor_list", output_tensor_list, n)
-    inputs = _require_tensor_list("input_tensor_list", input_tensor_list, n)
-    for i, t in enumerate(inputs):
-        if t.dtype != inputs[0].dtype or t.device != inputs[0].device:
-            raise ValueError(
-                f"`input_tensor_list[{i}]` has dtype {t.dtype} on {t.device}, but `input_tensor_list[0]` has "
-                f"dtype {inputs[0].dtype} on {inputs[0].device}; all must match"
-            )
-    for i, o in enumerate(outputs):
-        _require_writable("output_tensor_list", o, inputs[0], i)
+    outputs, inputs = _check.decide("all_to_all", group, n, _list_args, output_tensor_list, input_tensor_list, n)
     if torch.compiler.is_compiling():
         return compiled_path().all_to_all(outputs, inputs, group)
     needs_grad = _needs_graph(*inputs)
@@ -275,16 +296,9 @@ def all_to_all_single(
     _require_tensor("output", output)
     _require_tensor("input", input)
     group, n, _ = _setup(group)
-    if input.dim() == 0 or output.dim() == 0:
-        raise ValueError("all_to_all_single splits along dim 0: `input` and `output` need at least 1 dim")
-    _require_writable("output", output, input)
-    if output.shape[1:] != input.shape[1:]:
-        raise ValueError(
-            f"`output` has shape {tuple(output.shape)}; its dims after the first must equal the input's "
-            f"{tuple(input.shape[1:])}"
-        )
-    out_splits = _require_splits("output_split_sizes", output_split_sizes, n, output.shape[0], "output")
-    in_splits = _require_splits("input_split_sizes", input_split_sizes, n, input.shape[0], "input")
+    out_splits, in_splits = _check.decide(
+        "all_to_all_single", group, n, _single_args, output, input, output_split_sizes, input_split_sizes, n
+    )
     if torch.compiler.is_compiling():
         return compiled_path().all_to_all_single(output, input, out_splits, in_splits, group, n)
     needs_grad = _needs_graph(input)

@@ -4,6 +4,26 @@ A shape or dtype that differs between ranks makes most collectives hang or silen
 checking on (``distcomm.check_mode()`` as a context manager, ``distcomm.set_check_mode(True)``, or
 ``DISTCOMM_CHECK=1`` in the environment) every op first exchanges a small metadata vector and every rank
 raises the same ``ValueError`` when the ranks disagree. Off by default: the exchange costs a host sync.
+
+Note [Collective verdicts]
+    A check that raises on one rank while its peers go on into a collective leaves the peers waiting until
+    the process-group timeout (30 minutes on gloo). The rule:
+
+    - Where an entry point exchanges metadata anyway (check mode; ``all_gather_variable`` without
+      ``sizes``; ``ring_pass`` without ``recv_shape``; the losses), each rank computes its verdict without
+      raising, the verdict travels in that exchange (:func:`encode_verdict`, :func:`decide`), and every rank
+      raises the same error naming the failing rank(s), the argument, the value and what is allowed
+      (:func:`raise_verdicts`).
+    - Cross-rank facts (shapes, dtypes, split sizes, roots, ops, shifts, ``requires_grad``) are compared
+      from the gathered rows, identical on every rank, so every rank reaches the same verdict.
+    - Checks that stay local, raised on this rank before any communication: the types of the arguments
+      (a tensor where a tensor is expected, an int ``dim``/``shift``/``src``), the ``group`` itself and
+      values that every rank passes alike because the same code passes them (``dim``, ``ring_size``,
+      ``impl``, ``op``), where a mistake is in the program, not in one rank's data.
+    - Outside check mode a plain collective (``all_reduce``, ``all_to_all_single`` with ``*_split_sizes``,
+      ``ring_pass`` with ``recv_shape``, ...) makes no exchange: what only another rank can see (its shape,
+      its splits, its root) is not checked, and a per-rank error raises on that rank alone
+      (docs/collectives.md, "What is checked").
 """
 
 from __future__ import annotations
@@ -25,10 +45,16 @@ __all__ = [
     "TensorMeta",
     "encode_meta",
     "decode_meta",
+    "meta_row",
     "dtype_code",
     "raise_mismatch",
     "require_agreement",
     "check_same",
+    "decide",
+    "collective_errors",
+    "encode_verdict",
+    "raise_verdicts",
+    "VERDICT_WIDTH",
 ]
 
 MAX_DIMS = 12
@@ -103,12 +129,19 @@ def encode_meta(tensor: torch.Tensor | None) -> list[int]:
     return [tensor.dim(), dtype_code(tensor.dtype)] + list(tensor.shape) + [0] * (MAX_DIMS - tensor.dim())
 
 
+def meta_row(shape, dtype: torch.dtype) -> list[int]:
+    """:func:`encode_meta`'s row for a shape and dtype, never raising: a shape of more than MAX_DIMS dims
+    keeps its number of dims and its first MAX_DIMS sizes (enough to tell it from any other rank's)."""
+    shape = [int(v) for v in shape]
+    return [len(shape), dtype_code(dtype)] + shape[:MAX_DIMS] + [0] * (MAX_DIMS - min(len(shape), MAX_DIMS))
+
+
 def decode_meta(row: list[int]) -> TensorMeta | None:
     """The inverse of :func:`encode_meta`: ``TensorMeta`` (dtype None if the code is unknown here) or None."""
     ndim, code = row[0], row[1]
     if ndim < 0:
         return None
-    return TensorMeta((tuple(row[2 : 2 + ndim]), _DTYPE_BY_CODE.get(code)))
+    return TensorMeta((tuple(row[2 : 2 + min(ndim, MAX_DIMS)]), _DTYPE_BY_CODE.get(code)))
 
 
 def gather_meta(tensor: torch.Tensor | None, group=None, *, extra: list[int] | None = None):
@@ -162,20 +195,25 @@ def require_agreement(op: str, name: str, values: list[int], *, show=None) -> No
 
 
 def check_same(
-    op: str, tensor: torch.Tensor, group=None, *, free_dim: int | None = None, requires_grad: bool | None = None
+    op: str,
+    tensor: torch.Tensor,
+    group=None,
+    *,
+    free_dim: int | None = None,
+    requires_grad: bool | None = None,
+    **ints: int,
 ) -> list:
     """Verify (in check mode) that every rank's tensor has the same dtype and shape, except along
-    ``free_dim``, and, when ``requires_grad`` is given, that every rank passes the same flag (whether the
-    input needs a backward, itself a collective).
+    ``free_dim``, that every rank passes the same ``ints`` (e.g. ``dst=0``), and, when ``requires_grad``
+    is given, the same flag (whether the input needs a backward, itself a collective).
 
     Returns the gathered metadata (empty when check mode is off).
     """
     if not is_check_mode() or _groups.group_size(group) == 1:
         return []
-    if requires_grad is None:
-        metas = gather_meta(tensor, group)
-    else:
-        metas, extras = gather_meta(tensor, group, extra=[int(requires_grad)])
+    names = list(ints)
+    extra = [int(v) for v in ints.values()] + ([] if requires_grad is None else [int(requires_grad)])
+    metas, extras = gather_meta(tensor, group, extra=extra) if extra else (gather_meta(tensor, group), None)
     ref = metas[0]
     for m in metas:
         if m.dtype != ref.dtype:
@@ -185,6 +223,77 @@ def check_same(
         for d, (a, b) in enumerate(zip(m.shape, ref.shape)):
             if a != b and d != (free_dim % len(ref.shape) if free_dim is not None and ref.shape else None):
                 raise_mismatch(op, "shapes", metas)
+    for i, name in enumerate(names):
+        require_agreement(op, name, [e[i] for e in extras])
     if requires_grad is not None:
-        require_agreement(op, "requires_grad", [e[0] for e in extras])
+        require_agreement(op, "requires_grad", [e[len(names)] for e in extras])
     return metas
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Collective verdicts (Note [Collective verdicts])
+# ---------------------------------------------------------------------------------------------------------
+
+_VERDICT_BYTES = 512
+VERDICT_WIDTH = 2 + _VERDICT_BYTES // 8  # ints per encoded verdict: [type code, length, packed utf-8 bytes]
+_ERROR_TYPES = {1: ValueError, 2: TypeError}
+
+
+def encode_verdict(error: Exception | None) -> list[int]:
+    """A fixed-width int row carrying this rank's error (its type and message, cut to 512 bytes) or none."""
+    if error is None:
+        return [0] * VERDICT_WIDTH
+    code = 2 if isinstance(error, TypeError) else 1
+    data = str(error).encode()[:_VERDICT_BYTES]
+    padded = data.ljust(_VERDICT_BYTES, b"\0")
+    packed = [int.from_bytes(padded[i : i + 8], "little", signed=True) for i in range(0, _VERDICT_BYTES, 8)]
+    return [code, len(data), *packed]
+
+
+def _decode_verdict(row: list[int]) -> tuple[type, str] | None:
+    if not row[0]:
+        return None
+    data = b"".join(int(v).to_bytes(8, "little", signed=True) for v in row[2:VERDICT_WIDTH])
+    return _ERROR_TYPES.get(row[0], ValueError), data[: row[1]].decode(errors="replace")
+
+
+def raise_verdicts(op: str, rows: list[list[int]], ranks: list[int] | None = None) -> None:
+    """Raise the same error on every rank if any rank's verdict row (:func:`encode_verdict`) holds one.
+
+    ``rows`` are every rank's verdict rows in group-rank order, identical on every rank; ``ranks`` names
+    them (default: their group ranks). The error has the first failing rank's type and every failing
+    rank's message.
+    """
+    failing = [(r if ranks is None else ranks[r], v) for r, v in enumerate(map(_decode_verdict, rows)) if v]
+    if not failing:
+        return
+    detail = "; ".join(f"rank {r}: {message}" for r, (_, message) in failing)
+    which = "rank" if len(failing) == 1 else "ranks"
+    raise failing[0][1][0](
+        f"{op}: the input of {which} {', '.join(str(r) for r, _ in failing)} was rejected, so every rank stops "
+        f"here ({detail})"
+    )
+
+
+def collective_errors() -> tuple[type, ...]:
+    """The errors an exchanging entry point sends as its verdict: ValueError, and in check mode TypeError
+    too (outside it a wrong argument type stays local, Note [Collective verdicts])."""
+    return (ValueError, TypeError) if is_check_mode() else (ValueError,)
+
+
+def decide(op: str, group, size: int, validate, *args):
+    """Run this rank's argument checks ``validate(*args)`` and return its result, collectively in check mode.
+
+    Outside check mode (or with one rank, or while compiling) the checks raise here, on this rank. In check
+    mode every rank's verdict, error or none, travels in one small all-gather and every rank raises the
+    same error naming the failing ranks and their messages, so no rank is left waiting in a collective.
+    """
+    if size == 1 or not is_check_mode() or torch.compiler.is_compiling():
+        return validate(*args)
+    try:
+        result, error = validate(*args), None
+    except (TypeError, ValueError) as e:
+        result, error = None, e
+    _, rows = gather_meta(None, group, extra=encode_verdict(error))
+    raise_verdicts(op, rows)
+    return result

@@ -32,13 +32,13 @@ def _raw_gather(dst: int, group, n: int, rank: int, x: torch.Tensor) -> tuple[to
     x = x.contiguous()
     if rank != dst:
         if n > 1:
-            dist.gather(x, None, dst=_groups.to_global_rank(group, dst), group=group)
+            dist.gather(x, None, group=group, group_dst=dst)
         return tuple(torch.zeros_like(x) for _ in range(n))
     outs = [torch.empty_like(x) for _ in range(n)]
     if n == 1:
         outs[0].copy_(x)
     else:
-        dist.gather(x, outs, dst=_groups.to_global_rank(group, dst), group=group)
+        dist.gather(x, outs, group=group, group_dst=dst)
     return tuple(outs)
 
 
@@ -48,9 +48,9 @@ def _raw_scatter(src: int, group, n: int, rank: int, like, *tensors: torch.Tenso
     if n == 1:
         out.copy_(tensors[0])
     elif rank == src:
-        dist.scatter(out, [t.contiguous() for t in tensors], src=_groups.to_global_rank(group, src), group=group)
+        dist.scatter(out, [t.contiguous() for t in tensors], group=group, group_src=src)
     else:
-        dist.scatter(out, None, src=_groups.to_global_rank(group, src), group=group)
+        dist.scatter(out, None, group=group, group_src=src)
     return out
 
 
@@ -117,11 +117,11 @@ def gather(tensor: torch.Tensor, dst: int = 0, group: dist.ProcessGroup | None =
     """
     _require_tensor("tensor", tensor)
     group, n, rank = _setup(group)
-    dst_rank = _groups.check_rank_in_group("dst", dst, group)
+    dst_rank = _check.decide("gather", group, n, _groups.check_rank_in_group, "dst", dst, group)
     if torch.compiler.is_compiling():
         return compiled_path().gather(tensor, dst_rank, group)
     if n > 1 and _check.is_check_mode():
-        _check.check_same("gather", tensor, group, requires_grad=_needs_graph(tensor))
+        _check.check_same("gather", tensor, group, requires_grad=_needs_graph(tensor), dst=dst)
     return _Gather.apply(dst_rank, group, n, rank, tensor)
 
 
@@ -151,25 +151,27 @@ def scatter(
     ``fullgraph=True``).
     """
     group, n, rank = _setup(group)
-    src_rank = _groups.check_rank_in_group("src", src, group)
-    is_src = rank == src_rank
-    if tensors is None or (not is_src and isinstance(tensors, (list, tuple)) and len(tensors) == 0):
-        if is_src:
-            raise ValueError(f"`tensors` must hold {n} tensors on the source rank (global rank {src}), got None")
-        if n > 1 and torch.compiler.is_compiling():
+    if n == 1 or torch.compiler.is_compiling():
+        src_rank, given = _scatter_args(tensors, src, group, n, rank)
+        if given is None and n > 1:
             return compiled_path().scatter_eagerly(None, src, group)
-        tensors = []
-    else:
-        tensors = _require_tensor_list("tensors", tensors, n)
-    if torch.compiler.is_compiling():
-        return compiled_path().scatter(tensors, src_rank, _needs_graph(*tensors), group)
-    if n == 1:
+        tensors = given or []
+        if torch.compiler.is_compiling():
+            return compiled_path().scatter(tensors, src_rank, _needs_graph(*tensors), group)
         if not _same_kind(tensors):
             raise _differing_source_tensors(src)
         like = (tensors[0].shape, tensors[0].dtype, tensors[0].device)
         differentiable = _needs_graph(*tensors)
     else:
-        meta, differentiable = _exchange(tensors, is_src, src_rank, group, is_src and _needs_graph(*tensors))
+        try:
+            (src_rank, given), error = _scatter_args(tensors, src, group, n, rank), None
+        except _check.collective_errors() as e:
+            src_rank, given, error = -1, None, e
+        tensors = given or []
+        is_src = rank == src_rank
+        meta, differentiable = _exchange(
+            tensors, is_src, src_rank, group, is_src and _needs_graph(*tensors), error=error
+        )
         device = tensors[0].device if tensors else _groups.comm_device(None, group)
         like = (torch.Size(meta.shape), meta.dtype, device)
     inputs = tensors
@@ -178,21 +180,41 @@ def scatter(
     return _Scatter.apply(src_rank, group, n, rank, like, bool(differentiable), *inputs)
 
 
+def _scatter_args(tensors, src, group, n: int, rank: int):
+    """scatter's checks of this rank's arguments: (``src``'s position in the group, ``tensors`` as a list,
+    or None off the source when none are given)."""
+    src_rank = _groups.check_rank_in_group("src", src, group)
+    if tensors is None or (rank != src_rank and isinstance(tensors, (list, tuple)) and len(tensors) == 0):
+        if rank == src_rank:
+            raise ValueError(f"`tensors` must hold {n} tensors on the source rank (global rank {src}), got None")
+        return src_rank, None
+    return src_rank, _require_tensor_list("tensors", tensors, n)
+
+
 def _same_kind(tensors) -> bool:
     first = tensors[0]
     return all(t.shape == first.shape and t.dtype == first.dtype and t.device == first.device for t in tensors)
 
 
-def _exchange(tensors, is_src: bool, src_rank: int, group, requires_grad: bool, *, placeholders: bool = False):
+def _exchange(
+    tensors, is_src: bool, src_rank: int, group, requires_grad: bool, *, placeholders: bool = False, error=None
+):
     """scatter's small exchange: every rank learns the source's (shape, dtype) and whether its tensors
-    require grad, and raises the same ValueError when they are malformed. With ``placeholders`` (the
-    compiled op) this rank also sends its placeholders' (shape, dtype) and ``requires_grad``, which every
-    rank checks against the source's. Returns (the source's TensorMeta, whether its tensors require grad).
+    require grad, and raises the same error when they are malformed, when the ranks name different
+    sources, or when any rank's own arguments were rejected (``error``, this rank's verdict: Note
+    [Collective verdicts] in :mod:`distcomm._check`). With ``placeholders`` (the compiled op) this rank also
+    sends its placeholders' (shape, dtype) and ``requires_grad``, which every rank checks against the
+    source's. Returns (the source's TensorMeta, whether its tensors require grad).
     """
-    sent = tensors[0] if is_src or placeholders else None
-    ok = int(_same_kind(tensors)) if is_src else 1
-    metas, extras = _check.gather_meta(sent, group, extra=[ok, int(requires_grad)])
-    ok, differentiable = extras[src_rank]
+    sent = tensors[0] if (is_src or placeholders) and tensors and error is None else None
+    ok = int(_same_kind(tensors)) if is_src and error is None else 1
+    verdict = _check.encode_verdict(error)
+    metas, extras = _check.gather_meta(sent, group, extra=[ok, int(requires_grad), src_rank, *verdict])
+    _check.raise_verdicts("scatter", [e[3:] for e in extras])
+    _check.require_agreement(
+        "scatter", "src", [e[2] for e in extras], show=lambda v: f"{_groups.to_global_rank(group, v)}"
+    )
+    ok, differentiable = extras[src_rank][:2]
     src = _groups.to_global_rank(group, src_rank)
     if not ok:
         raise _differing_source_tensors(src)

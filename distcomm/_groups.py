@@ -1,7 +1,8 @@
 """Process-group resolution, done at call time.
 
 Nothing here is cached: a rank looked up before ``init_process_group`` would otherwise stay 0 forever.
-Without an initialised default group every helper answers as a world of one process.
+Without an initialised default group ``group=None`` is a world of one process; an explicit ProcessGroup
+answers for itself (Note [Groups without global ranks]).
 
 Every public ``group=`` argument goes through :func:`resolve` or :func:`resolve_group`, which accept:
 
@@ -12,6 +13,19 @@ Every public ``group=`` argument goes through :func:`resolve` or :func:`resolve_
   that mesh dim that this process belongs to.
 
 A mesh is turned into its ProcessGroup here, once per call; nothing downstream sees a mesh.
+
+Note [Groups without global ranks]
+    A group's size and this process's position in it come from the group itself (``group.size()``,
+    ``group.rank()``), so a ProcessGroup works without a default group (``init_process_group`` never
+    called) and whether or not torch.distributed registered it. ``src``/``dst`` are global ranks, as in
+    torch.distributed, where global ranks exist: the default group is initialised and the group is
+    registered with it (``init_process_group``, ``new_group``, a DeviceMesh). For any other group there is
+    no global numbering, and ``src``/``dst`` are the group's own ranks, 0 .. size - 1. The collectives
+    themselves always address peers by group rank (``group_src``/``group_dst``/``group_peer``).
+
+    A bare backend object (``dist.ProcessGroupGloo(store, rank, size)``) is not a ProcessGroup: it lacks
+    the flat collectives (all_gather into one tensor, reduce-scatter, all_to_all_single), so it raises a
+    TypeError saying so instead of failing half-way.
 """
 
 from __future__ import annotations
@@ -30,6 +44,9 @@ __all__ = [
     "to_group_rank",
     "check_rank_in_group",
     "check_group",
+    "global_ranks",
+    "is_registered",
+    "backend_name",
 ]
 
 
@@ -42,25 +59,10 @@ def is_initialized() -> bool:
     return _world() is not None
 
 
-def resolve_group(group):
-    """Return the process group to use: ``None`` means the default (WORLD) group, or no group at all.
-
-    A DeviceMesh or ``(mesh, dim)`` becomes its ProcessGroup; anything else that is not a group raises
-    (see :func:`as_process_group`).
-    """
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        group = as_process_group(group)
-    world = _world()
-    if world is None:
-        return None
-    if group is None:
-        return world
-    return group
-
-
 def _not_a_member() -> ValueError:
+    who = f"global rank {dist.get_rank()}" if is_initialized() else "no default group"
     return ValueError(
-        f"this process (global rank {dist.get_rank()}) is not a member of the group passed as `group`; "
+        f"this process ({who}) is not a member of the group passed as `group`; "
         "only members may call a collective on it"
     )
 
@@ -125,6 +127,13 @@ def as_process_group(group) -> dist.ProcessGroup | None:
                 f"(this process, global rank {dist.get_rank()}, is not a member); only its members may call a "
                 "collective on it"
             )
+        if isinstance(group, torch._C._distributed_c10d.Backend):
+            raise TypeError(
+                f"`group` is a bare {type(group).__name__} backend object, not a torch.distributed.ProcessGroup; "
+                "it has no flat collectives (all_gather into one tensor, reduce-scatter, all_to_all_single). Pass "
+                "a ProcessGroup: from init_process_group / new_group, a DeviceMesh, or torch.distributed.ProcessGroup "
+                "with this backend registered on it (Note [Groups without global ranks] in distcomm/_groups.py)"
+            )
         from torch.distributed.device_mesh import DeviceMesh  # imported here: only meshes pay for it
 
         if isinstance(group, DeviceMesh):
@@ -150,85 +159,113 @@ def resolve(group) -> tuple[dist.ProcessGroup | None, int, int]:
     """(group, its size, this process's rank in it), all looked up now: one lookup per collective call.
 
     ``group=None`` is the default group; without an initialised default group the answer is
-    ``(None, 1, 0)``, a world of one process. A DeviceMesh or ``(mesh, dim)`` resolves to its ProcessGroup.
-    Raises TypeError for something that is not a group and ValueError if this process is not a member
-    (:func:`as_process_group`).
+    ``(None, 1, 0)``, a world of one process. A ProcessGroup answers for itself, with or without a default
+    group (Note [Groups without global ranks]). A DeviceMesh or ``(mesh, dim)`` resolves to its
+    ProcessGroup. Raises TypeError for something that is not a group and ValueError if this process is not
+    a member (:func:`as_process_group`).
+    """
+    group = resolve_group(group)
+    if group is None:
+        return None, 1, 0
+    return group, group.size(), group_rank(group)
+
+
+def resolve_group(group):
+    """Return the process group to use: ``None`` means the default (WORLD) group, or no group at all.
+
+    A DeviceMesh or ``(mesh, dim)`` becomes its ProcessGroup; anything else that is not a group raises
+    (see :func:`as_process_group`). An explicit ProcessGroup is used as given, also without a default group.
     """
     if group is not None and not isinstance(group, dist.ProcessGroup):
         group = as_process_group(group)
-    world = dist.group.WORLD if dist.is_available() else None
-    if world is None:
-        return None, 1, 0
-    if group is None or group is world:
-        return world, world.size(), world.rank()
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise _not_a_member()
-    return group, dist.get_world_size(group), rank
+    if group is None:
+        return _world()
+    return group
 
 
 def group_size(group=None) -> int:
-    world = _world()
-    if world is None:
-        return 1
-    if group is None or group is world:
-        return world.size()
-    return dist.get_world_size(group)
+    group = resolve_group(group)
+    return 1 if group is None else group.size()
 
 
 def group_rank(group=None) -> int:
-    world = _world()
-    if world is None:
+    group = resolve_group(group)
+    if group is None:
         return 0
-    if group is None or group is world:
-        return world.rank()
-    rank = dist.get_rank(group)
+    rank = group.rank()
     if rank < 0:
         raise _not_a_member()
     return rank
 
 
-def to_global_rank(group, rank: int) -> int:
-    """Global rank of the member at position ``rank`` of ``group``."""
+def is_registered(group) -> bool:
+    """Whether torch.distributed knows ``group`` (the default group, or a group registered with it): only
+    such groups work with ``batch_isend_irecv`` and ``get_backend``."""
+    world = _world()
     group = resolve_group(group)
-    if group is None or group is dist.group.WORLD:
-        return rank
-    return dist.get_global_rank(group, rank)
+    return world is not None and (group is world or global_ranks(group) is not None)
+
+
+def global_ranks(group) -> list[int] | None:
+    """The global ranks of ``group``'s members in group-rank order, or None where there are none to map:
+    no default group, the default group itself, or a group not registered with the default group
+    (Note [Groups without global ranks]); then a rank of the group is its own "global" rank."""
+    world = _world()
+    group = resolve_group(group)
+    if group is None or world is None or group is world:
+        return None
+    try:
+        return dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return None
+
+
+def to_global_rank(group, rank: int) -> int:
+    """Global rank of the member at position ``rank`` of ``group`` (Note [Groups without global ranks])."""
+    members = global_ranks(group)
+    return rank if members is None else members[rank]
 
 
 def to_group_rank(group, global_rank: int) -> int:
     """Position in ``group`` of the process with global rank ``global_rank`` (-1 if not a member)."""
-    group = resolve_group(group)
-    if group is None or group is dist.group.WORLD:
-        return global_rank
-    try:
-        return dist.get_group_rank(group, global_rank)
-    except (ValueError, RuntimeError):
-        return -1
+    members = global_ranks(group)
+    if members is None:
+        return global_rank if 0 <= global_rank < group_size(group) else -1
+    return members.index(global_rank) if global_rank in members else -1
 
 
 def check_rank_in_group(name: str, global_rank, group) -> int:
     """Validate a user-given global rank (``src``/``dst``) and return its position in ``group``."""
     if isinstance(global_rank, bool) or not isinstance(global_rank, int):
         raise TypeError(f"`{name}` must be an int (a global rank), got {type(global_rank).__name__} {global_rank!r}")
-    world = _world()
-    if world is None:
+    group = resolve_group(group)
+    if group is None:
         if global_rank != 0:
             raise ValueError(f"`{name}`={global_rank} is not a rank of this single-process run; the only rank is 0")
         return 0
-    if group is None or group is world:
-        size = world.size()
-        if 0 <= global_rank < size:
-            return global_rank
-        members = list(range(size))
-    else:
-        members = [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))]
-        if global_rank in members:
-            return members.index(global_rank)
+    position = to_group_rank(group, global_rank)
+    if position >= 0:
+        return position
+    members = global_ranks(group)
+    if members is None and group is not _world():
+        raise ValueError(
+            f"`{name}`={global_rank} is not a rank of the group; the group has no global ranks (no default group, "
+            f"or one it is not registered with), so `{name}` is a rank of the group itself and must be one of "
+            f"{list(range(group.size()))}"
+        )
+    members = list(range(group.size())) if members is None else members
     raise ValueError(
         f"`{name}`={global_rank} is not a member of the group; `{name}` is a global rank and must be one of "
         f"{members}"
     )
+
+
+def backend_name(group) -> str:
+    """The backend of ``group`` as torch.distributed names it (``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``)."""
+    try:
+        return str(dist.get_backend(group))
+    except (ValueError, RuntimeError):  # not registered with a default group: the group names its backend
+        return group.name()
 
 
 def comm_device(tensor: torch.Tensor | None, group=None) -> torch.device:
@@ -236,6 +273,6 @@ def comm_device(tensor: torch.Tensor | None, group=None) -> torch.device:
     if tensor is not None and tensor.device.type != "meta":
         return tensor.device
     group = resolve_group(group)
-    if group is not None and "nccl" in str(dist.get_backend(group)):
+    if group is not None and "nccl" in backend_name(group):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -227,12 +227,19 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: dist.ProcessGroup |
     op = compiled_path().parse_op(op) if compiling else _parse_op(op)
     group, size, _ = _groups.resolve(group)
     needs_grad = _needs_grad(tensor)
-    _check_op("all_reduce", op, tensor, needs_grad, group)
+    _check.decide("all_reduce", group, size, _check_op, "all_reduce", op, tensor, needs_grad, group)
     if compiling:
         return compiled_path().all_reduce(tensor, op, group)
     if size > 1 and _check.is_check_mode():
         _agree("all_reduce", tensor, group, op=op.kind.value, requires_grad=needs_grad)
     return _AllReduce.apply(tensor, op, group, size)
+
+
+def _reduce_args(dst, op: _Op, tensor: torch.Tensor, needs_grad: bool, group) -> int:
+    """reduce's checks of this rank's arguments: ``dst``'s position in the group."""
+    dst_rank = _groups.check_rank_in_group("dst", dst, group)
+    _check_op("reduce", op, tensor, needs_grad, group)
+    return dst_rank
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -255,14 +262,13 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: dist.ProcessG
     compiling = torch.compiler.is_compiling()
     op = compiled_path().parse_op(op) if compiling else _parse_op(op)
     group, size, rank = _groups.resolve(group)
-    dst_rank = _groups.check_rank_in_group("dst", dst, group)
     needs_grad = _needs_grad(tensor)
-    _check_op("reduce", op, tensor, needs_grad, group)
+    dst_rank = _check.decide("reduce", group, size, _reduce_args, dst, op, tensor, needs_grad, group)
     if compiling:
         return compiled_path().reduce(tensor, dst_rank, op, group)
     if size > 1 and _check.is_check_mode():
         _agree("reduce", tensor, group, op=op.kind.value, dst=dst, requires_grad=needs_grad)
-    return _Reduce.apply(tensor, dst, op, group, size, rank == dst_rank)
+    return _Reduce.apply(tensor, dst_rank, op, group, size, rank == dst_rank)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -281,9 +287,9 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = 
     """
     _require_tensor("tensor", tensor)
     group, size, rank = _groups.resolve(group)
-    src_rank = _groups.check_rank_in_group("src", src, group)
+    src_rank = _check.decide("broadcast", group, size, _groups.check_rank_in_group, "src", src, group)
     if torch.compiler.is_compiling():
         return compiled_path().broadcast(tensor, src_rank, group)
     if size > 1 and _check.is_check_mode():
         _agree("broadcast", tensor, group, src=src, requires_grad=_needs_grad(tensor))
-    return _Broadcast.apply(tensor, src, group, size, rank == src_rank)
+    return _Broadcast.apply(tensor, src_rank, group, size, rank == src_rank)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distcomm import _check
+from distcomm import _check, _groups
 
 ReduceOp = dist.ReduceOp
 _SUM, _AVG, _PRODUCT = ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT
@@ -190,7 +190,7 @@ def _is_nccl(group, tensor: torch.Tensor) -> bool:
     Decided per tensor: a group created with ``backend="cpu:gloo,cuda:nccl"`` sends CPU tensors through
     gloo, where the NCCL-only choices (native AVG, refusing bitwise ops) do not apply.
     """
-    return tensor.is_cuda and group is not None and "nccl" in str(dist.get_backend(group)).lower()
+    return tensor.is_cuda and group is not None and "nccl" in _groups.backend_name(group).lower()
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:

@@ -52,12 +52,12 @@ def _raw_all_reduce(x: torch.Tensor, op: _Op, group, size: int) -> torch.Tensor:
 
 
 def _raw_reduce(x: torch.Tensor, dst: int, op: _Op, group, size: int, is_dst: bool) -> torch.Tensor:
-    """The reduction on global rank ``dst`` (this rank if ``is_dst``), zeros on the other ranks."""
+    """The reduction on group rank ``dst`` (this rank if ``is_dst``), zeros on the other ranks."""
     if (not is_dst and size > 1 and op.kind is _SUM_OP.kind and x.numel() and x.is_contiguous()
             and not x.is_conj() and _is_nccl(group, x)):
         # NCCL only reads a non-root rank's buffer (its receive buffer is used on the root alone): no copy.
         # (A lazily conjugated tensor still needs the copy that resolves it before view_as_real.)
-        dist.reduce(_wire(x), dst, op=_SUM_OP.kind, group=group)
+        dist.reduce(_wire(x), op=_SUM_OP.kind, group=group, group_dst=dst)
         return torch.zeros_like(x, memory_format=torch.contiguous_format)
     buf = _owned_copy(x, op)
     if size == 1 or buf.numel() == 0:
@@ -66,8 +66,8 @@ def _raw_reduce(x: torch.Tensor, dst: int, op: _Op, group, size: int, is_dst: bo
     nan = None
     if op.extrema and buf.dtype.is_floating_point:
         nan = torch.isnan(buf).to(torch.uint8)
-        dist.reduce(nan, dst, op=_MAX, group=group)
-    dist.reduce(_wire(buf), dst, op=backend_op, group=group)
+        dist.reduce(nan, op=_MAX, group=group, group_dst=dst)
+    dist.reduce(_wire(buf), op=backend_op, group=group, group_dst=dst)
     if not is_dst:
         return buf.zero_()
     if divisor is None and nan is None:
@@ -76,13 +76,13 @@ def _raw_reduce(x: torch.Tensor, dst: int, op: _Op, group, size: int, is_dst: bo
 
 
 def _raw_broadcast(x: torch.Tensor, src: int, group, size: int, is_src: bool) -> torch.Tensor:
-    """A new contiguous tensor holding global rank ``src``'s ``x`` (this rank's if ``is_src``)."""
+    """A new contiguous tensor holding group rank ``src``'s ``x`` (this rank's if ``is_src``)."""
     if size == 1 or is_src:
         buf = _owned_copy(x, _SUM_OP)
     else:
         buf = x.new_empty(x.shape)
     if size > 1 and buf.numel():
-        dist.broadcast(_wire(buf), src, group=group)
+        dist.broadcast(_wire(buf), group=group, group_src=src)
     return buf
 
 

@@ -192,6 +192,33 @@ class _AllGatherTensor(Function):
 # --------------------------------------------------------------------------------------------------------
 
 
+def _list_args(output: torch.Tensor, input_list, op: _Op, group, size: int, rank: int) -> bool:
+    """reduce_scatter's checks of this rank's arguments; returns whether an input needs a backward."""
+    if len(input_list) != size:
+        raise ValueError(
+            f"reduce_scatter: `input_list` has {len(input_list)} tensors, expected {size} (one per rank of the group)"
+        )
+    if torch.is_grad_enabled() and output.requires_grad:
+        raise ValueError(
+            "reduce_scatter: `output` requires grad, but it is a buffer written in place; pass a plain tensor "
+            "(e.g. torch.empty(...)): the returned tensor carries the gradient"
+        )
+    for i, t in enumerate(input_list):
+        if t.dtype != output.dtype or t.device != output.device:
+            raise ValueError(
+                f"reduce_scatter: `input_list[{i}]` is {t.dtype} on {t.device}, but `output` is {output.dtype} on "
+                f"{output.device}; all must match"
+            )
+    if input_list[rank].shape != output.shape:
+        raise ValueError(
+            f"reduce_scatter: `output` has shape {tuple(output.shape)}, but `input_list[{rank}]` (the entry this "
+            f"rank receives) has shape {tuple(input_list[rank].shape)}; they must match"
+        )
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in input_list)
+    _check_op("reduce_scatter", op, output, needs_grad, group)
+    return needs_grad
+
+
 def reduce_scatter(
     output: torch.Tensor,
     input_list: list[torch.Tensor],
@@ -222,28 +249,7 @@ def reduce_scatter(
     compiling = torch.compiler.is_compiling()
     op = compiled_path().parse_op(op) if compiling else _parse_op(op)
     group, size, rank = _groups.resolve(group)
-    if len(input_list) != size:
-        raise ValueError(
-            f"reduce_scatter: `input_list` has {len(input_list)} tensors, expected {size} (one per rank of the group)"
-        )
-    if torch.is_grad_enabled() and output.requires_grad:
-        raise ValueError(
-            "reduce_scatter: `output` requires grad, but it is a buffer written in place; pass a plain tensor "
-            "(e.g. torch.empty(...)): the returned tensor carries the gradient"
-        )
-    for i, t in enumerate(input_list):
-        if t.dtype != output.dtype or t.device != output.device:
-            raise ValueError(
-                f"reduce_scatter: `input_list[{i}]` is {t.dtype} on {t.device}, but `output` is {output.dtype} on "
-                f"{output.device}; all must match"
-            )
-    if input_list[rank].shape != output.shape:
-        raise ValueError(
-            f"reduce_scatter: `output` has shape {tuple(output.shape)}, but `input_list[{rank}]` (the entry this "
-            f"rank receives) has shape {tuple(input_list[rank].shape)}; they must match"
-        )
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in input_list)
-    _check_op("reduce_scatter", op, output, needs_grad, group)
+    needs_grad = _check.decide("reduce_scatter", group, size, _list_args, output, input_list, op, group, size, rank)
     if compiling:
         return compiled_path().reduce_scatter(output, input_list, op, group, rank)
     if size > 1 and _check.is_check_mode():
@@ -257,6 +263,16 @@ def reduce_scatter(
             requires_grad=needs_grad,
         )
     return _ReduceScatter.apply(output, op, group, size, rank, *input_list)
+
+
+def _tensor_args(tensor: torch.Tensor, dim: int, op: _Op, needs_grad: bool, group, size: int) -> None:
+    """reduce_scatter_tensor's checks of this rank's arguments."""
+    if tensor.shape[dim] % size:
+        raise ValueError(
+            f"reduce_scatter_tensor: `tensor` has size {tensor.shape[dim]} along `dim`={dim}, which the group size "
+            f"{size} does not divide"
+        )
+    _check_op("reduce_scatter_tensor", op, tensor, needs_grad, group)
 
 
 def reduce_scatter_tensor(
@@ -290,13 +306,8 @@ def reduce_scatter_tensor(
     compiling = torch.compiler.is_compiling()
     op = compiled_path().parse_op(op) if compiling else _parse_op(op)
     group, size, _ = _groups.resolve(group)
-    if tensor.shape[dim] % size:
-        raise ValueError(
-            f"reduce_scatter_tensor: `tensor` has size {tensor.shape[dim]} along `dim`={dim}, which the group size "
-            f"{size} does not divide"
-        )
     needs_grad = _needs_grad(tensor)
-    _check_op("reduce_scatter_tensor", op, tensor, needs_grad, group)
+    _check.decide("reduce_scatter_tensor", group, size, _tensor_args, tensor, dim, op, needs_grad, group, size)
     if compiling:
         return compiled_path().reduce_scatter_tensor(tensor, dim, op, group)
     if size > 1 and _check.is_check_mode():

@@ -96,8 +96,9 @@ class RingComm:
         self.size = ring_size
         self.rank = group_rank % ring_size
         first = group_rank - self.rank
-        self.ranks = [_groups.to_global_rank(self.group, first + i) for i in range(ring_size)]
-        self._nccl: bool | None = None  # whether the group's backend is NCCL (looked up on first CUDA use)
+        self._positions = list(range(first, first + ring_size))  # group ranks: what the transfers address
+        self.ranks = [_groups.to_global_rank(self.group, r) for r in self._positions]
+        self._batch: bool | None = None  # whether CUDA transfers go in one NCCL batch (looked up on first use)
 
     def peer(self, offset: int) -> int:
         """Global rank of the ring member ``offset`` positions to the right (negative: to the left)."""
@@ -123,7 +124,7 @@ class RingComm:
             rows[(self.rank - hop) % self.size] = held
         return [rows[i].tolist() for i in range(self.size)]
 
-    def send_recv(self, *tensors: torch.Tensor, shift: int = 1, recv_like=None) -> RingHandle:
+    def send_recv(self, *tensors: torch.Tensor, shift: int = 1, recv_like=None, verify: bool = False) -> RingHandle:
         """Send ``tensors`` ``shift`` positions to the right and receive as many from the left.
 
         Args:
@@ -131,6 +132,11 @@ class RingComm:
             shift: ring distance (negative sends to the left).
             recv_like: optional tensors or shapes giving the incoming tensors' shapes (default: the same
                 shapes as ``tensors``). Incoming dtypes and devices are those of ``tensors``.
+            verify: first check, among the ring's members, that every member passes the same number of
+                tensors and ``shift`` and that what each one sends is what its receiver expects (shape and
+                dtype), raising the same ValueError on every member otherwise (two small exchanges, a
+                host sync). Every member must pass the same ``verify``. Off: the shapes are trusted, and a
+                mismatch fails in the transport on one rank or leaves the receiver's buffer unwritten.
 
         Returns:
             A :class:`RingHandle`; its ``wait()`` returns the received tensors in order.
@@ -142,6 +148,8 @@ class RingComm:
         if len(recv_like) != len(tensors):
             raise ValueError(f"`recv_like` has {len(recv_like)} entries, expected {len(tensors)} (one per tensor)")
         shapes = [tuple(r.shape) if isinstance(r, torch.Tensor) else tuple(r) for r in recv_like]
+        if verify and self.size > 1:
+            _verify_transfer(self, tensors, shapes, shift, "send_recv", "recv_like")
         if shift % self.size == 0:
             for t, s in zip(tensors, shapes):
                 if tuple(t.shape) != s:
@@ -149,28 +157,59 @@ class RingComm:
             return RingHandle([], tuple(tensors), None)
         send = [t.contiguous() for t in tensors]
         recv = [torch.empty(s, dtype=t.dtype, device=t.device) for t, s in zip(tensors, shapes)]
-        dst, src = self.peer(shift), self.peer(-shift)
-        if send[0].is_cuda and self._nccl is None:
-            self._nccl = "nccl" in str(dist.get_backend(self.group))
-        use_batch = send[0].is_cuda and self._nccl
+        dst = self._positions[(self.rank + shift) % self.size]
+        src = self._positions[(self.rank - shift) % self.size]
+        if send[0].is_cuda and self._batch is None:
+            self._batch = "nccl" in _groups.backend_name(self.group) and _groups.is_registered(self.group)
+        use_batch = send[0].is_cuda and self._batch
         ops = []
         # Even positions send first, odd positions receive first: a fixed global order that cannot deadlock
         # even for backends that serialise point-to-point operations.
         for t_send, t_recv in zip(send, recv):
             pair = []
             if t_send.numel():
-                pair.append((dist.isend, dist.P2POp, t_send, dst))
+                pair.append((dist.isend, t_send, dst))
             if t_recv.numel():
-                pair.append((dist.irecv, dist.P2POp, t_recv, src))
+                pair.append((dist.irecv, t_recv, src))
             if self.rank % 2:
                 pair.reverse()
             ops.extend(pair)
         if use_batch:
-            p2p = [P2POp(fn, t, peer, self.group) for fn, P2POp, t, peer in ops]
+            p2p = [dist.P2POp(fn, t, group=self.group, group_peer=peer) for fn, t, peer in ops]
             works = dist.batch_isend_irecv(p2p) if p2p else []
         else:
-            works = [fn(t, peer, group=self.group) for fn, _, t, peer in ops]
+            works = [
+                dist.isend(t, group=self.group, group_dst=peer) if fn is dist.isend
+                else dist.irecv(t, group=self.group, group_src=peer)
+                for fn, t, peer in ops
+            ]
         return RingHandle(works, tuple(recv), send)
+
+
+def _verify_transfer(comm: RingComm, tensors, shapes, shift: int, op: str, arg: str) -> None:
+    """Check that every ring member's transfer matches its receiver's expectation; the same verdict and
+    error on every member (see :meth:`RingComm.send_recv`'s ``verify``)."""
+    device = _groups.comm_device(tensors[0], comm.group)
+    heads = comm.all_gather_ints([len(tensors), shift % comm.size], device)
+    _check.require_agreement(op, "number of tensors", [h[0] for h in heads])
+    _check.require_agreement(op, "shift", [h[1] for h in heads], show=lambda v: f"{v} (mod {comm.size})")
+    row = []
+    for t, s in zip(tensors, shapes):
+        row += _check.meta_row(t.shape, t.dtype) + _check.meta_row(s, t.dtype)
+    rows = comm.all_gather_ints(row, device)
+    width = 2 * (2 + _check.MAX_DIMS)
+    shift %= comm.size
+    for p in range(comm.size):
+        q = (p + shift) % comm.size
+        for k in range(len(tensors)):
+            sent = _check.decode_meta(rows[p][k * width : k * width + width // 2])
+            wanted = _check.decode_meta(rows[q][k * width + width // 2 : (k + 1) * width])
+            if sent != wanted:
+                raise ValueError(
+                    f"{op}: rank {comm.ranks[p]} sends tensor {k} with shape {tuple(sent.shape)} and dtype "
+                    f"{sent.dtype} to rank {comm.ranks[q]}, which expects shape {tuple(wanted.shape)} and dtype "
+                    f"{wanted.dtype} (its `{arg}` and its own tensor's dtype); they must match on every rank"
+                )
 
 
 class _RingPass(torch.autograd.Function):
@@ -200,8 +239,10 @@ def ring_pass(
     W and r are taken within the ring (group ranks; ``ring_size`` smaller than the group makes independent
     rings of consecutive ranks). Shapes may differ across ranks, zero-size included: unless
     ``recv_shape`` gives the incoming shape, one small exchange among the ring's members learns every
-    member's shape and dtype (and raises the same error on every member if the dtypes differ); other rings
-    are not involved. Pass ``recv_shape`` to skip it (it costs a host sync). The backward sends the grad the other way.
+    member's shape and dtype (and raises the same error on every member if the dtypes, ``shift`` or whether
+    the input requires grad differ); other rings are not involved. Pass ``recv_shape`` to skip it (it costs a
+    host sync); in check mode the ring then verifies that every member's ``recv_shape`` is what its left
+    neighbour sends. The backward sends the grad the other way.
     No barrier. Without a process group, or in a ring of one, returns ``tensor`` itself. Under ``torch.compile``
     pass ``recv_shape``: without it the call runs eagerly (a graph break; an error under ``fullgraph=True``).
     """
@@ -218,12 +259,32 @@ def ring_pass(
             return compiled_path().ring_pass_eagerly(tensor, shift, group, ring_size)
         return compiled_path().ring_pass(tensor, shift, size, recv_shape, group)
     comm = RingComm(group, ring_size)
-    if comm.size == 1 or shift % comm.size == 0:
+    checking = _check.is_check_mode()
+    if comm.size == 1 or (shift % comm.size == 0 and not checking):
         return tensor
+    needs_grad = torch.is_grad_enabled() and tensor.requires_grad
     if recv_shape is None:
-        rows = comm.all_gather_ints(_check.encode_meta(tensor), _groups.comm_device(tensor, comm.group))
-        ring_metas = [_check.decode_meta(row) for row in rows]
-        if any(m.dtype != ring_metas[0].dtype or len(m.shape) != len(ring_metas[0].shape) for m in ring_metas):
-            _check.raise_mismatch("ring_pass", "dtypes or numbers of dims", ring_metas)
-        recv_shape = ring_metas[(comm.rank - shift) % comm.size].shape
-    return _RingPass.apply(tensor, shift, comm, tuple(recv_shape))
+        recv_shape = _learn_recv_shape(comm, tensor, shift, needs_grad)
+    else:
+        recv_shape = tuple(recv_shape)
+        if checking:
+            _verify_transfer(comm, [tensor], [recv_shape], shift, "ring_pass", "recv_shape")
+            rows = comm.all_gather_ints([int(needs_grad)], _groups.comm_device(tensor, comm.group))
+            _check.require_agreement("ring_pass", "requires_grad", [r[0] for r in rows])
+    if shift % comm.size == 0:
+        return tensor
+    return _RingPass.apply(tensor, shift, comm, recv_shape)
+
+
+def _learn_recv_shape(comm: RingComm, tensor: torch.Tensor, shift: int, needs_grad: bool) -> tuple[int, ...]:
+    """The shape of the tensor this rank receives, from one exchange among the ring's members, which also
+    checks (the same error on every member) that dtypes, numbers of dims, ``shift`` and whether the input
+    requires grad (the backward is a ring pass too) agree."""
+    row = _check.meta_row(tensor.shape, tensor.dtype) + [shift % comm.size, int(needs_grad)]
+    rows = comm.all_gather_ints(row, _groups.comm_device(tensor, comm.group))
+    ring_metas = [_check.decode_meta(r[:-2]) for r in rows]
+    if any(m.dtype != ring_metas[0].dtype or len(m.shape) != len(ring_metas[0].shape) for m in ring_metas):
+        _check.raise_mismatch("ring_pass", "dtypes or numbers of dims", ring_metas)
+    _check.require_agreement("ring_pass", "shift", [r[-2] for r in rows], show=lambda v: f"{v} (mod {comm.size})")
+    _check.require_agreement("ring_pass", "requires_grad", [r[-1] for r in rows])
+    return ring_metas[(comm.rank - shift) % comm.size].shape

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from distcomm import _all_gather, _all_to_all, _gather_scatter, _groups, _reduce_raw, ring
+from distcomm import _all_gather, _all_to_all, _gather_scatter, _reduce_raw, ring
 from distcomm._reduce_ops import _OPS
 
 __all__: list[str] = []
@@ -56,10 +56,6 @@ def _group(group_name: str):
 
 def _size(group_name: str) -> int:
     return _resolve_process_group(group_name).size() if group_name else 1
-
-
-def _global(group, rank: int) -> int:
-    return _groups.to_global_rank(group, rank) if group is not None else rank
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -92,14 +88,14 @@ def all_reduce(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
 def reduce(x: torch.Tensor, dst: int, op: str, group_name: str) -> torch.Tensor:
     """y = op_i x_i on the group rank ``dst``, zeros on the other ranks."""
     group, size, rank = _group(group_name)
-    return _reduce_raw._raw_reduce(x, _global(group, dst), _BY_NAME[op], group, size, rank == dst)
+    return _reduce_raw._raw_reduce(x, dst, _BY_NAME[op], group, size, rank == dst)
 
 
 @torch.library.custom_op("distcomm::broadcast", mutates_args=())
 def broadcast(x: torch.Tensor, src: int, group_name: str) -> torch.Tensor:
     """y_r = x_src (``src`` a group rank)."""
     group, size, rank = _group(group_name)
-    return _reduce_raw._raw_broadcast(x, _global(group, src), group, size, rank == src)
+    return _reduce_raw._raw_broadcast(x, src, group, size, rank == src)
 
 
 @torch.library.custom_op("distcomm::reduce_scatter_tensor", mutates_args=())
