@@ -7,7 +7,10 @@ Used by ``python -m distcomm.demo`` and by the test suite. Design (fast and robu
 - children run with one thread and ``GLOO_SOCKET_IFNAME=lo``; with ``backend="nccl"`` rank r uses cuda:r;
 - tensors come back as plain data (nested lists) and are rebuilt in the parent;
 - a child's traceback is re-raised in the parent; a hang ends in a ``TimeoutError`` naming the ranks
-  that did not finish, and every child is killed.
+  that did not finish, and every child is killed;
+- every rank's exit code is checked: a rank that reported its result and then exits with a non-zero code
+  or is killed by a signal (e.g. an abort while the interpreter shuts down) fails the run, naming the rank
+  and its exit code. Nothing is ever retried: a world that cannot be formed is an error too.
 
 Rank functions must be module-level (picklable): ``fn(rank, world_size, *args) -> result``.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import signal
 import socket
 import time
 import traceback
@@ -29,7 +33,7 @@ __all__ = ["run_world"]
 
 _CTX = None
 _INIT_TIMEOUT_S = 30.0
-_START_ATTEMPTS = 3
+_EXIT_GRACE_S = 10.0  # how long a rank that reported may take to exit, at least
 
 
 def _context():
@@ -71,7 +75,9 @@ def _worker(rank, world_size, port, backend, fn, args, results, timeout_s):
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         init_timeout = timedelta(seconds=min(timeout_s, _INIT_TIMEOUT_S))
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=init_timeout)
+        # Connecting gives up well before the run's deadline, so a rank that cannot reach the store reports why.
+        connect_timeout = timedelta(seconds=min(timeout_s / 2, _INIT_TIMEOUT_S))
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=connect_timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=init_timeout)
     except BaseException:
         results.put((rank, "init_error", traceback.format_exc()))
@@ -111,22 +117,35 @@ def _loopback_store(world_size: int) -> dist.TCPStore:
     return store
 
 
-class _StartFailed(RuntimeError):
-    """The world could not be formed (a transient socket failure while the ranks connect)."""
+def _exit_status(code: int | None) -> str:
+    """A child's exit code in words: ``exit code 3``, ``exit code -6 (killed by signal SIGABRT)``."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"exit code {code} (killed by signal {name})"
+    return f"exit code {code}"
 
 
 def run_world(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 60.0):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the per-rank results.
 
-    Forming the world is retried (up to 3 attempts) when the ranks fail to connect, which a loaded machine
-    occasionally causes; a failure inside ``fn`` is never retried.
+    Raises ``RuntimeError`` when a rank cannot join the process group, when ``fn`` raises on any rank, when a
+    rank exits without reporting, or when a rank that reported its result exits with a non-zero code or is
+    killed by a signal; ``TimeoutError`` when the ranks do not join or finish in time. Nothing is retried.
     """
-    for attempt in range(_START_ATTEMPTS):
-        try:
-            return _run_once(fn, world_size, args, backend, timeout)
-        except _StartFailed:
-            if attempt + 1 == _START_ATTEMPTS:
-                raise
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"run_world: world_size must be an int >= 1, got {world_size!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"run_world: timeout must be a number of seconds > 0, got {timeout!r}")
+    return _run_once(fn, world_size, args, backend, timeout)
+
+
+def _rank_errors(errors: dict[int, str]) -> str:
+    return "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
 
 
 def _run_once(fn, world_size: int, args, backend: str, timeout: float):
@@ -147,28 +166,31 @@ def _run_once(fn, world_size: int, args, backend: str, timeout: float):
     try:
         while len(out) + len(errors) < world_size:
             if len(ready) < world_size and time.monotonic() > start_deadline:
-                raise _StartFailed(f"only ranks {sorted(ready)} of {world_size} joined the process group")
+                missing = sorted(set(range(world_size)) - ready - set(errors))
+                raise TimeoutError(
+                    f"ranks {missing} of {world_size} did not join the process group within "
+                    f"{_INIT_TIMEOUT_S + 10.0:.0f}s" + _rank_errors(errors)
+                )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(out) - set(errors))
-                msg = f"ranks {missing} did not finish within {timeout:.0f}s"
-                if errors:
-                    msg += "\n" + "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
-                raise TimeoutError(msg)
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s" + _rank_errors(errors))
             try:
                 rank, status, payload = results.get(timeout=min(remaining, 0.5))
             except queue_mod.Empty:
                 dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out and r not in errors]
-                if dead and all(p.exitcode not in (0, None) for p in (procs[r] for r in dead)):
-                    time.sleep(0.2)  # a crashed child may still be flushing its report
+                if dead:
+                    time.sleep(0.2)  # an exiting child may still be flushing its report
                     if results.empty():
                         for r in dead:
-                            errors[r] = f"process exited with code {procs[r].exitcode} without reporting"
+                            errors[r] = f"process exited with {_exit_status(procs[r].exitcode)} without reporting"
+                        deadline = min(deadline, time.monotonic() + 5.0)
                 continue
             if status == "ready":
                 ready.add(rank)
             elif status == "init_error":
-                raise _StartFailed(f"rank {rank} could not join the process group:\n{payload}")
+                errors[rank] = f"rank {rank} of {world_size} could not join the process group:\n{payload}"
+                deadline = min(deadline, time.monotonic() + 5.0)
             elif status == "ok":
                 out[rank] = _from_plain(payload)
             else:
@@ -176,8 +198,21 @@ def _run_once(fn, world_size: int, args, backend: str, timeout: float):
                 # Peers of a failed rank usually block in a collective: give them a moment, then stop.
                 deadline = min(deadline, time.monotonic() + 5.0)
         if errors:
+            raise RuntimeError("rank(s) failed:" + _rank_errors(errors))
+        exit_wait = max(deadline - time.monotonic(), _EXIT_GRACE_S)
+        exit_deadline = time.monotonic() + exit_wait
+        for p in procs:
+            p.join(timeout=max(0.0, exit_deadline - time.monotonic()))
+        bad = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
+        if bad:
             raise RuntimeError(
-                "rank(s) failed:\n" + "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+                "every rank reported its result, but "
+                + "; ".join(
+                    f"rank {r} did not exit within {exit_wait:.0f}s of reporting" if code is None
+                    else f"rank {r} then exited with {_exit_status(code)}"
+                    for r, code in sorted(bad.items())
+                )
+                + " (a rank must exit with code 0)"
             )
         return [out[r] for r in range(world_size)]
     finally:

@@ -1,13 +1,21 @@
 """Layer 2: the local launcher (``distcomm._launch.run_world``) that the demo and every multi-process test use.
 
+Every rank's exit is checked: a rank that reports its result and then exits with a non-zero code or is
+killed by a signal while the interpreter shuts down fails the run, as does a rank that exits without
+reporting; a world that cannot be formed fails at once (nothing is retried).
+
 While a world is up, a rank reads the kernel's socket tables (/proc/net/tcp and tcp6) for the listening
 sockets the launching process holds: the rendezvous store must be the only one and must listen on the
 loopback address alone, so nothing beyond this machine can reach it.
 """
 
 import gc
+import multiprocessing.util
 import os
+import resource
+import signal
 import socket
+import time
 
 import pytest
 
@@ -103,3 +111,90 @@ def test_store_owns_its_socket():
         del store
     gc.collect()
     assert sockets() <= before + 1
+
+
+def _dies_after_reporting_rank(rank, world, how):
+    """Returns its rank (reported to the launcher), then dies while its process shuts down, after the report
+    has been flushed (a finalizer that runs after the result queue's feeder thread is joined)."""
+    if rank == 1:
+        if how == "exit 3":
+            multiprocessing.util.Finalize(None, os._exit, args=(3,), exitpriority=-10)
+        elif how == "SIGABRT":
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file from the abort
+            multiprocessing.util.Finalize(None, os.kill, args=(os.getpid(), signal.SIGABRT), exitpriority=-10)
+    return rank
+
+
+@pytest.mark.parametrize("how, status", [("exit 3", "exit code 3"),
+                                         ("SIGABRT", "exit code -6 (killed by signal SIGABRT)")])
+def test_a_rank_that_dies_after_reporting_fails_the_run(how, status):
+    """Both ranks report success; rank 1 then exits with code 3 / aborts at exit: the launcher raises, naming
+    the rank and its exit code."""
+    with pytest.raises(RuntimeError) as info:
+        run_world(_dies_after_reporting_rank, 2, how, timeout=30)
+    message = str(info.value)
+    assert f"rank 1 then exited with {status}" in message, message
+    assert "rank 0" not in message, message
+
+
+def test_ranks_that_exit_cleanly_pass():
+    """The same rank function without the fault returns every rank's result (the test above is not vacuous)."""
+    assert run_world(_dies_after_reporting_rank, 2, "none", timeout=30) == [0, 1]
+
+
+def _exits_without_reporting_rank(rank, world):
+    if rank == 1:
+        os._exit(0)
+    return rank
+
+
+def test_a_rank_that_exits_without_reporting_fails_at_once():
+    """A rank whose process ends inside the rank function (even with code 0) fails the run well before the
+    timeout, naming the rank and its exit code."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 ---\nprocess exited with exit code 0 without reporting"):
+        run_world(_exits_without_reporting_rank, 2, timeout=60)
+    assert time.monotonic() - start < 30
+
+
+class _UnreachableStore:
+    """Stands in for the rendezvous store: a port that refuses connections (bound, never listening)."""
+
+    def __init__(self):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+
+
+def _never_runs_rank(rank, world):
+    raise AssertionError("the world was never formed, the rank function must not run")
+
+
+def test_a_world_that_cannot_form_fails_once_without_retry(monkeypatch):
+    """Ranks that cannot reach the store fail the run with the rank's own error; the launcher starts one world
+    only (one store), never a second attempt."""
+    stores = []
+
+    def unreachable(world_size):
+        stores.append(_UnreachableStore())
+        return stores[-1]
+
+    monkeypatch.setattr(_launch, "_loopback_store", unreachable)
+    try:
+        with pytest.raises(RuntimeError, match=r"rank \d of 2 could not join the process group"):
+            run_world(_never_runs_rank, 2, timeout=10)
+    finally:
+        for store in stores:
+            store.sock.close()
+    assert len(stores) == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(world_size=0), "world_size must be an int >= 1, got 0"),
+    (dict(world_size=2.0), "world_size must be an int >= 1, got 2.0"),
+    (dict(world_size=2, timeout=0), "timeout must be a number of seconds > 0, got 0"),
+])
+def test_bad_arguments_are_refused_before_any_launch(kwargs, message):
+    world_size = kwargs.pop("world_size")
+    with pytest.raises(ValueError, match=message):
+        run_world(_never_runs_rank, world_size, **kwargs)
