@@ -40,14 +40,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from distcomm import _check
 from distcomm import functional as dfunc
 from distcomm.ring import RingComm
 
 __all__ = ["clip_loss", "siglip_loss"]
 
 _SIGLIP_IMPLS = ("ring", "gather")
-# Codes for the dtype check of the ring's size exchange (one small int per rank).
-_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -85,6 +84,20 @@ def _check_features(op: str, image_features, text_features) -> None:
             f"{op}: batch sizes differ on this rank: `image_features` has {image_features.shape[0]} rows, "
             f"`text_features` has {text_features.shape[0]}; row i of each must be a matching pair"
         )
+
+
+def _require_tensors(op: str, image_features, text_features) -> None:
+    """The features' types: checked on this rank alone (Note [Collective verdicts] in :mod:`distcomm._check`)."""
+    for name, t in (("image_features", image_features), ("text_features", text_features)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _check_inputs(op: str, image_features, text_features, *scalars) -> tuple[torch.Tensor, ...]:
+    """A loss's checks of this rank's inputs; returns the scalars (``logit_scale``[, ``logit_bias``]) as tensors."""
+    _check_features(op, image_features, text_features)
+    names = ("logit_scale", "logit_bias")
+    return tuple(_check_scalar(op, name, v, image_features) for name, v in zip(names, scalars))
 
 
 def _check_scalar(op: str, name: str, value, like: torch.Tensor) -> torch.Tensor:
@@ -147,18 +160,23 @@ def clip_loss(
         so the logits are float32).
 
     Raises:
-        TypeError, ValueError: bad input on this rank (raised before any communication), or feature dims /
-            dtypes that differ across ranks (raised on every rank).
+        TypeError, ValueError: features that are not tensors, or a bad ``local_loss``, ``group``: on this
+            rank, before any communication. Any other bad input on any rank (shapes, dtypes, ``logit_scale``),
+            feature dims / dtypes that differ across ranks, or some ranks' losses needing a backward (grad
+            mode on and an input requiring grad) while others' do not (the backward communicates): the same
+            error on every rank, after one small exchange.
     """
     op = "clip_loss"
-    _check_features(op, image_features, text_features)
-    logit_scale = _check_scalar(op, "logit_scale", logit_scale, image_features)
+    _require_tensors(op, image_features, text_features)
     if not isinstance(local_loss, bool):
         raise TypeError(f"{op}: `local_loss` must be a bool, got {local_loss!r}")
 
     comm = RingComm(group)  # the group resolved once (a DeviceMesh becomes its ProcessGroup), with W and r
     group, world, rank = comm.group, comm.size, comm.rank
-    all_images, sizes = dfunc.all_gather_variable(image_features, sizes=None, group=group)
+    sizes, (logit_scale,) = _agree_on_inputs(
+        op, comm, image_features, _check_inputs, op, image_features, text_features, logit_scale
+    )
+    all_images, _ = dfunc.all_gather_variable(image_features, sizes=sizes, group=group)
     all_texts, _ = dfunc.all_gather_variable(text_features, sizes=sizes, group=group)
     total = sum(sizes)
     # Half-precision operands are upcast before the products, so the logits are float32 throughout.
@@ -344,33 +362,49 @@ def _wait(pending) -> tuple[torch.Tensor, torch.Tensor | None]:
     return handle_right.wait()[0], None if handle_left is None else handle_left.wait()[0]
 
 
-def _exchange_sizes(op: str, image_features: torch.Tensor, needs_grad: bool, group) -> list[int]:
-    """Every rank's batch size (one small all_gather), checking that feature dims, dtypes and
+def _exchange_sizes(op: str, image_features: torch.Tensor, needs_grad: bool, group, error=None) -> list[int]:
+    """Every rank's batch size (one small all_gather), checking that every rank's own inputs passed its
+    checks (``error``: this rank's verdict, None if they did), and that feature dims, dtypes and
     ``needs_grad`` (whether this rank's loss will be in the autograd graph) agree across ranks.
 
-    The ring's backward communicates, so a rank without a graph would leave its peers waiting in theirs;
-    every rank sees the same gathered rows and raises the same error.
+    Both losses' backward passes communicate, so a rank without a graph would leave its peers waiting in
+    theirs; every rank sees the same gathered rows and raises the same error (Note [Collective verdicts]
+    in :mod:`distcomm._check`).
     """
-    row = [
-        image_features.shape[0],
-        image_features.shape[1],
-        _DTYPE_CODES.get(image_features.dtype, 0),
-        int(needs_grad),
-    ]
-    meta = torch.tensor(row, dtype=torch.int64, device=image_features.device)
+    if error is None:
+        row = [image_features.shape[0], image_features.shape[1], _check.dtype_code(image_features.dtype)]
+    else:
+        row = [0, 0, 0]
+    row += [int(needs_grad), *_check.encode_verdict(error)]
+    device = image_features.device if isinstance(image_features, torch.Tensor) else None
+    meta = torch.tensor(row, dtype=torch.int64, device=device)
     rows = [t.tolist() for t in dfunc.all_gather(meta, group=group)]
+    _check.raise_verdicts(op, [r[4:] for r in rows])
     if any(r[1:3] != rows[0][1:3] for r in rows):
-        inv = {v: k for k, v in _DTYPE_CODES.items()}
-        detail = ", ".join(f"rank {i}: dim={r[1]} dtype={inv.get(r[2])}" for i, r in enumerate(rows))
+        detail = ", ".join(f"rank {i}: dim={r[1]} dtype={_check.decode_meta([0, r[2]]).dtype}" for i, r in enumerate(rows))
         raise ValueError(f"{op}: feature dims or dtypes differ across ranks ({detail}); they must agree")
     if any(r[3] != rows[0][3] for r in rows):
         detail = ", ".join(f"rank {i}: {bool(r[3])}" for i, r in enumerate(rows))
         raise ValueError(
-            f"{op}: whether the loss needs a backward differs across ranks ({detail}); impl='ring' "
-            "communicates in backward, so it must be all or none: grad mode enabled and the features, "
-            "`logit_scale` or `logit_bias` requiring grad on every rank, or on none"
+            f"{op}: whether the loss needs a backward differs across ranks ({detail}); the backward "
+            "communicates, so it must be all or none: grad mode enabled and the features or the scalars "
+            "(`logit_scale`, `logit_bias`) requiring grad on every rank, or on none"
         )
     return [r[0] for r in rows]
+
+
+def _agree_on_inputs(op: str, comm: RingComm, image_features, validate, *args):
+    """Run this rank's checks ``validate(*args)`` (returning the loss's scalars) and agree across the ring
+    on them, on the batch sizes and on the backward (:func:`_exchange_sizes`): (sizes, scalars)."""
+    if comm.size == 1:
+        return [image_features.shape[0]], validate(*args)
+    try:
+        scalars, error = validate(*args), None
+    except (TypeError, ValueError) as e:
+        scalars, error = None, e
+    tensors = [t for t in (*args, *(scalars or ())) if isinstance(t, torch.Tensor)]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return _exchange_sizes(op, image_features, needs_grad, comm.group, error), scalars
 
 
 def siglip_loss(
@@ -404,31 +438,26 @@ def siglip_loss(
         0-d tensor L_r, in float32 or wider (half-precision features are upcast before the logit products).
 
     Raises:
-        TypeError, ValueError: bad input on this rank (raised before any communication), or feature dims /
-            dtypes that differ across ranks (raised on every rank). ``impl="ring"`` also raises on every
-            rank if some ranks' losses need a backward (grad mode on and an input requiring grad) and
-            others' do not, since its backward communicates.
+        TypeError, ValueError: features that are not tensors, or a bad ``impl``, ``group``: on this rank,
+            before any communication. Any other bad input on any rank (shapes, dtypes, the scalars), feature
+            dims / dtypes that differ across ranks, or some ranks' losses needing a backward (grad mode on
+            and an input requiring grad) while others' do not (the backward communicates, for both
+            ``impl`` values): the same error on every rank, after one small exchange.
     """
     op = "siglip_loss"
-    _check_features(op, image_features, text_features)
-    logit_scale = _check_scalar(op, "logit_scale", logit_scale, image_features)
-    logit_bias = _check_scalar(op, "logit_bias", logit_bias, image_features)
+    _require_tensors(op, image_features, text_features)
     if not isinstance(impl, str) or impl not in _SIGLIP_IMPLS:
         raise ValueError(f"{op}: invalid `impl` {impl!r}; must be one of {list(_SIGLIP_IMPLS)}")
 
+    comm = RingComm(group)  # the group resolved once (a DeviceMesh becomes its ProcessGroup), with W and r
+    sizes, (logit_scale, logit_bias) = _agree_on_inputs(
+        op, comm, image_features, _check_inputs, op, image_features, text_features, logit_scale, logit_bias
+    )
     if impl == "ring":
-        comm = RingComm(group)
-        if comm.size == 1:
-            sizes = [image_features.shape[0]]
-        else:
-            inputs = (image_features, text_features, logit_scale, logit_bias)
-            needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-            sizes = _exchange_sizes(op, image_features, needs_grad, comm.group)
         return _SigLipRing.apply(image_features, text_features, logit_scale, logit_bias, comm, sizes)
 
-    comm = RingComm(group)  # the group resolved once (a DeviceMesh becomes its ProcessGroup), with W and r
     group, world, rank = comm.group, comm.size, comm.rank
-    all_texts, sizes = dfunc.all_gather_variable(text_features, sizes=None, group=group)
+    all_texts, _ = dfunc.all_gather_variable(text_features, sizes=sizes, group=group)
     total = sum(sizes)
     offset = sum(sizes[:rank])
     summed = _siglip_block_sum(
