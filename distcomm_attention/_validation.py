@@ -207,14 +207,15 @@ def _positions(ranks: list[int], what: str = "ring position") -> str:
     return f"{what}{'s' if len(ranks) > 1 else ''} {text}"
 
 
-def _describe(op: str, names: list[str], texts: list[list[str]], where: str = "the ring") -> str:
+def _describe(op: str, names: list[str], texts: list[list[str]], where: str = "the ring",
+              what: str = "ring position") -> str:
     """The message of a disagreement: the differing fields, and each group of ring positions with the values
     it passed (``texts[r][i]``: ring position r's value of ``names[i]``)."""
     groups: dict[tuple[str, ...], list[int]] = {}
     for pos, row in enumerate(texts):
         groups.setdefault(tuple(row), []).append(pos)
     clauses = [
-        f"{_positions(ranks)}: " + ", ".join(f"{name}={text}" for name, text in zip(names, row))
+        f"{_positions(ranks, what)}: " + ", ".join(f"{name}={text}" for name, text in zip(names, row))
         for row, ranks in groups.items()
     ]
     hints = "".join(f"; {_HINTS[n]}" for n in names if n in _HINTS)
@@ -309,7 +310,8 @@ def verify_across_ring(
         start = end
     failed = [v[0] for v in verdicts if v[0]]
     if failed:  # a failing rank's options may be unread: only its tensors' shapes and dtypes are facts
-        kept = [j for j, i in enumerate(differing) if i < len(tensors)]
+        kept = [j for j, i in enumerate(differing)
+                if i < len(tensors) and all(row[spans[j][0]] != -1 for row in rows)]
         differing, spans = [differing[j] for j in kept], [spans[j] for j in kept]
     if not failed and not differing:
         return
@@ -330,14 +332,15 @@ def _disagreement(op, whole, device, ring_size, rings, sizes_differ, rows, spans
         for g, row in enumerate(rows):
             if len(seen[texts[g][j]]) > 1:
                 texts[g][j] += f" (digest {row[lo] & 0xFFFFFFFF:08x})"
+    if sizes_differ:
+        return _describe(op, names, texts, "the group", "rank")
     if len(rows) == ring_size:
         return _describe(op, names, texts)
     parts = []
     for ring in rings:
         if all(rows[g][lo:hi] == rows[ring[0]][lo:hi] for g in ring for lo, hi in spans):
             continue
-        where = ("the group (ring_size must be the same on every rank)" if sizes_differ
-                 else f"the ring of global ranks {whole.ranks[ring[0]]}-{whole.ranks[ring[-1]]}")
+        where = f"the ring of global ranks {whole.ranks[ring[0]]}-{whole.ranks[ring[-1]]}"
         parts.append(_describe(op, names, [texts[g] for g in ring], where))
     return " | ".join(parts)
 
