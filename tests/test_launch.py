@@ -182,7 +182,7 @@ def test_a_world_that_cannot_form_fails_once_without_retry(monkeypatch):
     monkeypatch.setattr(_launch, "_loopback_store", unreachable)
     try:
         with pytest.raises(RuntimeError, match=r"rank \d of 2 could not join the process group"):
-            run_world(_never_runs_rank, 2, timeout=10)
+            run_world(_never_runs_rank, 2, timeout=20)
     finally:
         for store in stores:
             store.sock.close()
