@@ -75,9 +75,7 @@ def _worker(rank, world_size, port, backend, fn, args, results, timeout_s):
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         init_timeout = timedelta(seconds=min(timeout_s, _INIT_TIMEOUT_S))
-        # Connecting gives up well before the run's deadline, so a rank that cannot reach the store reports why.
-        connect_timeout = timedelta(seconds=min(timeout_s / 2, _INIT_TIMEOUT_S))
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=connect_timeout)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=init_timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=init_timeout)
     except BaseException:
         results.put((rank, "init_error", traceback.format_exc()))

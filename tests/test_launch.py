@@ -157,35 +157,26 @@ def test_a_rank_that_exits_without_reporting_fails_at_once():
     assert time.monotonic() - start < 30
 
 
-class _UnreachableStore:
-    """Stands in for the rendezvous store: a port that refuses connections (bound, never listening)."""
-
-    def __init__(self):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-
-
 def _never_runs_rank(rank, world):
     raise AssertionError("the world was never formed, the rank function must not run")
 
 
 def test_a_world_that_cannot_form_fails_once_without_retry(monkeypatch):
-    """Ranks that cannot reach the store fail the run with the rank's own error; the launcher starts one world
-    only (one store), never a second attempt."""
-    stores = []
+    """Ranks that cannot join the process group (here: a backend that does not exist) fail the run with every
+    rank's own error; the launcher forms one world only (one rendezvous store), never a second attempt."""
+    stores, real_store = [], _launch._loopback_store
 
-    def unreachable(world_size):
-        stores.append(_UnreachableStore())
+    def counted(world_size):
+        stores.append(real_store(world_size))
         return stores[-1]
 
-    monkeypatch.setattr(_launch, "_loopback_store", unreachable)
-    try:
-        with pytest.raises(RuntimeError, match=r"rank \d of 2 could not join the process group"):
-            run_world(_never_runs_rank, 2, timeout=20)
-    finally:
-        for store in stores:
-            store.sock.close()
+    monkeypatch.setattr(_launch, "_loopback_store", counted)
+    with pytest.raises(RuntimeError) as info:
+        run_world(_never_runs_rank, 2, backend="no-such-backend", timeout=30)
+    message = str(info.value)
+    for rank in (0, 1):
+        assert f"rank {rank} of 2 could not join the process group" in message, message
+    assert "no-such-backend" in message and "must not run" not in message, message
     assert len(stores) == 1
 
 
