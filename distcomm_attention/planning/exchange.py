@@ -1,0 +1,137 @@
+"""Exchange plans: which key/value rows each rank needs from each other rank, for any layout and mask.
+
+Note [Exchange plan]
+    Rank d's queries at global positions P_d see, each, one interval of key positions [first(i), stop(i))
+    (band and document, Note [Visibility]); the keys d needs are the union of those intervals. Rank s holds
+    keys at positions P_s; the rows of s that d needs are those whose position lies in that union:
+
+        need[s][d] = { local row j of s : P_s[j] in U_d },   U_d = union over i in P_d of [first(i), stop(i))
+
+    A sparse exchange moves exactly need[s][d] for s != d (keys forward; their dK/dV back) and nothing when
+    every document stays on one rank. The plan is pure (positions and the mask description only), the same
+    on every rank, so every rank knows what it sends and receives, and which exchanges carry nothing at all.
+    Key padding is not part of it (a padded key is data, not plan): padded keys a query's band reaches move.
+
+    The gathered buffer of rank d holds the union U_d in natural order (global position order), so a block of
+    the gathered plan, whose keys [a, b) lie inside U_d, maps to the buffer rows [c(a), c(a) + b - a), with
+    c(p) = |{u in U_d : u < p}| (``Exchange.compact``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from distcomm_attention.planning import layouts
+from distcomm_attention.planning.visibility import Block, RingPlan, Visibility, _concrete, _query_bounds
+
+__all__ = ["Exchange", "exchange_plan", "compact_plan"]
+
+
+def _union(first: torch.Tensor, stop: torch.Tensor, seq_len: int) -> list[tuple[int, int]]:
+    """The union of the intervals [first_i, stop_i) clipped to [0, seq_len), as sorted disjoint ranges."""
+    lo, hi = first.clamp(0, seq_len), stop.clamp(0, seq_len)
+    keep = hi > lo
+    lo, hi = lo[keep], hi[keep]
+    if lo.numel() == 0:
+        return []
+    order = torch.argsort(lo, stable=True)
+    lo, hi = lo[order].tolist(), hi[order].tolist()
+    out: list[list[int]] = [[lo[0], hi[0]]]
+    for a, b in zip(lo[1:], hi[1:]):
+        if a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _runs(rows: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """Increasing row indices as ranges [start, stop)."""
+    if rows.numel() == 0:
+        return ()
+    cuts = ((rows[1:] - rows[:-1]) != 1).nonzero().flatten().add(1).tolist()
+    starts = [0] + cuts
+    stops = cuts + [rows.numel()]
+    return tuple((int(rows[a]), int(rows[b - 1]) + 1) for a, b in zip(starts, stops))
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """A call's exchange plan (Note [Exchange plan]) over ``ring_size`` ranks of ``local_len`` rows each.
+
+    Attributes:
+        need: ``need[s][d]``: the local rows of rank s that rank d needs, as ranges [start, stop).
+        union: ``union[d]``: the global key positions rank d needs, as sorted disjoint ranges.
+    """
+
+    ring_size: int
+    local_len: int
+    need: tuple[tuple[tuple[tuple[int, int], ...], ...], ...]
+    union: tuple[tuple[tuple[int, int], ...], ...]
+
+    def rows(self, src: int, dst: int) -> int:
+        """How many rows rank ``src`` sends rank ``dst``."""
+        return sum(b - a for a, b in self.need[src][dst])
+
+    def remote_rows(self, rank: int) -> tuple[int, int]:
+        """(rows ``rank`` sends to others, rows it receives from others)."""
+        sent = sum(self.rows(rank, d) for d in range(self.ring_size) if d != rank)
+        received = sum(self.rows(s, rank) for s in range(self.ring_size) if s != rank)
+        return sent, received
+
+    @property
+    def moves_nothing(self) -> bool:
+        """No rank needs a key another rank holds (every document stays on one rank)."""
+        return all(self.rows(s, d) == 0 for s in range(self.ring_size) for d in range(self.ring_size) if s != d)
+
+    def buffer_len(self, rank: int) -> int:
+        return sum(b - a for a, b in self.union[rank])
+
+    def compact(self, rank: int, position: int) -> int:
+        """Rank ``rank``'s buffer row of global key position ``position`` (or of the first needed one after it)."""
+        row = 0
+        for a, b in self.union[rank]:
+            if position < a:
+                return row
+            if position < b:
+                return row + position - a
+            row += b - a
+        return row
+
+
+@functools.lru_cache(maxsize=64)
+def exchange_plan(layout, vis: Visibility, ring_size: int, local_len: int) -> Exchange:
+    """The exchange plan of a call whose ``ring_size`` ranks hold ``local_len`` tokens each under ``layout`` (a
+    static name or a balanced ``Assignment``) with mask ``vis`` (Note [Exchange plan])."""
+    seq_len = ring_size * local_len
+    layout = _concrete(layout, vis, ring_size, local_len)
+    pos = [layouts.positions(layout, seq_len, ring_size, r) for r in range(ring_size)]
+    cu = None if vis.cu_seqlens is None else torch.tensor(vis.cu_seqlens, dtype=torch.int64)
+    union = tuple(tuple(_union(*_query_bounds(vis, p, cu), seq_len)) for p in pos)
+    need = []
+    for s in range(ring_size):
+        row = []
+        for d in range(ring_size):
+            if not union[d]:
+                row.append(())
+                continue
+            starts = torch.tensor([a for a, _ in union[d]])
+            stops = torch.tensor([b for _, b in union[d]])
+            k = torch.searchsorted(starts, pos[s], right=True) - 1
+            inside = (k >= 0) & (pos[s] < stops[k.clamp(min=0)])
+            row.append(_runs(inside.nonzero().flatten()))
+        need.append(tuple(row))
+    return Exchange(ring_size, local_len, tuple(need), union)
+
+
+def compact_plan(plan: RingPlan, ex: Exchange, rank: int) -> RingPlan:
+    """A one-step gathered plan (keys indexed by global position, Note [Gathered plans]) re-indexed to rank
+    ``rank``'s compacted buffer (keys indexed by ``ex.compact``)."""
+    blocks = []
+    for block in plan.blocks[0]:
+        a = ex.compact(rank, block.kv.start)
+        blocks.append(Block(block.q, slice(a, a + block.kv.stop - block.kv.start), block.mode, block.intervals))
+    return RingPlan(plan.steps, (tuple(blocks),))

@@ -1,0 +1,97 @@
+"""The transport over torch.distributed (Note [Transport]): gloo, NCCL, or the in-process threaded group."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from distcomm import _groups
+from distcomm.ring import RingComm
+from distcomm_attention.transport.base import Done
+
+__all__ = ["TorchTransport"]
+
+
+class _Work:
+    """Works in flight and the tensors they fill; ``finish`` turns the filled buffers into the result."""
+
+    def __init__(self, works, result, finish=None):
+        self._works, self._result, self._finish = works, result, finish
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        if self._finish is not None:
+            self._result, self._finish = self._finish(self._result), None
+        return self._result
+
+
+class TorchTransport:
+    """Every operation of Note [Transport] on one process group (``None``: the default group, or a group of
+    one without a process group)."""
+
+    def __init__(self, group=None):
+        self.group = _groups.resolve_group(group)
+        self.size = _groups.group_size(self.group)
+        self.rank = _groups.group_rank(self.group)
+        self._ring = RingComm(self.group) if self.size > 1 else None
+
+    def send_recv(self, tensors: Sequence[torch.Tensor], shift: int, recv_shapes=None):
+        if self._ring is None or shift % self.size == 0:
+            return Done(*tensors)
+        return self._ring.send_recv(*tensors, shift=shift, recv_like=recv_shapes)
+
+    def all_to_all_v(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]):
+        send_splits, recv_splits = list(map(int, send_splits)), list(map(int, recv_splits))
+        recv = send.new_empty((sum(recv_splits),) + tuple(send.shape[1:]))
+        if self.size == 1:
+            recv.copy_(send)
+            return Done(recv)
+        send = send.contiguous()
+        if self._uses_p2p(send):
+            return self._all_to_all_p2p(send, send_splits, recv, recv_splits)
+        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group, async_op=True)
+        return _Work([work], (recv,))
+
+    def _uses_p2p(self, send: torch.Tensor) -> bool:
+        """gloo's all_to_all_single rejects empty tensors; pairs of point-to-point transfers take them."""
+        return not send.is_cuda and send.numel() == 0
+
+    def _all_to_all_p2p(self, send, send_splits, recv, recv_splits):
+        send_parts, recv_parts = send.split(send_splits), recv.split(recv_splits)
+        works = []
+        for peer in range(self.size):
+            if peer == self.rank:
+                recv_parts[peer].copy_(send_parts[peer])
+                continue
+            glob = _groups.to_global_rank(self.group, peer)
+            pair = []
+            if send_parts[peer].numel():
+                pair.append(lambda p=send_parts[peer], g=glob: dist.isend(p.contiguous(), g, group=self.group))
+            if recv_parts[peer].numel():
+                pair.append(lambda p=recv_parts[peer], g=glob: dist.irecv(p, g, group=self.group))
+            if self.rank > peer:
+                pair.reverse()
+            works.extend(op() for op in pair)
+        return _Work(works, (recv,), lambda r: r)
+
+    def all_gather(self, x: torch.Tensor):
+        x = x.contiguous()
+        out = x.new_empty((self.size * x.shape[0],) + tuple(x.shape[1:]))
+        if self.size == 1:
+            out.copy_(x)
+            return Done(out)
+        work = dist.all_gather_into_tensor(out, x, group=self.group, async_op=True)
+        return _Work([work], (out,))
+
+    def reduce_scatter(self, x: torch.Tensor):
+        x = x.contiguous()
+        out = x.new_empty((x.shape[0] // self.size,) + tuple(x.shape[1:]))
+        if self.size == 1:
+            out.copy_(x)
+            return Done(out)
+        work = dist.reduce_scatter_tensor(out, x, group=self.group, async_op=True)
+        return _Work([work], (out,))

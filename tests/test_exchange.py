@@ -1,0 +1,188 @@
+"""Exchange plans and the transports (Note [Exchange plan], Note [Transport], Note [Sparse gather]).
+
+Layered, cheapest first:
+1. pure functions: the plan against a brute-force count of visible pairs (every layout, documents, windows);
+   zero traffic for documents that stay on one rank; the compacted plan's blocks;
+2. gloo worlds of 1-4 ranks: the torch transport's operations against the data they must move (empty
+   pieces included); the sparse gather and its adjoint against a float64 reference built from the whole
+   sequence; the counting transport's bytes equal to the plan's.
+"""
+
+import random
+
+import pytest
+import torch
+
+from distcomm_attention.planning import balance, layouts
+from distcomm_attention.planning.exchange import compact_plan, exchange_plan
+from distcomm_attention.planning.plans import gathered_plan
+from distcomm_attention.planning.visibility import Visibility
+from tests.dist_harness import run_world
+
+
+def _visible(vis: Visibility, seq_len: int) -> torch.Tensor:
+    """(seq_len, seq_len) bool: query i sees key j, straight from the definition."""
+    i = torch.arange(seq_len)[:, None]
+    j = torch.arange(seq_len)[None, :]
+    ok = torch.ones(seq_len, seq_len, dtype=torch.bool)
+    if vis.causal:
+        ok &= j <= i
+    if vis.window[0] >= 0:
+        ok &= i - j <= vis.window[0]
+    if vis.window[1] >= 0:
+        ok &= j - i <= vis.window[1]
+    if vis.cu_seqlens is not None:
+        doc = torch.bucketize(torch.arange(seq_len), torch.tensor(vis.cu_seqlens[1:]), right=True)
+        ok &= doc[:, None] == doc[None, :]
+    return ok
+
+
+def _random_docs(rng, seq_len):
+    cuts = sorted(rng.sample(range(1, seq_len), rng.randint(0, 6)))
+    return tuple([0] + cuts + [seq_len])
+
+
+CASES = [(layout, w, n) for layout in ("contiguous", "zigzag", "striped", "balanced") for w, n in ((2, 8), (3, 6), (4, 4))]
+
+
+@pytest.mark.parametrize("layout, world, local_len", CASES)
+def test_plan_is_exactly_the_rows_some_query_sees(layout, world, local_len):
+    """need[s][d] holds a row of s exactly when some query of d sees that key (brute force over all pairs),
+    for random documents, windows and causal/full masks."""
+    rng = random.Random(hash((layout, world, local_len)) % 1000)
+    seq_len = world * local_len
+    for _ in range(6):
+        docs = _random_docs(rng, seq_len) if rng.random() < 0.7 else None
+        window = (rng.choice([-1, 0, 1, 3]), rng.choice([-1, 0, 2]))
+        vis = Visibility(rng.random() < 0.5, window, docs)
+        if layout == "zigzag" and local_len % 2:
+            continue
+        concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
+        ex = exchange_plan(concrete, vis, world, local_len)
+        seen = _visible(vis, seq_len)
+        pos = [layouts.positions(concrete, seq_len, world, r) for r in range(world)]
+        for s in range(world):
+            for d in range(world):
+                wanted = seen[pos[d]][:, pos[s]].any(0).nonzero().flatten().tolist()
+                got = [i for a, b in ex.need[s][d] for i in range(a, b)]
+                assert got == wanted, (vis, s, d, got, wanted)
+
+
+def test_documents_on_one_rank_move_nothing():
+    """Documents that never cross a rank boundary need no remote key: the plan says so (zero traffic)."""
+    vis = Visibility(True, (-1, -1), (0, 3, 8, 12, 16, 20, 24, 32))
+    ex = exchange_plan("contiguous", vis, 4, 8)
+    assert ex.moves_nothing and all(ex.remote_rows(r) == (0, 0) for r in range(4))
+    crossing = exchange_plan("contiguous", Visibility(True, (-1, -1), (0, 3, 9, 32)), 4, 8)
+    assert not crossing.moves_nothing
+    # rank 1 (positions 8-15) receives document [3, 9)'s keys 3-7 and sends keys 9-15 of [9, 32) to ranks 2, 3
+    assert crossing.remote_rows(1) == (7 + 7, 5)
+
+
+def test_compacted_plan_reads_the_same_keys():
+    """Every block of the compacted plan reads, from the compacted buffer, the same global key positions as the
+    gathered plan reads from the whole sequence."""
+    vis = Visibility(True, (5, -1), (0, 7, 20, 32))
+    for layout in ("contiguous", "zigzag"):
+        ex = exchange_plan(layout, vis, 4, 8)
+        for r in range(4):
+            plan = gathered_plan(layout, vis, 4, r, 8)
+            compact = compact_plan(plan, ex, r)
+            needed = [p for a, b in ex.union[r] for p in range(a, b)]
+            for full, small in zip(plan.blocks[0], compact.blocks[0]):
+                assert needed[small.kv] == list(range(full.kv.start, full.kv.stop))
+                assert (full.q, full.mode) == (small.q, small.mode)
+
+
+# ------------------------------------------------------------------------------------------------------
+# 2. gloo worlds
+# ------------------------------------------------------------------------------------------------------
+
+
+def _transport_rank(rank, world):
+    from distcomm_attention.transport import TorchTransport
+
+    t = TorchTransport()
+    out = {}
+    x = torch.arange(6, dtype=torch.float64).view(3, 2) + 10 * rank
+    out["gather"] = t.all_gather(x).wait()[0]
+    out["reduce"] = t.reduce_scatter(torch.ones(world * 2, 3, dtype=torch.float64) * (rank + 1)).wait()[0]
+    # rank r sends (r + d) % 3 rows to rank d: some pieces empty
+    splits = [(rank + d) % 3 for d in range(world)]
+    recv = [(s + rank) % 3 for s in range(world)]
+    send = torch.cat([torch.full((splits[d], 2), float(100 * rank + d)) for d in range(world)])
+    out["a2a"] = t.all_to_all_v(send, splits, recv).wait()[0]
+    out["empty"] = t.all_to_all_v(torch.zeros(0, 2), [0] * world, [0] * world).wait()[0].shape[0]
+    (hop,) = t.send_recv([x], 1).wait()
+    out["hop"] = hop
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_torch_transport_moves_what_it_says(world):
+    """all_gather, reduce_scatter, all_to_all_v (pieces of 0-2 rows, an exchange of nothing) and ring hops
+    deliver exactly the rows the definition names, on every rank."""
+    got = run_world(_transport_rank, world, timeout=60)
+    for r, g in enumerate(got):
+        expected = torch.cat([torch.arange(6, dtype=torch.float64).view(3, 2) + 10 * s for s in range(world)])
+        assert torch.equal(g["gather"], expected)
+        assert torch.equal(g["reduce"], torch.full((2, 3), float(sum(range(1, world + 1))), dtype=torch.float64))
+        want = torch.cat([torch.full(((s + r) % 3, 2), float(100 * s + r)) for s in range(world)])
+        assert torch.equal(g["a2a"], want)
+        assert g["empty"] == 0
+        left = (r - 1) % world
+        assert torch.equal(g["hop"], torch.arange(6, dtype=torch.float64).view(3, 2) + 10 * left)
+
+
+def _sparse_rank(rank, world, layout, vis_args, local_len):
+    from distcomm_attention.strategies.sparse_gather import SparseGather
+    from distcomm_attention.transport import CountingTransport, TorchTransport
+
+    vis = Visibility(*vis_args)
+    seq_len = world * local_len
+    concrete = balance.resolve(layout, seq_len, world, vis.cu_seqlens) if layout == "balanced" else layout
+    ex = exchange_plan(concrete, vis, world, local_len)
+    full = torch.randn(2, seq_len, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    pos = layouts.positions(concrete, seq_len, world, rank)
+    counting = CountingTransport(TorchTransport())
+    sparse = SparseGather(counting, ex, concrete)
+    (buffer,) = sparse.gather(full[:, pos])
+    # gradient of sum(buffer * weight_r) over ranks: each key gets the sum of weights of the ranks holding it
+    weight = torch.randn(buffer.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    grad = sparse.scatter_add(weight, local_len)
+    return {"buffer": buffer, "weight": weight, "grad": grad, "sent": counting.total,
+            "calls": counting.calls["all_to_all_v"]}
+
+
+SPARSE = [
+    ("contiguous", (True, (-1, -1), (0, 5, 13, 24)), 3, 8),
+    ("zigzag", (True, (-1, -1), None), 4, 4),
+    ("contiguous", (False, (2, 2), None), 3, 6),
+    ("balanced", (True, (-1, -1), (0, 2, 9, 10, 24)), 3, 8),
+    ("contiguous", (True, (-1, -1), (0, 8, 16, 24)), 3, 8),  # documents on one rank each: nothing moves
+]
+
+
+@pytest.mark.parametrize("layout, vis_args, world, local_len", SPARSE)
+def test_sparse_gather_and_its_adjoint(layout, vis_args, world, local_len):
+    """Rank r's buffer holds exactly the keys at the positions it needs (in natural order), its gradient is
+    every rank's contribution to the rows it holds (float64 reference over the whole sequence), and the bytes
+    it sends are the plan's (rows x row size; zero, and no exchange posted, when nothing crosses a rank)."""
+    vis = Visibility(*vis_args)
+    got = run_world(_sparse_rank, world, layout, vis_args, local_len, timeout=60)
+    seq_len = world * local_len
+    concrete = balance.resolve(layout, seq_len, world, vis.cu_seqlens) if layout == "balanced" else layout
+    ex = exchange_plan(concrete, vis, world, local_len)
+    full = torch.randn(2, seq_len, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    total_grad = torch.zeros_like(full)
+    for r, g in enumerate(got):
+        needed = torch.tensor([p for a, b in ex.union[r] for p in range(a, b)], dtype=torch.int64)
+        assert torch.equal(g["buffer"], full[:, needed])
+        total_grad[:, needed] += g["weight"]
+        row_bytes = 2 * 3 * 4 * 8
+        sent, received = ex.remote_rows(r)
+        assert g["sent"] == (sent + received) * row_bytes  # its rows forward, the received rows' gradients back
+        assert g["calls"] == (0 if ex.moves_nothing else 2)
+    for r, g in enumerate(got):
+        pos = layouts.positions(concrete, seq_len, world, r)
+        torch.testing.assert_close(g["grad"], total_grad[:, pos], rtol=1e-12, atol=1e-12)
