@@ -24,6 +24,8 @@ case exactly once.
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import math
 import multiprocessing as mp
 import os
@@ -567,8 +569,8 @@ def gather__balance_window_disagree(rank, world):
 
 
 @case(r"cu_seqlens")
-def gather__balanced_never_sharded_all(rank, world):
-    da.gather_sequence(torch.randn(1, S, H, D), "balanced", cu_seqlens=[0, 3, 11, S * world])
+def attn__balanced_documents_never_sharded_all(rank, world):
+    attn(rank, world, causal=True, layout="balanced", cu_seqlens=[0, 3, 11, S * world])
 
 
 @case(r"layout.*zigzig|zigzig.*layout")
@@ -863,9 +865,9 @@ def loss__siglip_one_rank_skips_backward(rank, world):
 
 
 @case(r"logit_scale")
-def loss__clip_logit_scale_nan_all(rank, world):
+def loss__clip_logit_scale_string_all(rank, world):
     x, y = features()
-    clip_loss(x, y, float("nan")).backward()
+    clip_loss(x, y, "10").backward()
 
 
 @case(r"logit_scale")
@@ -904,6 +906,38 @@ def loss__siglip_feature_dim_disagree(rank, world):
     siglip_loss(x, y, 10.0, -10.0).backward()
 
 
+# Verdicts on the current library that are not yet good, with their cause: the test marks them xfail(strict).
+KNOWN = {
+    "attn.balanced_documents_never_sharded_all": (
+        "silent", "layout='balanced' with cu_seqlens this ring never sharded computes a placement instead of raising"),
+    "gather.balance_window_disagree": (
+        "unclear", "the error names `layout` ('balanced' vs 'balanced:4'), not `balance_window`"),
+    "coll.all_reduce_shape_disagree": (
+        {2: "crash", 3: "hang"}, "default mode does not exchange shapes: gloo aborts on the size mismatch"),
+    "coll.all_reduce_op_disagree": ("crash", "default mode does not exchange ops: gloo aborts"),
+    "coll.all_gather_shape_disagree": ("crash", "default mode does not exchange shapes: gloo aborts"),
+    "coll.all_to_all_uneven_splits_disagree": (
+        "silent", "default mode trusts output_split_sizes: a rank receives fewer rows than it expects"),
+    "coll.broadcast_src_disagree": ("hang", "default mode does not exchange `src`"),
+    "coll.ring_pass_recv_shape_wrong": ("crash", "RingComm.send_recv trusts recv_shape: gloo aborts on the size"),
+    "coll.ring_pass_recv_shape_wrong_one": (
+        "silent", "recv_shape larger than what the peer sends on one rank: returns without an error"),
+    "loss.clip_logit_scale_disagree": ("silent", "logit_scale is not compared across ranks"),
+    "loss.siglip_logit_bias_disagree": ("silent", "logit_bias is not compared across ranks"),
+    "loss.siglip_impl_disagree": (
+        "hang", "impl is not compared across ranks: the ring's and the gather's collectives mismatch (hang or abort)"),
+}
+
+
+def _with_known(c: Case) -> Case:
+    if c.name not in KNOWN:
+        return c
+    verdict, why = KNOWN[c.name]
+    return dataclasses.replace(c, known=verdict if isinstance(verdict, dict) else {"*": verdict}, why=why)
+
+
+CASES[:] = [_with_known(c) for c in CASES]
+assert set(KNOWN) <= {c.name for c in CASES}, set(KNOWN) - {c.name for c in CASES}
 CASES_BY_NAME = {c.name: c for c in CASES}
 assert len(CASES_BY_NAME) == len(CASES), "case names must be unique"
 
@@ -931,7 +965,7 @@ def _plain(obj):
     return repr(obj)
 
 
-def _rank_main(rank, world, port, name, pg_timeout_s, results):
+def _rank_main(rank, world, port, name, pg_timeout_s, results, release):
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
     c = CASES_BY_NAME[name]
@@ -951,6 +985,9 @@ def _rank_main(rank, world, port, name, pg_timeout_s, results):
         results.put((rank, "returned", None, _plain(out)))
     except BaseException as e:  # every exception is the rank's outcome, reported to the parent
         results.put((rank, "raised", type(e).__name__, str(e)))
+    # A finished rank keeps its connections open until every rank has reported, as a program that goes on
+    # would: its exit must not unblock (or fail) a peer still waiting in a collective.
+    release.wait(pg_timeout_s)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -971,15 +1008,27 @@ class Outcome:
         return self.reason
 
 
-def run_case(c: Case, world: int, timeout: float = 20.0, grace: float = 5.0) -> Outcome:
-    """Run ``c`` once on a fresh world of ``world`` gloo ranks and classify how it ended."""
+def run_case(c: Case, world: int, timeout: float = 20.0, grace: float = 5.0, lock_path: str | None = None) -> Outcome:
+    """Run ``c`` once on a fresh world of ``world`` gloo ranks and classify how it ended.
+
+    With ``lock_path``, worlds of all processes that pass the same path run one at a time (an exclusive
+    ``flock`` on that file for the world's lifetime).
+    """
+    if lock_path is not None:
+        with open(lock_path, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                return run_case(c, world, timeout, grace)
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
     ctx = _context()
     start = time.monotonic()
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
+    release = ctx.Event()
     pg_timeout = timeout + 60.0  # the launcher's timeout, not gloo's, decides a hang
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, store.port, c.name, pg_timeout, results), daemon=True)
+        ctx.Process(target=_rank_main, args=(r, world, store.port, c.name, pg_timeout, results, release), daemon=True)
         for r in range(world)
     ]
     for p in procs:
@@ -1001,6 +1050,7 @@ def run_case(c: Case, world: int, timeout: float = 20.0, grace: float = 5.0) -> 
                             break
                         reports[rank] = (status, etype, payload)
                     break
+        release.set()
         exit_deadline = min(time.monotonic(), deadline) + grace
         if len(reports) < world:
             exit_deadline = time.monotonic()  # a hang or a crash: nothing more to wait for
