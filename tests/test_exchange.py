@@ -186,3 +186,71 @@ def test_sparse_gather_and_its_adjoint(layout, vis_args, world, local_len):
     for r, g in enumerate(got):
         pos = layouts.positions(concrete, seq_len, world, r)
         torch.testing.assert_close(g["grad"], total_grad[:, pos], rtol=1e-12, atol=1e-12)
+
+
+def _allgather_rank(rank, world, layout, causal, window, docs, masked):
+    import distcomm_attention as da
+    from distcomm_attention import transport
+    from distcomm_attention._reference import attention_reference
+    from distcomm_attention.transport import CountingTransport, TorchTransport
+
+    n = 8
+    seq_len = world * n
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, seq_len, h, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
+    dout = torch.randn(2, seq_len, 4, 8, dtype=torch.float64, generator=g)
+    mask = torch.rand(2, seq_len, generator=g) > 0.2 if masked else None
+    concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
+    pos = layouts.positions(concrete, seq_len, world, rank)
+    local = [t[:, pos].clone().requires_grad_() for t in (q, k, v)]
+    counted = []
+
+    def factory(group):
+        counted.append(CountingTransport(TorchTransport(group)))
+        return counted[-1]
+
+    with transport.using(factory):
+        out = da.context_parallel_attn(*local, strategy="allgather", causal=causal, window_size=window,
+                                       cu_seqlens=docs, layout=layout, attention_mask=None if mask is None else mask[:, pos])
+        out.backward(dout[:, pos])
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = attention_reference(*ref_in, causal=causal, window_size=window, cu_seqlens=docs, attention_mask=mask)
+    ref.backward(dout)
+    errors = [float((a - b[:, pos]).abs().max()) for a, b in
+              zip([out] + [t.grad for t in local], [ref] + [t.grad for t in ref_in])]
+    return {"errors": errors, "sent": sum(c.total for c in counted), "sparse": bool(counted)}
+
+
+ALLGATHER = [
+    ("contiguous", True, (-1, -1), (0, 8, 16, 24), False),   # documents on one rank each: nothing moves
+    ("contiguous", True, (-1, -1), (0, 5, 13, 24), True),    # documents crossing boundaries, padding
+    ("zigzag", True, (3, -1), None, False),                  # a window
+    ("balanced", True, (-1, -1), (0, 2, 9, 10, 24), False),
+    ("contiguous", False, (2, 2), (0, 11, 24), False),
+]
+
+
+@pytest.mark.parametrize("layout, causal, window, docs, masked", ALLGATHER)
+def test_allgather_strategy_moves_only_the_plan(layout, causal, window, docs, masked):
+    """context_parallel_attn(strategy="allgather") with documents or windows: out, dQ, dK, dV equal the float64
+    reference, and each rank's counted bytes are exactly the exchange plan's (its needed rows out, the
+    received rows' gradients back, twice the keys' forward rows for the backward's second gather): zero when
+    every document stays on one rank."""
+    from distcomm_attention.planning.exchange import gathered_exchange
+
+    world = 3
+    got = run_world(_allgather_rank, world, layout, causal, window, docs, masked, timeout=90)
+    seq_len = world * 8
+    vis = Visibility(causal, window, docs, masked)
+    concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
+    ex = gathered_exchange(concrete, vis, world, 8)
+    assert ex is not None
+    kv_row, grad_row = 2 * 2 * 8 * 8, 2 * 2 * 8 * 8  # (batch 2) x kv heads 2 x head_dim 8 x float64, per k or v
+    mask_row = 2 if masked else 0  # (batch 2) x one byte
+    for r, g in enumerate(got):
+        assert max(g["errors"]) < 1e-10, g["errors"]
+        sent, received = ex.remote_rows(r)
+        expected = 2 * sent * (2 * kv_row + mask_row) + received * 2 * grad_row
+        assert g["sent"] == expected, (r, g["sent"], expected)
+        if ex.moves_nothing:
+            assert g["sent"] == 0

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from distcomm_attention.planning import layouts
+from distcomm_attention.planning.plans import gathered_in_natural_order
 from distcomm_attention.planning.visibility import Block, RingPlan, Visibility, _concrete, _query_bounds
 
-__all__ = ["Exchange", "exchange_plan", "compact_plan"]
+__all__ = ["Exchange", "exchange_plan", "compact_plan", "gathered_exchange", "SPARSE_BELOW"]
 
 
 def _union(first: torch.Tensor, stop: torch.Tensor, seq_len: int) -> list[tuple[int, int]]:
@@ -135,3 +136,18 @@ def compact_plan(plan: RingPlan, ex: Exchange, rank: int) -> RingPlan:
         a = ex.compact(rank, block.kv.start)
         blocks.append(Block(block.q, slice(a, a + block.kv.stop - block.kv.start), block.mode, block.intervals))
     return RingPlan(plan.steps, (tuple(blocks),))
+
+
+SPARSE_BELOW = 0.9  # the sparse exchange replaces the all-gather when its busiest rank receives less than this share
+
+
+def gathered_exchange(layout, vis: Visibility, ring_size: int, local_len: int) -> Exchange | None:
+    """The exchange plan the all-gather strategy moves (Note [Sparse gather]), or None for a plain all-gather:
+    a buffer not in natural order (striped), a ring of one, or a sparse exchange whose busiest rank would still
+    receive at least ``SPARSE_BELOW`` of what the all-gather brings it (plain causal or full attention)."""
+    layout = _concrete(layout, vis, ring_size, local_len)
+    if ring_size == 1 or not gathered_in_natural_order(layout):
+        return None
+    ex = exchange_plan(layout, vis, ring_size, local_len)
+    busiest = max(ex.remote_rows(r)[1] for r in range(ring_size))
+    return ex if busiest < SPARSE_BELOW * (ring_size - 1) * local_len else None

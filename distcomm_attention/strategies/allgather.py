@@ -26,8 +26,11 @@ from torch.autograd.function import once_differentiable
 import distcomm.functional as dfunc
 from distcomm import _groups
 from distcomm.ring import RingComm
+from distcomm_attention import transport
+from distcomm_attention.planning.exchange import Exchange
 from distcomm_attention.planning.plans import gathered_in_natural_order, natural_order
 from distcomm_attention.planning.visibility import RingPlan
+from distcomm_attention.strategies.sparse_gather import SparseGather
 from distcomm_attention.strategies.ring import (_add_dq, _dq_result, _dq_sum, _no_autocast, _rows_of, packed,
                                                 ring_forward)
 
@@ -94,24 +97,37 @@ class AllGatherKV:
     ``forward(q, k, v, key_mask) -> (out, lse)``, ``backward(dout, q, k, v, out, lse, key_mask) -> (dq, dk,
     dv)``, every tensor this rank's (see Note [All-gather KV])."""
 
-    def __init__(self, group, layout: str, local_len: int, plan: RingPlan, softcap: float, scale: float, fwd, bwd):
+    def __init__(self, group, layout: str, local_len: int, plan: RingPlan, softcap: float, scale: float, fwd, bwd,
+                 exchange: Exchange | None = None):
         self.group, self.plan, self.softcap, self.scale, self.fwd, self.bwd = group, plan, softcap, scale, fwd, bwd
         world = _groups.group_size(group)
         self.order = natural_order(layout, world, local_len) if gathered_in_natural_order(layout) else None
         self.one = RingComm(group, 1) if world > 1 else RingComm(None)
+        # only the keys the plan reads (Note [Sparse gather]); ``plan`` then indexes the compacted buffer
+        self.sparse = None if exchange is None else SparseGather(transport.for_group(group), exchange, layout)
+
+    def _gather(self, k, v, key_mask):
+        if self.sparse is not None:
+            with torch.no_grad():
+                return self.sparse.gather(k, v, key_mask)
+        return gather_kv(k, v, key_mask, self.group, self.order)
 
     def forward(self, q, k, v, key_mask):
-        k_all, v_all, km_all = gather_kv(k, v, key_mask, self.group, self.order)
+        k_all, v_all, km_all = self._gather(k, v, key_mask)
         return ring_forward(q, k_all, v_all, km_all, self.one, self.plan, self.softcap, self.scale, self.fwd)
 
     def backward(self, dout, q, k, v, out, lse, key_mask):
-        k_all, v_all, km_all = gather_kv(k, v, key_mask, self.group, self.order)
+        k_all, v_all, km_all = self._gather(k, v, key_mask)
         dq, dk_all, dv_all = local_backward(dout, q, k_all, v_all, out, lse, km_all, self.plan, self.softcap,
                                             self.scale, self.bwd)
         del k_all, v_all
         with torch.no_grad():
-            dk = dfunc.reduce_scatter_tensor(_from_buffer(dk_all, self.order), 1, group=self.group)
-            dv = dfunc.reduce_scatter_tensor(_from_buffer(dv_all, self.order), 1, group=self.group)
+            if self.sparse is not None:
+                dk = self.sparse.scatter_add(dk_all, k.shape[1])
+                dv = self.sparse.scatter_add(dv_all, v.shape[1])
+            else:
+                dk = dfunc.reduce_scatter_tensor(_from_buffer(dk_all, self.order), 1, group=self.group)
+                dv = dfunc.reduce_scatter_tensor(_from_buffer(dv_all, self.order), 1, group=self.group)
         return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -138,8 +154,10 @@ class _AllGatherKVAttn(torch.autograd.Function):
 
 
 def allgather_attention(q, k, v, group, *, layout: str, plan: RingPlan, key_mask, softcap: float, scale: float,
-                        fwd, bwd) -> torch.Tensor:
-    """All-gather KV attention (inputs validated and verified; ``group`` resolved): q (B, n, H, D) -> (B, n, H, D)."""
-    computation = AllGatherKV(group, layout, q.shape[1], plan, softcap, scale, fwd, bwd)
+                        fwd, bwd, exchange: Exchange | None = None) -> torch.Tensor:
+    """All-gather KV attention (inputs validated and verified; ``group`` resolved): q (B, n, H, D) -> (B, n, H, D).
+    With ``exchange`` only the keys it names move and ``plan`` indexes the compacted buffer (Note [Sparse
+    gather])."""
+    computation = AllGatherKV(group, layout, q.shape[1], plan, softcap, scale, fwd, bwd, exchange)
     with _no_autocast(q.device):
         return _AllGatherKVAttn.apply(q, k, v, key_mask, computation)

@@ -23,6 +23,7 @@ from distcomm.ring import RingComm
 from distcomm_attention import _validation
 from distcomm_attention.planning import cost, layouts
 from distcomm_attention.planning.layouts import hybrid_positions
+from distcomm_attention.planning.exchange import compact_plan, gathered_exchange
 from distcomm_attention.planning.plans import gathered_plan, local_plan, natural_order
 from distcomm_attention.planning.visibility import Visibility, ring_plan
 from distcomm_attention.strategies import allgather as _allgather
@@ -139,6 +140,14 @@ def choose(q, k, *, group, layout: str, causal: bool, window, attention_mask, cu
     return cost.choose(call, candidates, hardware or cost.Hardware())
 
 
+def _gathered(layout, vis, world: int, rank: int, n: int):
+    """(plan, exchange) of the all-gather computation: the gathered plan, re-indexed to the compacted buffer
+    when only some keys move (Note [Sparse gather])."""
+    plan = gathered_plan(layout, vis, world, rank, n)
+    exchange = gathered_exchange(layout, vis, world, n)
+    return (plan, None) if exchange is None else (compact_plan(plan, exchange, rank), exchange)
+
+
 def _group_error(strategy: str, group) -> ValueError | None:
     """Why ``group`` cannot carry ``strategy`` (a 2-D mesh for a 1-D strategy, or the reverse), or None."""
     if strategy in _HYBRID:
@@ -180,17 +189,17 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
 
         def planner(vis, concrete):
             if strategy == "hybrid":
-                return ring_plan(concrete, vis, wr, ring_rank, wu * n)
-            return gathered_plan(concrete, vis, wr, ring_rank, wu * n)
+                return ring_plan(concrete, vis, wr, ring_rank, wu * n), None
+            return _gathered(concrete, vis, wr, ring_rank, wu * n)
 
-        plan, scale, fwd, bwd, layout = prepare(q, k, v, comm, extra=extra, shards=(wr, wu * n), planner=planner,
-                                                **common)
+        (plan, exchange), scale, fwd, bwd, layout = prepare(q, k, v, comm, extra=extra, shards=(wr, wu * n),
+                                                            planner=planner, **common)
         _ulysses.check_heads(q.shape[2], k.shape[2], wu)
         if strategy == "hybrid":
             inner = _Ring(RingComm(ring_group), plan, softcap, scale, fwd, bwd)
         else:
             inner = _allgather.AllGatherKV(_groups.resolve_group(ring_group), layout, wu * n, plan, softcap, scale,
-                                           fwd, bwd)
+                                           fwd, bwd, exchange)
         return _ulysses.ulysses(q, k, v, attention_mask, ulysses_group, wu, inner)
 
     comm = RingComm(group)
@@ -202,9 +211,9 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
         return ring_attention(q, k, v, comm, plan=plan, key_mask=attention_mask, softcap=softcap, scale=scale,
                               fwd=fwd, bwd=bwd)
     if strategy == "allgather":
-        plan, scale, fwd, bwd, layout = prepare(q, k, v, comm, extra=extra, **common,
-                                                planner=lambda vis, lay: gathered_plan(lay, vis, world, rank, n))
-        return _allgather.allgather_attention(q, k, v, comm.group, layout=layout, plan=plan,
+        (plan, exchange), scale, fwd, bwd, layout = prepare(q, k, v, comm, extra=extra, **common,
+                                                            planner=lambda vis, lay: _gathered(lay, vis, world, rank, n))
+        return _allgather.allgather_attention(q, k, v, comm.group, layout=layout, plan=plan, exchange=exchange,
                                               key_mask=attention_mask, softcap=softcap, scale=scale, fwd=fwd,
                                               bwd=bwd)
     if strategy == "ulysses":
