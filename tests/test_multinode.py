@@ -1,38 +1,37 @@
 """Layer 2: two "nodes" of 2 CPU ranks each, started by torchrun with the c10d rendezvous on localhost.
 
-Two ``torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d`` agents (node 0 hosts the rendezvous
-store) run ``examples/multinode_check.py``, which checks a collective over the 4 ranks, ring attention with
-one ring over both nodes and with one ring per node (``ring_size=2``) against float64 references, and that
-the per-node rings hold only ranks of one node. Every child runs in its own process group and is killed
-if the run does not finish in time.
+Two ``torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d`` agents run ``examples/multinode_check.py``,
+which checks a collective over the 4 ranks, ring attention with one ring over both nodes and with one ring
+per node (``ring_size=2``) against float64 references, and that the per-node rings hold only ranks of one
+node. Every child runs in its own process group and is killed if the run does not finish in time.
+
+No port is probed and bound later (a race with every other process on the machine): this test owns the
+rendezvous store, a ``TCPStore`` listening on 127.0.0.1 at a port the kernel picks, and both agents join it as
+clients (``is_host=0``); the store the workers form their process group on is created by the first agent on
+a port the kernel picks too (torchrun shares it through the rendezvous). The run is never repeated.
 """
 
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
 import uuid
+
+import torch.distributed as dist
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "multinode_check.py"
 TIMEOUT_S = 150
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(node: int, port: int, run_id: str) -> subprocess.Popen:
+def _torchrun(port: int, run_id: str) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", "2", "--nproc-per-node", "2",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
-        "--rdzv-conf", f"is_host={int(node == 0)},join_timeout=60",
+        "--rdzv-conf", "is_host=0,join_timeout=60",
         "--max-restarts", "0",
         str(SCRIPT), "--device", "cpu",
     ]
@@ -43,8 +42,9 @@ def _torchrun(node: int, port: int, run_id: str) -> subprocess.Popen:
 
 
 def _run_two_nodes() -> tuple[list[int], list[str]]:
-    port, run_id = _free_port(), f"distcomm-test-{uuid.uuid4().hex[:8]}"
-    nodes = [_torchrun(0, port, run_id), _torchrun(1, port, run_id)]
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    run_id = f"distcomm-test-{uuid.uuid4().hex[:8]}"
+    nodes = [_torchrun(store.port, run_id) for _node in range(2)]
     outputs = []
     deadline = time.monotonic() + TIMEOUT_S
     try:
@@ -62,8 +62,6 @@ def test_two_nodes_with_torchrun_c10d_rendezvous():
     """Running across machines: torchrun's c10d rendezvous forms one world from two agents, collectives and
     ring attention (rings across and within nodes) match float64 references."""
     codes, outputs = _run_two_nodes()
-    if codes[0] != 0 and "address already in use" in outputs[0].lower():
-        codes, outputs = _run_two_nodes()  # the free port was taken between probing and binding: once more
     log = "\n".join(f"--- node {i} (exit {c}) ---\n{out}" for i, (c, out) in enumerate(zip(codes, outputs)))
     assert codes == [0, 0], log
     assert "multi-node check on 4 ranks over 2 node(s): all checks passed" in outputs[0] + outputs[1], log
