@@ -22,7 +22,6 @@ import re
 import shlex
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -33,14 +32,10 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK_PAGES = [*PAGES, *[p for p in [ROOT / "docs" / "bench" / "README.md"] if p.exists()]]
 LANGUAGES = {"python", "bash", "text"}
 SNIPPET_TIMEOUT_S = 240  # generous: a loaded 2-core machine; each block takes seconds when idle
-# A gloo rank can abort at interpreter exit, after its program finished: a gloo worker thread still releasing a
-# completed collective's tensors needs the GIL while Python finalizes. It happens in
-# a few runs in a hundred on a loaded machine (the mechanism of pytorch/pytorch#179291). A launched world (a
-# torchrun block) that fails for any reason is repeated, up to TEARDOWN_ATTEMPTS runs in all: on a loaded
-# machine its infrastructure fails now and then (the teardown above, a rendezvous or socket race), while a
-# wrong block fails on every attempt. A plain block is repeated only after the teardown crash.
-TEARDOWN_CRASH = "terminate called without an active exception"
-TEARDOWN_ATTEMPTS = 3
+# A launched block runs once: a non-zero exit fails the test. Every block destroys its process group before it
+# exits (``test_launched_blocks_destroy_their_group``): a gloo program that skips it can abort at interpreter
+# exit, after its work is done (a gloo worker thread still releasing a collective's tensors while Python
+# finalizes, pytorch/pytorch#179291).
 
 FENCE = re.compile(r"^```(\S*)\s*$")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
@@ -167,14 +162,26 @@ def test_python_block_runs_as_written(text, tmp_path):
         GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
         PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p),
     )
-    for attempt in range(TEARDOWN_ATTEMPTS):
-        try:
-            done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SNIPPET_TIMEOUT_S)
-        except subprocess.TimeoutExpired as e:
-            pytest.fail(f"`{' '.join(argv)}` did not finish in {SNIPPET_TIMEOUT_S}s:\n{e.stdout}\n{e.stderr}")
-        # A launched world can die of its infrastructure on a loaded machine (gloo teardown, a rendezvous
-        # race): such a block is run again. A wrong block fails on every attempt.
-        if done.returncode == 0 or (command is None and TEARDOWN_CRASH not in done.stdout + done.stderr):
-            break
-        warnings.warn(f"`{' '.join(argv)}` aborted at exit (gloo teardown), attempt {attempt + 1}: running it again")
+    try:
+        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SNIPPET_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"`{' '.join(argv)}` did not finish in {SNIPPET_TIMEOUT_S}s:\n{e.stdout}\n{e.stderr}")
     assert done.returncode == 0, f"`{' '.join(argv)}` exited with {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+
+
+_GUARDED_MAIN = """if __name__ == "__main__":
+    dist.init_process_group("gloo")  # "nccl" on GPUs
+    try:
+        main()
+    finally:
+        dist.destroy_process_group()
+"""
+
+
+def test_launched_blocks_destroy_their_group():
+    """Every launched (torchrun) block ends with the same guarded main: the group is destroyed before the program
+    exits, also when ``main()`` raises."""
+    launched = [p.values[0] for p in _python_snippets() if _header(p.values[0])[1] is not None]
+    assert len(launched) >= 8
+    bad = [text.splitlines()[0] for text in launched if not text.endswith(_GUARDED_MAIN)]
+    assert not bad, f"these blocks must end with\n{_GUARDED_MAIN}\n{bad}"
