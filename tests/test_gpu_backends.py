@@ -5,17 +5,22 @@ backend selection and the direct kernel call), and simulated rings of 2 and 4 ra
 the planner's real blocks, merged by logsumexp in the forward and differentiated from the merged out/lse
 in the backward). Plain full and causal attention, GQA, softcap, windows and packed documents (fa4: window
 and varlen calls over the planner's band pieces), bf16 and fp16. A backend this machine cannot run
-(flash-attn-4 not installed, a GPU it does not support) is skipped with its reason.
+(flash-attn-4 not installed, a GPU it does not support) is skipped with its reason; one that is installed and
+reports an error fails.
 
 Criterion (FlashAttention's own): the maximum error against the float64 reference is at most twice that of
 plain PyTorch attention in the same low precision, plus a small floor; outputs and the q/k/v gradients.
 """
+
+import importlib.metadata
+import importlib.util
 
 import pytest
 import torch
 
 import distcomm_attention as da
 from distcomm_attention.kernels import dispatch as _kernels
+from distcomm_attention.kernels import fa4 as _fa4
 from distcomm_attention.planning.visibility import Visibility
 from tests.test_gpu_ring_features import _assert_criterion, _references
 
@@ -48,13 +53,34 @@ def _scaled(case, seq):
     return dict(case, docs=list(_vis(case, seq).cu_seqlens)) if "docs" in case else case
 
 
+def _installed(backend):
+    """Whether the backend's software is present, decided without importing it: flash-attn-4's distribution
+    (or a flash_attn.cute checkout on the path) for "fa4", a torch built with cuDNN for "cudnn"."""
+    if backend == "fa4":
+        try:
+            importlib.metadata.version("flash-attn-4")
+            return True
+        except importlib.metadata.PackageNotFoundError:
+            return importlib.util.find_spec("flash_attn") is not None and _fa4._module_available("flash_attn.cute")
+    if backend == "cudnn":
+        return torch.backends.cudnn.is_available()
+    raise ValueError(f"_installed: backend must be 'fa4' or 'cudnn', got {backend!r}")
+
+
 def _usable(backend, dtype, case):
-    """Skip unless ``backend`` can run this case here (the reason is the backend's own check)."""
+    """Skip when this machine lacks what ``backend`` needs for this case: the package, or a GPU / feature it
+    does not support (a ValueError from the backend's own check, decided before any call). A backend that is
+    installed and still reports a problem (an unsupported release, a broken install) fails the test."""
     vis = _vis(case)
     problem = _kernels.backend_problem(backend, torch.device("cuda"), dtype, vis, case.get("softcap", 0.0),
                                        head_dim=128, batch=2)
-    if problem is not None:
+    if problem is None:
+        return
+    if isinstance(problem, ValueError):
         pytest.skip(f"{backend}: {problem}")
+    if not _installed(backend):
+        pytest.skip(f"{backend} is not installed: {problem}")
+    pytest.fail(f"{backend} is installed but cannot be used: {type(problem).__name__}: {problem}")
 
 
 def _inputs(dtype, seq, heads, kv_heads, seed):
