@@ -174,7 +174,8 @@ def clip_loss(
     comm = RingComm(group)  # the group resolved once (a DeviceMesh becomes its ProcessGroup), with W and r
     group, world, rank = comm.group, comm.size, comm.rank
     sizes, (logit_scale,) = _agree_on_inputs(
-        op, comm, image_features, _check_inputs, op, image_features, text_features, logit_scale
+        op, comm, image_features, _check_inputs, op, image_features, text_features, logit_scale,
+        names=("logit_scale",),
     )
     all_images, _ = dfunc.all_gather_variable(image_features, sizes=sizes, group=group)
     all_texts, _ = dfunc.all_gather_variable(text_features, sizes=sizes, group=group)
@@ -362,14 +363,16 @@ def _wait(pending) -> tuple[torch.Tensor, torch.Tensor | None]:
     return handle_right.wait()[0], None if handle_left is None else handle_left.wait()[0]
 
 
-def _exchange_sizes(op: str, image_features: torch.Tensor, needs_grad: bool, group, error=None) -> list[int]:
+def _exchange_sizes(op: str, image_features: torch.Tensor, needs_grad: bool, group, error=None,
+                    agreed: dict[str, torch.Tensor] | None = None) -> list[int]:
     """Every rank's batch size (one small all_gather), checking that every rank's own inputs passed its
     checks (``error``: this rank's verdict, None if they did), and that feature dims, dtypes and
     ``needs_grad`` (whether this rank's loss will be in the autograd graph) agree across ranks.
 
     Both losses' backward passes communicate, so a rank without a graph would leave its peers waiting in
     theirs; every rank sees the same gathered rows and raises the same error (Note [Collective verdicts]
-    in :mod:`distcomm._check`).
+    in :mod:`distcomm._check`). ``agreed``: values every rank must pass alike (the scalars, ``impl``'s
+    index), each a 0-d tensor compared by its float64 bits in the same exchange.
     """
     if error is None:
         row = [image_features.shape[0], image_features.shape[1], _check.dtype_code(image_features.dtype)]
@@ -377,9 +380,23 @@ def _exchange_sizes(op: str, image_features: torch.Tensor, needs_grad: bool, gro
         row = [0, 0, 0]
     row += [int(needs_grad), *_check.encode_verdict(error)]
     device = image_features.device if isinstance(image_features, torch.Tensor) else None
+    names = list(agreed or {})
     meta = torch.tensor(row, dtype=torch.int64, device=device)
-    rows = [t.tolist() for t in dfunc.all_gather(meta, group=group)]
+    if names:
+        values = torch.stack([agreed[n].detach().reshape(()).to(device=device, dtype=torch.float64)
+                              if error is None else torch.zeros((), dtype=torch.float64, device=device)
+                              for n in names])
+        meta = torch.cat([values.view(torch.int64), meta])
+    gathered = [t.tolist() for t in dfunc.all_gather(meta, group=group)]
+    rows = [r[len(names):] for r in gathered]
     _check.raise_verdicts(op, [r[4:] for r in rows])
+    differing = [i for i in range(len(names)) if any(g[i] != gathered[0][i] for g in gathered)]
+    if differing:
+        as_float = [torch.tensor(g[: len(names)], dtype=torch.int64).view(torch.float64).tolist() for g in gathered]
+        detail = "; ".join(f"rank {r}: " + ", ".join(f"{names[i]}={as_float[r][i]!r}" for i in differing)
+                           for r in range(len(gathered)))
+        raise ValueError(f"{op}: the ranks disagree on {', '.join(f'`{names[i]}`' for i in differing)} ({detail}); "
+                         "every rank must pass the same values")
     if any(r[1:3] != rows[0][1:3] for r in rows):
         detail = ", ".join(f"rank {i}: dim={r[1]} dtype={_check.decode_meta([0, r[2]]).dtype}" for i, r in enumerate(rows))
         raise ValueError(f"{op}: feature dims or dtypes differ across ranks ({detail}); they must agree")
@@ -393,9 +410,10 @@ def _exchange_sizes(op: str, image_features: torch.Tensor, needs_grad: bool, gro
     return [r[0] for r in rows]
 
 
-def _agree_on_inputs(op: str, comm: RingComm, image_features, validate, *args):
-    """Run this rank's checks ``validate(*args)`` (returning the loss's scalars) and agree across the ring
-    on them, on the batch sizes and on the backward (:func:`_exchange_sizes`): (sizes, scalars)."""
+def _agree_on_inputs(op: str, comm: RingComm, image_features, validate, *args, names=(), extra=None):
+    """Run this rank's checks ``validate(*args)`` (returning the loss's scalars, called ``names``) and agree
+    across the ring on them, on ``extra`` (more 0-d values), on the batch sizes and on the backward
+    (:func:`_exchange_sizes`): (sizes, scalars)."""
     if comm.size == 1:
         return [image_features.shape[0]], validate(*args)
     try:
@@ -404,7 +422,8 @@ def _agree_on_inputs(op: str, comm: RingComm, image_features, validate, *args):
         scalars, error = None, e
     tensors = [t for t in (*args, *(scalars or ())) if isinstance(t, torch.Tensor)]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return _exchange_sizes(op, image_features, needs_grad, comm.group, error), scalars
+    agreed = {**dict(zip(names, scalars or ())), **(extra or {})}
+    return _exchange_sizes(op, image_features, needs_grad, comm.group, error, agreed), scalars
 
 
 def siglip_loss(
@@ -438,20 +457,26 @@ def siglip_loss(
         0-d tensor L_r, in float32 or wider (half-precision features are upcast before the logit products).
 
     Raises:
-        TypeError, ValueError: features that are not tensors, or a bad ``impl``, ``group``: on this rank,
-            before any communication. Any other bad input on any rank (shapes, dtypes, the scalars), feature
-            dims / dtypes that differ across ranks, or some ranks' losses needing a backward (grad mode on
-            and an input requiring grad) while others' do not (the backward communicates, for both
-            ``impl`` values): the same error on every rank, after one small exchange.
+        TypeError, ValueError: features that are not tensors, or a bad ``group``: on this rank, before any
+            communication. Any other bad input on any rank (shapes, dtypes, the scalars, ``impl``), feature
+            dims / dtypes, ``impl``, ``logit_scale`` or ``logit_bias`` that differ across ranks, or some ranks'
+            losses needing a backward (grad mode on and an input requiring grad) while others' do not (the
+            backward communicates, for both ``impl`` values): the same error on every rank, after one small
+            exchange.
     """
     op = "siglip_loss"
     _require_tensors(op, image_features, text_features)
-    if not isinstance(impl, str) or impl not in _SIGLIP_IMPLS:
-        raise ValueError(f"{op}: invalid `impl` {impl!r}; must be one of {list(_SIGLIP_IMPLS)}")
+
+    def validate(*args):
+        if not isinstance(impl, str) or impl not in _SIGLIP_IMPLS:
+            raise ValueError(f"{op}: invalid `impl` {impl!r}; must be one of {list(_SIGLIP_IMPLS)}")
+        return _check_inputs(*args)
 
     comm = RingComm(group)  # the group resolved once (a DeviceMesh becomes its ProcessGroup), with W and r
+    code = torch.tensor(float(_SIGLIP_IMPLS.index(impl)) if impl in _SIGLIP_IMPLS else -1.0)
     sizes, (logit_scale, logit_bias) = _agree_on_inputs(
-        op, comm, image_features, _check_inputs, op, image_features, text_features, logit_scale, logit_bias
+        op, comm, image_features, validate, op, image_features, text_features, logit_scale, logit_bias,
+        names=("logit_scale", "logit_bias"), extra={"impl (index in ['ring', 'gather'])": code},
     )
     if impl == "ring":
         return _SigLipRing.apply(image_features, text_features, logit_scale, logit_bias, comm, sizes)

@@ -156,7 +156,9 @@ def resolve_layout(layout: str | None, comm: RingComm | None) -> ResolvedLayout:
     """``layout`` as given, or, for ``None``, the one recorded for ``comm``'s ring (Note [Layout record])."""
     if layout is not None:
         layouts.check_layout(layout)
-        return ResolvedLayout(layout, _validation.Shown(layout, repr(layout)), ())
+        name, window = layouts.split_spec(layout)
+        text = repr(layout) if window is None else f"{name!r} with balance_window={window}"
+        return ResolvedLayout(layout, _validation.Shown(layout, text), ())
     recorded = _recorded.get(_ring_key(comm), ()) if comm is not None else ()
     if len(recorded) > 1:
         text = f"ambiguous (left out; shard_sequence recorded {' and '.join(map(repr, recorded))})"

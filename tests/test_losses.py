@@ -186,7 +186,6 @@ def _local_bad_calls():
         (TypeError, lambda: clip_loss([[1.0]], y, s)),
         (TypeError, lambda: siglip_loss(x, None, s, b)),
         (TypeError, lambda: clip_loss(x, y, s, local_loss="yes")),
-        (ValueError, lambda: siglip_loss(x, y, s, b, impl="fast")),
     ]
 
 
