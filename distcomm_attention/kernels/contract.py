@@ -416,7 +416,7 @@ def _nan_rows(out: Tensor, lse: Tensor) -> Tensor:
     a row with a NaN score as one that saw no key (lse -inf; flash-attn-4 does) while its output carries the NaN,
     and the backward must not take it for an empty row (P = 0, zero gradients). One pass over the output."""
     bad = out.isnan().any(-1).transpose(1, 2)
-    return lse.masked_fill(bad, float("nan"))
+    return lse.masked_fill_(bad, float("nan"))  # in place: an adopted kernel lse is returned as it is
 
 
 def _split_runs(a: int, b: int, runs: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
