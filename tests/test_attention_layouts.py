@@ -13,6 +13,7 @@ from distcomm_attention.kernels import dispatch as _kernels
 from distcomm_attention.planning import layouts
 from distcomm_attention._reference import attention_reference
 from distcomm_attention.kernels.torch_exact import TorchBackward, TorchForward
+from tests.optional import require
 
 
 def _expected_positions(layout, seq_len, w, r):
@@ -215,7 +216,7 @@ def test_argument_validation(kwargs, exc, match):
 
 def test_triton_backend_rejects_unsupported_head_dim(monkeypatch):
     """A head_dim the Triton kernel cannot run is a ValueError naming the backend and the allowed head dims."""
-    pytest.importorskip("triton")
+    require("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     q, k, v = _qkv(d=20, dtype=torch.float32)
     match = r"backend='triton': head_dim=20 is not supported .*multiples of 8 from 16 to 256"

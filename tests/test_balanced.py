@@ -58,6 +58,7 @@ from distcomm_attention.planning.layouts import Assignment
 from distcomm_attention.planning.plans import gathered_plan
 from distcomm_attention.planning.visibility import Visibility, ring_plan, visible_mask
 from distcomm_attention.sharding import shift_labels
+from tests.optional import require
 from tests.dist_harness import run_world
 from tests.test_strategies import _block_pairs
 
@@ -859,7 +860,7 @@ def test_balanced_attention_with_the_triton_backend(world):
     """backend="triton" (its forward and backward kernels, the planner's interval blocks of the balanced
     assignment included) in the Triton interpreter, float32: every strategy, both layouts, causal, windows,
     softcap, GQA and padding against the float64 reference of the float32 inputs."""
-    pytest.importorskip("triton")
+    require("triton")
     got = run_world(_l2_rank, world, "triton", timeout=240)
     _l2_check(world, "triton", got, tol=TRITON_TOL)
 

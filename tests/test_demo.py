@@ -16,6 +16,7 @@ import sys
 import pytest
 
 import distcomm
+from tests.optional import require
 
 CORE = pathlib.Path(distcomm.__file__).parent
 
@@ -93,7 +94,7 @@ def test_demo_runs_and_checks_pass(module, tmp_path, capsys, monkeypatch):
 def test_demo_figure_labels_curves_and_differences(tmp_path):
     """Per experiment: the two labelled loss curves (step, loss) and beside them |single − distributed| on
     a log axis with the tolerance line; exact zeros are drawn too (a log axis has no 0)."""
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     from distcomm.demo import _common
 
     curves = [("CLIP", [2.0, 1.5, 1.0], [2.0, 1.5 + 2e-16, 1.0]), ("LM", [3.0, 2.0, 1.0], [3.0, 2.0, 1.0 - 4e-16])]

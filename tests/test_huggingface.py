@@ -24,7 +24,9 @@ import pytest
 import torch
 import torch.nn.functional as torch_F
 
-pytest.importorskip("transformers")
+from tests.optional import require
+
+require("transformers")
 
 import distcomm  # noqa: E402
 from distcomm_attention.planning import balance, layouts  # noqa: E402

@@ -18,6 +18,7 @@ from distcomm_attention import _validation
 from distcomm_attention.planning import layouts
 from distcomm_attention._reference import attention_reference
 from tests.dist_harness import run_world
+from tests.optional import require
 
 FP64 = dict(rtol=1e-10, atol=1e-12)
 FP32 = dict(rtol=1e-4, atol=2e-5)
@@ -134,7 +135,7 @@ def _triton_rank(rank, world):
 
 def test_ring_with_triton_backend_on_cpu():
     """The ring loop drives the Triton forward (interpreter) with sliced and fused-final steps correctly."""
-    pytest.importorskip("triton")
+    require("triton")
     results = run_world(_triton_rank, 2)
     for i, case in enumerate(_triton_cases()):
         _check_case(case, [results[r][i] for r in range(2)], FP32)

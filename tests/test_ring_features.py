@@ -18,6 +18,7 @@ from distcomm_attention.planning import layouts
 from distcomm_attention._reference import attention_reference
 from distcomm_attention.planning.visibility import Visibility, ring_plan, visible_mask
 from tests.dist_harness import run_world
+from tests.optional import require
 
 FP64 = dict(rtol=1e-10, atol=1e-12)
 
@@ -330,7 +331,7 @@ def _triton_features_rank(rank, world):
 
 def test_triton_backend_features_on_cpu():
     """The Triton forward and backward (interpreter, fp32) run every feature in a real 2-rank ring."""
-    pytest.importorskip("triton")
+    require("triton")
     results = run_world(_triton_features_rank, 2, timeout=240)
     for i, case in enumerate(_triton_feature_cases()):
         _check(case, [results[r][i] for r in range(2)], tol=dict(rtol=1e-4, atol=5e-5))

@@ -16,7 +16,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernel import (conftest also sets it)
 
-triton = pytest.importorskip("triton")
+from tests.optional import require
+
+triton = require("triton")
 
 from distcomm_attention.planning import layouts  # noqa: E402
 from distcomm_attention.kernels.triton_bwd import BackwardConfig, TritonBackward, default_backward_config  # noqa: E402

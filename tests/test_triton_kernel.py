@@ -18,7 +18,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernel import (conftest also sets it)
 
-triton = pytest.importorskip("triton")
+from tests.optional import require
+
+triton = require("triton")
 
 from distcomm_attention.kernels import flash2 as _flash_bwd  # noqa: E402
 from distcomm_attention.kernels.triton_fwd import TritonConfig, TritonForward  # noqa: E402
