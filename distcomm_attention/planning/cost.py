@@ -37,6 +37,7 @@ import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from distcomm_attention.planning.exchange import gathered_exchange
 from distcomm_attention.planning.plans import gathered_plan, local_plan
 from distcomm_attention.planning.visibility import RingPlan, Visibility, ring_plan
 
@@ -162,8 +163,15 @@ def _ring_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: 
 
 
 def _gathered_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: Hardware):
-    kv = 2 * c.batch * local_len * kv_heads * c.head_dim * (ranks - 1)
-    comm = 2 * _transfer_s(kv * c.itemsize, hw.allgather_gbps, hw) + _transfer_s(kv * 4, hw.reduce_scatter_gbps, hw)
+    row = 2 * c.batch * kv_heads * c.head_dim  # k and v elements of one token
+    ex = gathered_exchange(c.layout, c.vis, ranks, local_len)
+    if ex is None:  # all-gather twice (forward, backward), reduce-scatter of dK, dV in fp32
+        kv = row * local_len * (ranks - 1)
+        comm = 2 * _transfer_s(kv * c.itemsize, hw.allgather_gbps, hw) + _transfer_s(kv * 4, hw.reduce_scatter_gbps,
+                                                                                     hw)
+    else:  # the exchange plan's rows (Note [Sparse gather]): the busiest rank's link, k and v each an exchange
+        comm = max(2 * 2 * _transfer_s(max(ex.remote_rows(r)) * row / 2 * c.itemsize, hw.a2a_gbps, hw)
+                   + 2 * _transfer_s(max(ex.remote_rows(r)) * row / 2 * 4, hw.a2a_gbps, hw) for r in range(ranks))
     compute = max(
         _compute_s(*_step_costs(gathered_plan(c.layout, c.vis, ranks, r, local_len))[0], c, heads, kv_heads, hw)
         for r in range(ranks)
@@ -194,7 +202,9 @@ def predict(c: Call, strategy: str, hw: Hardware = Hardware()) -> Prediction | N
         mem = b * n * c.kv_heads * d * (4 * item + 8)
     elif strategy == "allgather":
         compute, comm = _gathered_s(c, c.world, n, c.heads, c.kv_heads, hw)
-        mem = b * s * c.kv_heads * d * (2 * item + 8)
+        ex = gathered_exchange(c.layout, c.vis, c.world, n)
+        rows = s if ex is None else max(ex.buffer_len(r) for r in range(c.world))
+        mem = b * rows * c.kv_heads * d * (2 * item + 8)
     elif strategy in ("ulysses", "hybrid", "hybrid_allgather"):
         u = c.world if strategy == "ulysses" else c.ulysses
         if c.heads % u:

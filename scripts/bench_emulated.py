@@ -1,0 +1,251 @@
+"""Emulated links: each strategy's per-rank forward + backward with communication in the loop, on one GPU.
+
+Simulated rank r of W runs its real loop (plan, block kernels, accumulations) and every transfer goes through
+an emulated link (distcomm_attention/transport/emulated.py, Note [Emulated links]): the transfer occupies a
+side stream for bytes / bandwidth + latency and the rank's compute stream waits on it exactly where the real
+code waits on NCCL, so the measured time includes whatever communication the rank's schedule does not hide.
+
+    efficiency = T_single(S) / (W * max_r T_rank)      T_single: one flash-attn-4 fwd+bwd over the sequence
+
+Per row and strategy: the time with the link, the time with an ideal link (no wait, same copies: compute
+only), the exposed communication (their difference), the cost model's prediction for that link and its
+error, the bytes the rank sends, the cost model's pick and the measured fastest. Strategies: "ring" (the
+ring loop, hops posted before the compute they overlap), "allgather" (the all-gather of k, v, or the sparse
+exchange of only the needed keys where the exchange plan makes it cheaper, Note [Sparse gather]; the
+backward gathers again and reduces dK/dV in fp32), "ulysses" (its all-to-alls around whole-sequence
+attention, each waited at once as the strategy does; the re-ordering into natural order is not timed here,
+bench_strategies.py times it).
+
+    python scripts/bench_emulated.py --cases 65536x8,131072x8 --docs one,lognormal --links nvlink,internode \
+        --out docs/bench/emulated.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import bench_strategies as bs  # noqa: E402
+
+from distcomm_attention.kernels import dispatch  # noqa: E402
+from distcomm_attention.planning import cost  # noqa: E402
+from distcomm_attention.planning.exchange import compact_plan, gathered_exchange  # noqa: E402
+from distcomm_attention.planning.plans import gathered_plan, local_plan  # noqa: E402
+from distcomm_attention.planning.visibility import Visibility, ring_plan  # noqa: E402
+from distcomm_attention.strategies.allgather import local_backward  # noqa: E402
+from distcomm_attention.strategies.ring import ring_backward, ring_forward  # noqa: E402
+from distcomm_attention.strategies.sparse_gather import SparseGather  # noqa: E402
+from distcomm_attention.strategies.ulysses import kv_head_index  # noqa: E402
+from distcomm_attention.transport.emulated import INTER_NODE, NVLINK, EmulatedLink, Links  # noqa: E402
+
+LINKS = {"nvlink": NVLINK, "internode": INTER_NODE, "ideal": Links(1e9, 1e9, 1e9, 1e9, latency_us=0.0)}
+
+
+class _Sent:
+    """Counts the bytes a link's operations put on this rank's wire (as CountingTransport does)."""
+
+    def __init__(self, link: EmulatedLink):
+        self.link, self.size, self.rank, self.bytes = link, link.size, link.rank, 0
+
+    def send_recv(self, *tensors, shift: int = 1, recv_like=None):  # RingComm's signature, for the ring loop
+        self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        shapes = None if recv_like is None else [tuple(getattr(r, "shape", r)) for r in recv_like]
+        return self.link.send_recv(tensors, shift, shapes)
+
+    def all_to_all_v(self, send, send_splits, recv_splits):
+        row = send[:1].numel() * send.element_size() if send.shape[0] else 0
+        self.bytes += row * sum(n for p, n in enumerate(send_splits) if p != self.rank)
+        return self.link.all_to_all_v(send, send_splits, recv_splits)
+
+    def all_gather(self, x):
+        self.bytes += x.numel() * x.element_size() * (self.size - 1)
+        return self.link.all_gather(x)
+
+    def reduce_scatter(self, x):
+        self.bytes += x.numel() * x.element_size() * (self.size - 1) // self.size
+        return self.link.reduce_scatter(x)
+
+
+class _One:
+    """A ring of one for the single-step loops (nothing moves)."""
+
+    size, rank = 1, 0
+
+
+def _ring_step(t, q, k, v, dout, plan, fwd, bwd, scale):
+    def step():
+        out, lse = ring_forward(q, k, v, None, t, plan, 0.0, scale, fwd)
+        ring_backward(dout, q, k, v, out, lse, None, t, plan, 0.0, scale, bwd)
+
+    return step
+
+
+def _allgather_step(t, q, k, v, dout, concrete, vis, world, rank, fwd, bwd, scale):
+    n = q.shape[1]
+    plan = gathered_plan(concrete, vis, world, rank, n)
+    ex = gathered_exchange(concrete, vis, world, n)
+    if ex is not None:
+        plan, sparse = compact_plan(plan, ex, rank), SparseGather(t, ex, concrete)
+
+        def gather():
+            return sparse.gather(k, v)[:2]
+
+        def reduce(dk, dv):
+            return sparse.scatter_add(dk, n), sparse.scatter_add(dv, n)
+    else:
+        def gather():
+            hk, hv = t.all_gather(k[0]), t.all_gather(v[0])
+            return hk.wait()[0].unsqueeze(0), hv.wait()[0].unsqueeze(0)
+
+        def reduce(dk, dv):
+            hk, hv = t.reduce_scatter(dk[0]), t.reduce_scatter(dv[0])
+            return hk.wait()[0], hv.wait()[0]
+
+    def step():
+        kg, vg = gather()
+        out, lse = ring_forward(q, kg, vg, None, _One(), plan, 0.0, scale, fwd)
+        kg, vg = gather()
+        _, dk, dv = local_backward(dout, q, kg, vg, out, lse, None, plan, 0.0, scale, bwd)
+        reduce(dk, dv)
+
+    return step, ex is not None
+
+
+def _a2a(t, x):
+    """One Ulysses all-to-all of x (W pieces along dim 0), waited at once as the strategy does."""
+    w = t.size
+    return t.all_to_all_v(x, [x.shape[0] // w] * w, [x.shape[0] // w] * w).wait()[0]
+
+
+def _ulysses_step(t, seq, heads, kv_heads, d, vis, fwd, bwd, scale, rnd):
+    w, n = t.size, seq // t.size
+    index = kv_head_index(heads, kv_heads, w)
+    hk = kv_heads // w if index is None else len(index) // w
+    send_q = rnd(w * n, heads // w, d)  # the permuted shards, W pieces of n rows
+    send_kv = rnd(w * n, hk, d)
+    plan = local_plan(vis, seq)
+
+    def step():
+        qh = _a2a(t, send_q).view(1, seq, heads // w, d)
+        kh = _a2a(t, send_kv).view(1, seq, hk, d)
+        vh = _a2a(t, send_kv).view(1, seq, hk, d)
+        out, lse = ring_forward(qh, kh, vh, None, _One(), plan, 0.0, scale, fwd)
+        _a2a(t, out.reshape(w * n, heads // w, d))
+        dout = _a2a(t, send_q).view(1, seq, heads // w, d)
+        dq, dk, dv = ring_backward(dout, qh, kh, vh, out, lse, None, _One(), plan, 0.0, scale, bwd)
+        for g in (dq, dk, dv):
+            _a2a(t, g.reshape(w * n, -1, d))
+
+    return step
+
+
+def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
+    dev, dt, d = torch.device("cuda"), torch.bfloat16, args.head_dim
+    scale = d ** -0.5
+    docs = None if mix == "one" else bs.documents(mix, seq)
+    vis = Visibility(True, cu_seqlens=None if docs is None else tuple(docs))
+    n = seq // world
+    concrete = bs.plan_layout(layout, seq, world, docs, True)["concrete"]
+    g = torch.Generator(device=dev).manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, device=dev, dtype=dt, generator=g)  # noqa: E731
+    single = bs._timed(bs._fa4_single(rnd(1, seq, heads, d), rnd(1, seq, kv_heads, d), rnd(1, seq, kv_heads, d),
+                                      True, docs), args.iters, args.warmup)
+    row = {"seq": seq, "world": world, "heads": heads, "kv_heads": kv_heads, "documents": mix,
+           "layout": bs.layout_name(concrete), "single_s": single, "links": {}}
+    q, k, v, dout = rnd(1, n, heads, d), rnd(1, n, kv_heads, d), rnd(1, n, kv_heads, d), rnd(1, n, heads, d)
+    for link_name in ["ideal"] + links:
+        per = {}
+        for strategy in args.strategies:
+            if strategy == "ulysses" and heads % world:
+                continue
+            planned = bs.planned_rank_s(strategy, concrete, vis, world, n, heads, kv_heads, d)
+            ranks = [0] if strategy == "ulysses" else bs.pick_ranks(planned, args.ranks)
+            times, sent, sparse = [], 0, None
+            for r in ranks:
+                t = _Sent(EmulatedLink(world, r, LINKS[link_name]))
+                if strategy == "ring":
+                    f = _ring_step(t, q, k, v, dout, ring_plan(concrete, vis, world, r, n), fwd, bwd, scale)
+                elif strategy == "allgather":
+                    f, sparse = _allgather_step(t, q, k, v, dout, concrete, vis, world, r, fwd, bwd, scale)
+                else:
+                    f = _ulysses_step(t, seq, heads, kv_heads, d, vis, fwd, bwd, scale, rnd)
+                times.append(bs._timed(f, args.iters, args.warmup))
+                t.bytes = 0
+                f()
+                torch.cuda.synchronize()
+                sent = max(sent, t.bytes)
+            per[strategy] = {"ranks": ranks, "rank_s": times, "max_s": max(times), "bytes_sent": sent,
+                             "efficiency": single / (world * max(times))}
+            if sparse is not None:
+                per[strategy]["sparse"] = sparse
+        row["links"][link_name] = per
+    for link_name in links:
+        per, ideal = row["links"][link_name], row["links"]["ideal"]
+        lk = LINKS[link_name]
+        hw = cost.Hardware(p2p_gbps=lk.p2p_gbps, a2a_gbps=lk.a2a_gbps, allgather_gbps=lk.allgather_gbps,
+                           reduce_scatter_gbps=lk.reduce_scatter_gbps)
+        call = cost.Call(1, n, heads, kv_heads, d, 2, concrete, vis, world)
+        for s, m in per.items():
+            p = cost.predict(call, s, hw)
+            m["exposed_comm_s"] = m["max_s"] - ideal[s]["max_s"]
+            m["predicted_s"] = p.seconds
+            m["prediction_error"] = p.seconds / m["max_s"] - 1
+        fastest = min(per, key=lambda s: per[s]["max_s"])
+        pick = cost.choose(call, tuple(per), hw).strategy
+        row[f"{link_name}_fastest"], row[f"{link_name}_pick"] = fastest, pick
+        row[f"{link_name}_pick_vs_fastest"] = per[pick]["max_s"] / per[fastest]["max_s"]
+    return row
+
+
+def _line(row) -> str:
+    parts = [f"S={row['seq']} W={row['world']} {row['documents']} {row['layout']}: single {row['single_s']*1e3:.2f} ms"]
+    for link, per in row["links"].items():
+        shown = ", ".join(f"{s} {m['efficiency']:.2f}" + (f" ({m['max_s']*1e3:.2f} ms, pred {m['prediction_error']:+.0%})"
+                                                            if "prediction_error" in m else "")
+                          for s, m in per.items())
+        parts.append(f"  {link}: {shown}" + (f"; pick {row[link + '_pick']}, fastest {row[link + '_fastest']}"
+                                              if link + "_pick" in row else ""))
+    return "\n".join(parts)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="65536x8", help="SxW,... (S tokens over W simulated ranks)")
+    parser.add_argument("--docs", default="one", help=f"document mixes: one of {', '.join(bs.MIXES)}, comma-separated")
+    parser.add_argument("--layout", default="auto")
+    parser.add_argument("--dense-layout", default="zigzag", help="the layout of the rows without documents")
+    parser.add_argument("--links", default="nvlink,internode")
+    parser.add_argument("--strategies", default="ring,allgather,ulysses")
+    parser.add_argument("--heads", default="32/8")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--ranks", type=int, default=2, help="time the k busiest ranks (by plan) and rank 0")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--backend", default="fa4")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    args.strategies = args.strategies.split(",")
+    heads, kv_heads = map(int, args.heads.split("/"))
+    probe = torch.empty(1, 1, heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
+    _, fwd, bwd = dispatch.select_kernels(args.backend, probe, Visibility(True), 0.0)
+    rows = []
+    for case in args.cases.split(","):
+        seq, world = map(int, case.split("x"))
+        for mix in args.docs.split(","):
+            layout = args.dense_layout if mix == "one" else args.layout
+            row = bench_row(seq, world, heads, kv_heads, mix, layout, args.links.split(","), args, fwd, bwd)
+            print(_line(row), flush=True)
+            rows.append(row)
+            if args.out:
+                Path(args.out).write_text(json.dumps({"rows": rows, "device": torch.cuda.get_device_name()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
