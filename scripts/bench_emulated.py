@@ -12,9 +12,9 @@ only), the exposed communication (their difference), the cost model's prediction
 error, the bytes the rank sends, the cost model's pick and the measured fastest. Strategies: "ring" (the
 ring loop, hops posted before the compute they overlap), "allgather" (the all-gather of k, v, or the sparse
 exchange of only the needed keys where the exchange plan makes it cheaper, Note [Sparse gather]; the
-backward gathers again and reduces dK/dV in fp32), "ulysses" (its all-to-alls around whole-sequence
-attention, each waited at once as the strategy does; the re-ordering into natural order is not timed here,
-bench_strategies.py times it).
+backward gathers again and reduces dK/dV in fp32), "ulysses" (the strategy's own autograd Function, its
+all-to-alls pipelined by head groups, Note [Ulysses pipeline]) and "ulysses_serial" (the same with one group:
+every all-to-all waited before the kernels that need it, the strategy before the pipeline).
 
     python scripts/bench_emulated.py --cases 65536x8,131072x8 --docs one,lognormal --links nvlink,internode \
         --out docs/bench/emulated.json
@@ -42,7 +42,11 @@ from distcomm_attention.planning.visibility import Visibility, ring_plan  # noqa
 from distcomm_attention.strategies.allgather import local_backward  # noqa: E402
 from distcomm_attention.strategies.ring import ring_backward, ring_forward  # noqa: E402
 from distcomm_attention.strategies.sparse_gather import SparseGather  # noqa: E402
-from distcomm_attention.strategies.ulysses import kv_head_index  # noqa: E402
+from distcomm.ring import RingComm  # noqa: E402
+from distcomm_attention import transport  # noqa: E402
+from distcomm_attention.planning.plans import natural_order  # noqa: E402
+from distcomm_attention.strategies.dispatch import _Ring  # noqa: E402
+from distcomm_attention.strategies.ulysses import ulysses  # noqa: E402
 from distcomm_attention.transport.emulated import INTER_NODE, NVLINK, EmulatedLink, Links  # noqa: E402
 
 LINKS = {"nvlink": NVLINK, "internode": INTER_NODE, "ideal": Links(1e9, 1e9, 1e9, 1e9, latency_us=0.0)}
@@ -118,30 +122,16 @@ def _allgather_step(t, q, k, v, dout, concrete, vis, world, rank, fwd, bwd, scal
     return step, ex is not None
 
 
-def _a2a(t, x):
-    """One Ulysses all-to-all of x (W pieces along dim 0), waited at once as the strategy does."""
-    w = t.size
-    return t.all_to_all_v(x, [x.shape[0] // w] * w, [x.shape[0] // w] * w).wait()[0]
-
-
-def _ulysses_step(t, seq, heads, kv_heads, d, vis, fwd, bwd, scale, rnd):
-    w, n = t.size, seq // t.size
-    index = kv_head_index(heads, kv_heads, w)
-    hk = kv_heads // w if index is None else len(index) // w
-    send_q = rnd(w * n, heads // w, d)  # the permuted shards, W pieces of n rows
-    send_kv = rnd(w * n, hk, d)
-    plan = local_plan(vis, seq)
+def _ulysses_step(t, q, k, v, dout, concrete, vis, world, fwd, bwd, scale, pipelined: bool):
+    """The strategy itself (its autograd Function, re-ordering included) with the link as its transport."""
+    n = q.shape[1]
+    inner = _Ring(RingComm(None), local_plan(vis, world * n), 0.0, scale, fwd, bwd, natural_order(concrete, world, n))
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
 
     def step():
-        qh = _a2a(t, send_q).view(1, seq, heads // w, d)
-        kh = _a2a(t, send_kv).view(1, seq, hk, d)
-        vh = _a2a(t, send_kv).view(1, seq, hk, d)
-        out, lse = ring_forward(qh, kh, vh, None, _One(), plan, 0.0, scale, fwd)
-        _a2a(t, out.reshape(w * n, heads // w, d))
-        dout = _a2a(t, send_q).view(1, seq, heads // w, d)
-        dq, dk, dv = ring_backward(dout, qh, kh, vh, out, lse, None, _One(), plan, 0.0, scale, bwd)
-        for g in (dq, dk, dv):
-            _a2a(t, g.reshape(w * n, -1, d))
+        with transport.using(lambda group: t):
+            out = ulysses(q, k, v, None, None, world, inner, pipelined=pipelined)
+            torch.autograd.backward(out, dout)
 
     return step
 
@@ -163,10 +153,13 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
     for link_name in ["ideal"] + links:
         per = {}
         for strategy in args.strategies:
-            if strategy == "ulysses" and heads % world:
+            if strategy.startswith("ulysses") and heads % world:
                 continue
-            planned = bs.planned_rank_s(strategy, concrete, vis, world, n, heads, kv_heads, d)
-            ranks = [0] if strategy == "ulysses" else bs.pick_ranks(planned, args.ranks)
+            if strategy.startswith("ulysses"):
+                ranks = [0]  # every rank the same
+            else:
+                ranks = bs.pick_ranks(bs.planned_rank_s(strategy, concrete, vis, world, n, heads, kv_heads, d),
+                                      args.ranks)
             times, sent, sparse = [], 0, None
             for r in ranks:
                 t = _Sent(EmulatedLink(world, r, LINKS[link_name]))
@@ -175,7 +168,8 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
                 elif strategy == "allgather":
                     f, sparse = _allgather_step(t, q, k, v, dout, concrete, vis, world, r, fwd, bwd, scale)
                 else:
-                    f = _ulysses_step(t, seq, heads, kv_heads, d, vis, fwd, bwd, scale, rnd)
+                    f = _ulysses_step(t, q, k, v, dout, concrete, vis, world, fwd, bwd, scale,
+                                      pipelined=strategy == "ulysses")
                 times.append(bs._timed(f, args.iters, args.warmup))
                 t.bytes = 0
                 f()
@@ -193,12 +187,12 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
                            reduce_scatter_gbps=lk.reduce_scatter_gbps)
         call = cost.Call(1, n, heads, kv_heads, d, 2, concrete, vis, world)
         for s, m in per.items():
-            p = cost.predict(call, s, hw)
+            p = cost.predict(call, "ulysses" if s.startswith("ulysses") else s, hw)
             m["exposed_comm_s"] = m["max_s"] - ideal[s]["max_s"]
             m["predicted_s"] = p.seconds
             m["prediction_error"] = p.seconds / m["max_s"] - 1
         fastest = min(per, key=lambda s: per[s]["max_s"])
-        pick = cost.choose(call, tuple(per), hw).strategy
+        pick = cost.choose(call, tuple(s for s in per if s != "ulysses_serial"), hw).strategy
         row[f"{link_name}_fastest"], row[f"{link_name}_pick"] = fastest, pick
         row[f"{link_name}_pick_vs_fastest"] = per[pick]["max_s"] / per[fastest]["max_s"]
     return row
@@ -222,7 +216,8 @@ def main():
     parser.add_argument("--layout", default="auto")
     parser.add_argument("--dense-layout", default="zigzag", help="the layout of the rows without documents")
     parser.add_argument("--links", default="nvlink,internode")
-    parser.add_argument("--strategies", default="ring,allgather,ulysses")
+    parser.add_argument("--strategies", default="ring,allgather,ulysses,ulysses_serial",
+                        help="ulysses: pipelined by head groups; ulysses_serial: one group (the same run's before)")
     parser.add_argument("--heads", default="32/8")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--ranks", type=int, default=2, help="time the k busiest ranks (by plan) and rank 0")

@@ -200,7 +200,7 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
         else:
             inner = _allgather.AllGatherKV(_groups.resolve_group(ring_group), layout, wu * n, plan, softcap, scale,
                                            fwd, bwd, exchange)
-        return _ulysses.ulysses(q, k, v, attention_mask, ulysses_group, wu, inner)
+        return _ulysses.ulysses(q, k, v, attention_mask, ulysses_group, wu, inner, pipelined=False)
 
     comm = RingComm(group)
     world, rank = comm.size, comm.rank

@@ -20,6 +20,21 @@ Note [Ulysses]
         otherwise            kv heads expanded to one per query head
     H % W != 0 is an error naming both numbers. With a 2-D mesh the "inner" attention is itself a ring or
     all-gather over the other mesh dimension (the hybrid, strategies/hybrid.py).
+
+Note [Ulysses pipeline]
+    The all-to-alls are posted through the transport (Note [Transport]) per group of a rank's heads, so
+    that one group's transfer is in flight while another group's kernels run:
+
+        forward:   post k, v, q_0 | wait k, v, q_0 | post q_1 | attend q_0 | post out_0 back | wait q_1 | ...
+        backward:  post dout_0 | wait | post dout_1 | backward of group 0 | post dq_0 back | ... | dk, dv back
+
+    A group holds whole kv heads (query heads h read kv head h // (H / Hkv)); the forward may split the
+    query heads that share one kv head over several groups (heads are independent), the backward only
+    where every kv head falls in one group, so that its gradient is one kernel's, rounded once (up to
+    ``MAX_GROUPS`` groups; ``head_groups``). Each group is its own kernel call: the pipeline trades a little
+    kernel efficiency (fewer heads per call) for hidden communication, and its send buffers are a group's.
+    The hybrids' inner attention communicates over the other mesh dimension itself and runs on all heads
+    at once.
 """
 
 from __future__ import annotations
@@ -29,9 +44,10 @@ import torch
 from torch.autograd.function import once_differentiable
 
 import distcomm.functional as dfunc
+from distcomm_attention import transport
 from distcomm_attention.strategies.ring import _no_autocast
 
-__all__ = ["check_heads", "kv_head_index", "seq_to_heads", "heads_to_seq", "gather_key_mask", "ulysses"]
+__all__ = ["check_heads", "kv_head_index", "seq_to_heads", "heads_to_seq", "gather_key_mask", "head_groups", "ulysses"]
 
 
 def check_heads(heads: int, kv_heads: int, degree: int) -> None:
@@ -88,8 +104,60 @@ def gather_key_mask(key_mask: torch.Tensor | None, group, degree: int) -> torch.
         return dfunc.all_gather_tensor(key_mask.contiguous().view(torch.uint8), 1, group).view(torch.bool)
 
 
+MAX_GROUPS = 4  # head groups a rank's heads are pipelined in (Note [Ulysses pipeline])
+
+
+def head_groups(heads: int, kv_heads: int, *, backward: bool) -> int:
+    """How many groups a rank's ``heads`` query heads (and ``kv_heads`` kv heads) are pipelined in: the
+    largest G <= MAX_GROUPS dividing ``heads`` whose groups each read whole kv heads of their own (backward:
+    every kv head in one group only, so its gradient is one kernel's, rounded once), or 1."""
+    ratio = heads // kv_heads
+    for groups in range(min(MAX_GROUPS, heads), 1, -1):
+        size = heads // groups
+        if heads % groups == 0 and (size % ratio == 0 or (not backward and ratio % size == 0)):
+            return groups
+    return 1
+
+
+def _kv_of(group: int, size: int, ratio: int) -> slice:
+    """The kv heads query heads [group * size, (group + 1) * size) read."""
+    return slice(group * size // ratio, ((group + 1) * size - 1) // ratio + 1)
+
+
+def _post(t, x: torch.Tensor, degree: int, group: int, groups: int):
+    """Post the all-to-all of head group ``group`` of sequence-sharded x (B, n, H, D)."""
+    b, n, h, d = x.shape
+    send = x.reshape(b, n, degree, groups, h // (degree * groups), d)[:, :, :, group]
+    return t.all_to_all_v(send.permute(2, 0, 1, 3, 4).contiguous(), [1] * degree, [1] * degree)
+
+
+def _heads(handle) -> torch.Tensor:
+    """Wait for a posted group: (B, W n, h, D), rows in source order."""
+    (recv,) = handle.wait()
+    w, b, n, h, d = recv.shape
+    return recv.permute(1, 0, 2, 3, 4).reshape(b, w * n, h, d)
+
+
+def _post_back(t, y: torch.Tensor, degree: int):
+    """Post the all-to-all of head-sharded y (B, W n, h, D) back to sequence sharding."""
+    b, s, h, d = y.shape
+    return t.all_to_all_v(y.reshape(b, degree, s // degree, h, d).permute(1, 0, 2, 3, 4).contiguous(),
+                          [1] * degree, [1] * degree)
+
+
+def _place(handles, b: int, n: int, h: int, d: int, degree: int, dtype, device) -> torch.Tensor:
+    """(B, n, H, D) from the posted groups' all-to-alls back (group g: heads g of every rank's share)."""
+    groups = len(handles)
+    out = torch.empty(b, n, degree, groups, h // (degree * groups), d, dtype=dtype, device=device)
+    for g, handle in enumerate(handles):
+        (recv,) = handle.wait()
+        out[:, :, :, g] = recv.permute(1, 2, 0, 3, 4)
+    return out.view(b, n, h, d)
+
+
 class _UlyssesAttn(torch.autograd.Function):
-    """out = attention over the whole sequence, head-sharded in between; see Note [Ulysses].
+    """out = attention over the whole sequence, head-sharded in between; see Note [Ulysses] and
+    Note [Ulysses pipeline].
 
     Adjoint: all_to_all <-> all_to_all in the other direction; the kv heads' selection <-> a sum over the
     copies of each kv head (in fp32). ``inner`` computes the head-sharded attention: ``inner.forward(q, k,
@@ -97,36 +165,74 @@ class _UlyssesAttn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, key_mask, group, degree: int, inner):
+    def forward(ctx, q, k, v, key_mask, group, degree: int, inner, pipelined: bool):
         kv_heads = k.shape[2]
         index = kv_head_index(q.shape[2], kv_heads, degree)
         ids = None if index is None else torch.tensor(index, device=k.device)
         if ids is not None:
             k, v = k.index_select(2, ids), v.index_select(2, ids)
-        qh, kh, vh = (seq_to_heads(t, group, degree) for t in (q, k, v))
+        t = transport.for_group(group)
+        h, hk = q.shape[2] // degree, k.shape[2] // degree
+        groups = head_groups(h, hk, backward=False) if pipelined else 1
+        size = h // groups
+        pending_q = _post(t, q, degree, 0, groups)
+        pending_kv = [_post(t, x, degree, 0, 1) for x in (k, v)]
         km = gather_key_mask(key_mask, group, degree)
-        out, lse = inner.forward(qh, kh, vh, km)
+        kh, vh = (_heads(p) for p in pending_kv)
+        qs, outs, lses, back = [], [], [], []
+        for g in range(groups):  # the next group's all-to-all in flight while this group's kernels run
+            qg = _heads(pending_q)
+            if g + 1 < groups:
+                pending_q = _post(t, q, degree, g + 1, groups)
+            kv = _kv_of(g, size, h // hk)
+            out, lse = inner.forward(qg, kh[:, :, kv], vh[:, :, kv], km)
+            back.append(_post_back(t, out, degree))
+            qs.append(qg), outs.append(out), lses.append(lse)
+        qh, out, lse = torch.cat(qs, 2), torch.cat(outs, 2), torch.cat(lses, 1)
         ctx.save_for_backward(qh, kh, vh, out, lse, km, ids)
-        ctx.group, ctx.degree, ctx.inner, ctx.kv_heads = group, degree, inner, kv_heads
-        return heads_to_seq(out, group, degree)
+        ctx.group, ctx.degree, ctx.inner, ctx.kv_heads, ctx.pipelined = group, degree, inner, kv_heads, pipelined
+        b, n, heads, d = q.shape
+        return _place(back, b, n, heads, d, degree, out.dtype, out.device)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
         qh, kh, vh, out, lse, km, ids = ctx.saved_tensors
-        group, degree = ctx.group, ctx.degree
-        dq, dk, dv = ctx.inner.backward(seq_to_heads(dout.contiguous(), group, degree), qh, kh, vh, out, lse, km)
-        dq, dk, dv = (heads_to_seq(t, group, degree) for t in (dq, dk, dv))
+        degree, inner = ctx.degree, ctx.inner
+        t = transport.for_group(ctx.group)
+        dout = dout.contiguous()
+        h, hk = qh.shape[2], kh.shape[2]
+        groups = head_groups(h, hk, backward=True) if ctx.pipelined else 1
+        size = h // groups
+        dk = torch.empty_like(kh)
+        dv = torch.empty_like(vh)
+        pending = _post(t, dout, degree, 0, groups)
+        back = []
+        for g in range(groups):
+            dg = _heads(pending)
+            if g + 1 < groups:
+                pending = _post(t, dout, degree, g + 1, groups)
+            rows, kv = slice(g * size, (g + 1) * size), _kv_of(g, size, h // hk)
+            dq_g, dk[:, :, kv], dv[:, :, kv] = inner.backward(
+                dg, qh[:, :, rows], kh[:, :, kv], vh[:, :, kv], out[:, :, rows], lse[:, rows].contiguous(), km)
+            back.append(_post_back(t, dq_g, degree))
+        b, n, heads, d = dout.shape
+        kv_back = [_post_back(t, x, degree) for x in (dk, dv)]
+        dq = _place(back, b, n, heads, d, degree, dout.dtype, dout.device)
+        dk, dv = (_place([p], b, n, hk * degree, d, degree, x.dtype, x.device) for p, x in zip(kv_back, (dk, dv)))
         if ids is not None:  # the copies of each kv head sum to its gradient
-            b, n, _, d = dk.shape
             acc = torch.float64 if dk.dtype == torch.float64 else torch.float32
             dk = torch.zeros(b, n, ctx.kv_heads, d, dtype=acc, device=dk.device).index_add_(2, ids, dk.to(acc))
             dv = torch.zeros(b, n, ctx.kv_heads, d, dtype=acc, device=dv.device).index_add_(2, ids, dv.to(acc))
             dk, dv = dk.to(dout.dtype), dv.to(dout.dtype)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
-def ulysses(q, k, v, key_mask, group, degree: int, inner) -> torch.Tensor:
-    """Head-shard q, k, v over ``group``, run ``inner`` on the gathered rows (source order), shard back."""
+def ulysses(q, k, v, key_mask, group, degree: int, inner, *, pipelined: bool = True) -> torch.Tensor:
+    """Head-shard q, k, v over ``group``, run ``inner`` on the gathered rows (source order), shard back;
+    ``pipelined``: by head groups (Note [Ulysses pipeline]; an inner that communicates itself, the hybrids',
+    runs once on every head)."""
+    if degree == 1:
+        pipelined = False
     with _no_autocast(q.device):
-        return _UlyssesAttn.apply(q, k, v, key_mask, group, degree, inner)
+        return _UlyssesAttn.apply(q, k, v, key_mask, group, degree, inner, pipelined)
