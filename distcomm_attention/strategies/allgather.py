@@ -30,7 +30,7 @@ from distcomm_attention import transport
 from distcomm_attention.planning.exchange import Exchange
 from distcomm_attention.planning.plans import gathered_in_natural_order, natural_order
 from distcomm_attention.planning.visibility import RingPlan
-from distcomm_attention.strategies.sparse_gather import SparseGather
+from distcomm_attention.strategies.sparse_gather import SparseGather, split_local
 from distcomm_attention.strategies.ring import (_add_dq, _dq_result, _dq_sum, _no_autocast, _rows_of, packed,
                                                 ring_forward)
 
@@ -92,6 +92,22 @@ def local_backward(dout, q, k, v, out, lse, key_mask, plan: RingPlan, softcap: f
     return _dq_result(dq, q.dtype), dk, dv
 
 
+KEEP_ROWS = 2  # sparse buffers of at most this many times the local rows (on every rank) are kept for the backward
+
+
+class _Arriving:
+    """The ring loop's view of a sparse gather in flight: its one "hop" is the arrival of the other ranks'
+    keys (the plan's step 0 reads own rows, step 1 the rest; Note [Sparse gather])."""
+
+    size, rank = 2, 0
+
+    def __init__(self, arrival):
+        self._arrival = arrival
+
+    def send_recv(self, *tensors, shift: int = 1, **_):
+        return self._arrival
+
+
 class AllGatherKV:
     """The all-gather computation over ``group`` for one call's plan (shared by the strategy and the hybrid):
     ``forward(q, k, v, key_mask) -> (out, lse)``, ``backward(dout, q, k, v, out, lse, key_mask) -> (dq, dk,
@@ -105,16 +121,34 @@ class AllGatherKV:
         self.one = RingComm(group, 1) if world > 1 else RingComm(None)
         # only the keys the plan reads (Note [Sparse gather]); ``plan`` then indexes the compacted buffer
         self.sparse = None if exchange is None else SparseGather(transport.for_group(group), exchange, layout)
+        if self.sparse is not None:  # decided from the plan, alike on every rank (the second exchange is collective)
+            self.sparse.keep = max(map(exchange.buffer_len, range(world))) <= KEEP_ROWS * local_len
+        self._kept = None  # a sparse buffer small enough to keep for the backward (no second exchange)
 
     def _gather(self, k, v, key_mask):
+        if self._kept is not None:
+            kept, self._kept = self._kept, None
+            return kept
         if self.sparse is not None:
             with torch.no_grad():
                 return self.sparse.gather(k, v, key_mask)
         return gather_kv(k, v, key_mask, self.group, self.order)
 
     def forward(self, q, k, v, key_mask):
-        k_all, v_all, km_all = self._gather(k, v, key_mask)
-        return ring_forward(q, k_all, v_all, km_all, self.one, self.plan, self.softcap, self.scale, self.fwd)
+        if self.sparse is None:
+            k_all, v_all, km_all = self._gather(k, v, key_mask)
+            return ring_forward(q, k_all, v_all, km_all, self.one, self.plan, self.softcap, self.scale, self.fwd)
+        # the blocks on own keys run while the other ranks' keys arrive (Note [Sparse gather])
+        with torch.no_grad():
+            arrival = self.sparse.post(k, v, key_mask)
+        k_own, v_own, km_own = arrival.local()
+        plan = split_local(self.plan, self.sparse.is_own())
+        km_own = None if km_own is None else km_own.view(torch.bool)
+        out, lse = ring_forward(q, k_own, v_own, km_own, _Arriving(arrival), plan, self.softcap, self.scale, self.fwd)
+        if self.sparse.keep:
+            k_all, v_all, km_all = arrival.wait()
+            self._kept = (k_all, v_all, None if km_all is None else km_all.view(torch.bool))
+        return out, lse
 
     def backward(self, dout, q, k, v, out, lse, key_mask):
         k_all, v_all, km_all = self._gather(k, v, key_mask)

@@ -2,11 +2,13 @@
 
 Note [Sparse gather]
     With an exchange plan ``ex`` the all-gather KV strategy gathers, on rank r, only the keys its queries can
-    see: rank s sends rank r its rows need[s][r] (one all-to-all-v for k, v together, one for the key mask),
-    and rank r places what arrives at the compacted buffer rows of those keys' global positions:
+    see: rank s sends rank r its rows need[s][r] (one all-to-all-v per tensor), and rank r places them at
+    the compacted buffer rows of those keys' global positions (the union U_r in natural order):
 
-        rank s:  k_s[need[s][0]] | k_s[need[s][1]] | ...      --all_to_all_v-->    rank r: recv (by source)
-        rank r:  buffer[place] = recv   (buffer: the union U_r in natural order; ``place`` a permutation)
+        rank r:  buffer[own]  = its own needed rows              (placed at once, nothing on the wire)
+                 post all_to_all_v(k_r[need[r][d]] for d != r)    (the others' rows in flight)
+                 ... blocks that read own rows only run here (``split_local``) ...
+                 buffer[remote] = what arrived                    (wait)
 
     The backward is the adjoint: the buffer's dK/dV rows go back to their owners (all-to-all-v with the
     splits exchanged), and each owner adds every rank's contribution to its rows (``index_add_``, in fp32).
@@ -20,12 +22,37 @@ import torch
 
 from distcomm_attention.planning import layouts
 from distcomm_attention.planning.exchange import Exchange
+from distcomm_attention.planning.visibility import RingPlan
 
-__all__ = ["SparseGather"]
+__all__ = ["SparseGather", "split_local"]
 
 
 def _rows(ranges) -> list[int]:
     return [i for a, b in ranges for i in range(a, b)]
+
+
+def _long(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+class _Arrival:
+    """Buffers with this rank's own rows placed; ``wait()`` places the rest and returns them (B, m, ...) (a
+    bool tensor as uint8: the ring loop's convention for a key mask in flight)."""
+
+    def __init__(self, buffers, handles, place, bools):
+        self._buffers, self._handles, self._place, self._bools = buffers, handles, place, bools
+
+    def local(self) -> tuple[torch.Tensor | None, ...]:
+        return tuple(None if b is None else b.transpose(0, 1) for b in self._buffers)
+
+    def wait(self) -> tuple[torch.Tensor | None, ...]:
+        for i, handle in enumerate(self._handles):
+            if handle is not None:
+                (recv,) = handle.wait()
+                self._buffers[i][self._place] = recv
+        self._handles = []
+        return tuple(None if b is None else (b.view(torch.uint8) if bool_ else b).transpose(0, 1)
+                     for b, bool_ in zip(self._buffers, self._bools))
 
 
 class SparseGather:
@@ -35,17 +62,21 @@ class SparseGather:
         self.transport, self.ex = transport, ex
         r, w, n = transport.rank, ex.ring_size, ex.local_len
         self.skip = ex.moves_nothing
-        send = [_rows(ex.need[r][d]) for d in range(w)]
+        send = [_rows(ex.need[r][d]) if d != r else [] for d in range(w)]
         self.send_splits = [len(rows) for rows in send]
-        self.recv_splits = [ex.rows(s, r) for s in range(w)]
-        self.send_index = torch.tensor([i for rows in send for i in rows], dtype=torch.int64)
+        self.recv_splits = [ex.rows(s, r) if s != r else 0 for s in range(w)]
+        self.send_index = _long([i for rows in send for i in rows])
+        self.own_index = _long(_rows(ex.need[r][r]))
         seq_len = w * n
-        received = [layouts.positions(layout, seq_len, w, s)[torch.tensor(_rows(ex.need[s][r]), dtype=torch.int64)]
-                    for s in range(w)]
-        positions = torch.cat(received) if received else torch.zeros(0, dtype=torch.int64)
-        # buffer row of each received row: its rank among the needed positions (U_r in natural order)
-        self.place = torch.argsort(torch.argsort(positions))
-        self.buffer_len = int(positions.numel())
+        positions = [layouts.positions(layout, seq_len, w, s)[_long(_rows(ex.need[s][r]))] for s in range(w)]
+        # buffer row of each needed key: its rank among the needed positions (U_r in natural order)
+        order = torch.argsort(torch.argsort(torch.cat(positions)))
+        counts = [p.numel() for p in positions]
+        starts = [sum(counts[:s]) for s in range(w)]
+        self.place_own = order[starts[r]:starts[r] + counts[r]]
+        self.place = torch.cat([order[starts[s]:starts[s] + counts[s]] for s in range(w) if s != r]) if w > 1 \
+            else order[:0]
+        self.buffer_len = sum(counts)
         self._on: dict = {}
 
     def _index(self, name: str, device: torch.device) -> torch.Tensor:
@@ -54,38 +85,61 @@ class SparseGather:
             self._on[key] = getattr(self, name).to(device, non_blocking=True)
         return self._on[key]
 
-    def gather(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        """(B, n, ...) local tensors -> (B, m, ...) buffers of the needed keys (None stays None)."""
+    def is_own(self) -> torch.Tensor:
+        """(m,) bool: which buffer rows hold this rank's own keys."""
+        own = torch.zeros(self.buffer_len, dtype=torch.bool)
+        own[self.place_own] = True
+        return own
+
+    def post(self, *tensors: torch.Tensor | None) -> _Arrival:
+        """Start gathering (B, n, ...) local tensors into (B, m, ...) buffers of the needed keys."""
         present = [t for t in tensors if t is not None]
-        if not present:
-            return tensors
         device = present[0].device
-        send_index = self._index("send_index", device)
-        place = self._index("place", device)
-        out = []
+        buffers, handles, bools = [], [], []
         for t in tensors:
             if t is None:
-                out.append(None)
+                buffers.append(None), handles.append(None), bools.append(False)
                 continue
-            rows = t.transpose(0, 1).index_select(0, send_index)
-            if self.skip:  # only own rows: already in buffer order (a rank's own positions increase)
-                recv = rows
-            else:
-                wire = rows.view(torch.uint8) if t.dtype == torch.bool else rows
-                (recv,) = self.transport.all_to_all_v(wire, self.send_splits, self.recv_splits).wait()
-                recv = recv.view(torch.bool) if t.dtype == torch.bool else recv
-            buffer = torch.empty_like(recv)
-            buffer[place] = recv
-            out.append(buffer.transpose(0, 1).contiguous())
-        return tuple(out)
+            rows = t.view(torch.uint8) if t.dtype == torch.bool else t
+            rows = rows.transpose(0, 1)
+            buffer = rows.new_empty((self.buffer_len,) + tuple(rows.shape[1:]))
+            buffer[self._index("place_own", device)] = rows.index_select(0, self._index("own_index", device))
+            handle = None
+            if not self.skip:
+                send = rows.index_select(0, self._index("send_index", device))
+                handle = self.transport.all_to_all_v(send, self.send_splits, self.recv_splits)
+            buffers.append(buffer), handles.append(handle), bools.append(t.dtype == torch.bool)
+        return _Arrival(buffers, handles, self._index("place", device), bools)
+
+    def gather(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """(B, n, ...) local tensors -> (B, m, ...) buffers of the needed keys (None stays None)."""
+        got = self.post(*tensors).wait()
+        return tuple(None if g is None else (g.view(torch.bool) if t.dtype == torch.bool else g).contiguous()
+                     for g, t in zip(got, tensors))
 
     def scatter_add(self, grad: torch.Tensor, local_len: int) -> torch.Tensor:
         """(B, m, ...) buffer gradients -> (B, n, ...) this rank's rows, every rank's contributions summed in
         ``grad``'s dtype (the adjoint of :meth:`gather`)."""
         device = grad.device
-        rows = grad.transpose(0, 1).index_select(0, self._index("place", device))
-        if not self.skip:
-            (rows,) = self.transport.all_to_all_v(rows.contiguous(), self.recv_splits, self.send_splits).wait()
+        rows = grad.transpose(0, 1)
         out = torch.zeros((local_len,) + tuple(rows.shape[1:]), dtype=grad.dtype, device=device)
-        out.index_add_(0, self._index("send_index", device), rows)
+        handle = None
+        if not self.skip:
+            remote = rows.index_select(0, self._index("place", device)).contiguous()
+            handle = self.transport.all_to_all_v(remote, self.recv_splits, self.send_splits)
+        out.index_add_(0, self._index("own_index", device), rows.index_select(0, self._index("place_own", device)))
+        if handle is not None:
+            (back,) = handle.wait()
+            out.index_add_(0, self._index("send_index", device), back)
         return out.transpose(0, 1).contiguous()
+
+
+def split_local(plan: RingPlan, own: torch.Tensor) -> RingPlan:
+    """A one-step compacted plan as two steps: the blocks reading own rows only (``own``: the buffer's own
+    rows), then the rest, so that the first run while the other ranks' keys arrive."""
+    covered = torch.cat([torch.zeros(1, dtype=torch.int64), own.to(torch.int64).cumsum(0)])
+    local, remote = [], []
+    for block in plan.blocks[0]:
+        a, b = block.kv.start, block.kv.stop
+        (local if int(covered[b] - covered[a]) == b - a else remote).append(block)
+    return RingPlan((0, 1), (tuple(local), tuple(remote)))

@@ -57,8 +57,9 @@ class TorchTransport:
         return _Work([work], (recv,))
 
     def _uses_p2p(self, send: torch.Tensor) -> bool:
-        """gloo's all_to_all_single rejects empty tensors; pairs of point-to-point transfers take them."""
-        return not send.is_cuda and send.numel() == 0
+        """Host tensors move as pairs of point-to-point transfers (gloo's all_to_all_single rejects an empty
+        tensor, and whether a rank's is empty differs between ranks: every rank must take the same path)."""
+        return not send.is_cuda
 
     def _all_to_all_p2p(self, send, send_splits, recv, recv_splits):
         send_parts, recv_parts = send.split(send_splits), recv.split(recv_splits)
