@@ -384,8 +384,8 @@ def _exchange_sizes(op: str, image_features: torch.Tensor, needs_grad: bool, gro
     meta = torch.tensor(row, dtype=torch.int64, device=device)
     if names:
         values = torch.stack([agreed[n].detach().reshape(()).to(device=device, dtype=torch.float64)
-                              if error is None else torch.zeros((), dtype=torch.float64, device=device)
-                              for n in names])
+                              if error is None and agreed[n] is not None
+                              else torch.zeros((), dtype=torch.float64, device=device) for n in names])
         meta = torch.cat([values.view(torch.int64), meta])
     gathered = [t.tolist() for t in dfunc.all_gather(meta, group=group)]
     rows = [r[len(names):] for r in gathered]
@@ -418,11 +418,12 @@ def _agree_on_inputs(op: str, comm: RingComm, image_features, validate, *args, n
         return [image_features.shape[0]], validate(*args)
     try:
         scalars, error = validate(*args), None
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         scalars, error = None, e
     tensors = [t for t in (*args, *(scalars or ())) if isinstance(t, torch.Tensor)]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    agreed = {**dict(zip(names, scalars or ())), **(extra or {})}
+    # the same names on every rank (the rows' lengths must match), values or None where unread
+    agreed = {**dict(zip(names, scalars or (None,) * len(names))), **(extra or {})}
     return _exchange_sizes(op, image_features, needs_grad, comm.group, error, agreed), scalars
 
 

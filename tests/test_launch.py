@@ -67,11 +67,12 @@ def _listening_rank(rank, world, launcher_pid):
 
 
 def test_rendezvous_store_listens_on_loopback_only():
-    """The launcher's store is reachable from this machine only: its one listening socket is 127.0.0.1."""
+    """The launcher's store is reachable from this machine only: the process listens on 127.0.0.1 alone (other
+    tests of the same worker process may hold stores too: every listening socket must be loopback)."""
     results = run_world(_listening_rank, 2, os.getpid())
     assert results[0] == results[1]
-    assert len(results[0]) == 1, results[0]
-    assert results[0][0].startswith("127.0.0.1:"), results[0]
+    assert len(results[0]) >= 1, results[0]
+    assert all(address.startswith("127.0.0.1:") for address in results[0]), results[0]
 
 
 def test_address_parser_reads_wildcard_and_loopback():
