@@ -105,6 +105,9 @@ def _check_scalar(op: str, name: str, value, like: torch.Tensor) -> torch.Tensor
     if isinstance(value, bool):
         raise TypeError(f"{op}: `{name}` must be a scalar tensor or a real number, got bool {value!r}")
     if isinstance(value, (int, float)):
+        if isinstance(value, int) and abs(value) > 2**1023:
+            raise ValueError(f"{op}: `{name}` must be a real number a float can hold, got an int of "
+                             f"{value.bit_length()} bits")
         # Built in the compute dtype: a number rounded to half precision would change the loss.
         return torch.tensor(float(value), dtype=_compute_dtype(like.dtype), device=like.device)
     if not isinstance(value, torch.Tensor):

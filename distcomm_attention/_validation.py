@@ -87,12 +87,20 @@ def check_flag(name: str, value) -> None:
         raise TypeError(f"`{name}` must be a bool, got {type(value).__name__} {value!r}")
 
 
+def _finite(value) -> bool:
+    """Whether a real number is a finite float (an int too large for a float is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def check_scale(softmax_scale, head_dim: int) -> float:
     """The softmax scale to use: ``head_dim ** -0.5`` for None, else a finite real number."""
     if softmax_scale is None:
         return head_dim**-0.5
     is_real = isinstance(softmax_scale, (int, float)) and not isinstance(softmax_scale, bool)
-    if not is_real or not math.isfinite(softmax_scale):
+    if not is_real or not _finite(softmax_scale):
         raise ValueError(f"`softmax_scale` must be a finite float or None, got {softmax_scale!r}")
     return float(softmax_scale)
 
@@ -119,11 +127,12 @@ def _is_ints(value) -> bool:
 
 
 def _encode(value) -> int:
-    """One int64 standing for a verified option: ints and bools as themselves, floats by their bits, int
-    tuples (document boundaries) by a digest of their values, anything else by a digest of its repr."""
+    """One int64 standing for a verified option: ints and bools as themselves (ints beyond +-2^62 by a digest),
+    floats by their bits, int tuples (document boundaries) by a digest of their values, anything else by a
+    digest of its repr."""
     if isinstance(value, Shown):
         return _encode(value.value)
-    if isinstance(value, int):
+    if isinstance(value, int) and -(2**62) <= value < 2**62:
         return int(value)
     if isinstance(value, float):
         return float_bits(value)
@@ -161,7 +170,7 @@ def _tensor_code(t) -> list[int]:
 
 
 # The exception types a verdict may carry, by code (0: no error); anything else travels as RuntimeError.
-_ERRORS = (None, TypeError, ValueError, ImportError, NotImplementedError, RuntimeError)
+_ERRORS = (None, TypeError, ValueError, ImportError, NotImplementedError, RuntimeError, OverflowError)
 
 
 def verdict(fn, *args, **kwargs):
@@ -170,7 +179,7 @@ def verdict(fn, *args, **kwargs):
     (Note [Collective verdicts])."""
     try:
         return fn(*args, **kwargs), None
-    except (TypeError, ValueError, ImportError, NotImplementedError) as e:
+    except (TypeError, ValueError, ImportError, NotImplementedError, OverflowError) as e:
         return None, e
 
 
@@ -372,11 +381,11 @@ def _exchange_comm(comm: RingComm) -> tuple[RingComm, torch.device]:
 def check_window(window_size) -> tuple[int, int]:
     """``window_size`` as a pair of ints >= -1 (-1: unbounded on that side)."""
     ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(
-        isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size
+        isinstance(w, int) and not isinstance(w, bool) and -1 <= w < 2**62 for w in window_size
     )
     if not ok:
         raise ValueError(
-            f"`window_size` must be a pair (left, right) of ints >= -1 (-1: unbounded on that side), got "
+            f"`window_size` must be a pair (left, right) of ints in [-1, 2^62) (-1: unbounded on that side), got "
             f"{window_size!r}"
         )
     return int(window_size[0]), int(window_size[1])
@@ -385,7 +394,7 @@ def check_window(window_size) -> tuple[int, int]:
 def check_softcap(softcap) -> float:
     """``softcap`` as a finite float >= 0 (0: off)."""
     is_real = isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
-    if not is_real or not math.isfinite(softcap) or softcap < 0:
+    if not is_real or not _finite(softcap) or softcap < 0:
         raise ValueError(f"`softcap` must be a finite float >= 0 (0 disables it), got {softcap!r}")
     return float(softcap)
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import distcomm_attention as da
+from distcomm.losses import clip_loss
 from distcomm_attention import _validation
 from tests.dist_harness import run_world
 
@@ -59,7 +60,7 @@ def test_balanced_position_ids_are_the_callers_own():
 def _catch(fn):
     try:
         fn()
-    except (TypeError, ValueError, ImportError, NotImplementedError) as e:
+    except (TypeError, ValueError, ImportError, NotImplementedError, OverflowError) as e:
         return f"{type(e).__name__}: {e}"
     return None
 
@@ -102,6 +103,12 @@ def _one_rank_rank(rank, world):
         "allgather, softcap": lambda: da.context_parallel_attn(
             q, k, v, strategy="allgather", softcap=-1.0 if bad else 0.0),
         "gather dim": lambda: da.gather_sequence(torch.zeros(2, 4), dim=5 if bad else 1),
+        # values beyond int64 or float: still this rank's verdict, never an error raised before the exchange
+        "window beyond int64": lambda: da.ring_flash_attn(q, k, v, window_size=(2**63, -1) if bad else (-1, -1)),
+        "softcap overflow": lambda: da.ring_flash_attn(q, k, v, softcap=10**400 if bad else 0.0),
+        "scale overflow": lambda: da.ring_flash_attn(q, k, v, softmax_scale=10**400 if bad else None),
+        "gather dim beyond int64": lambda: da.gather_sequence(torch.zeros(2, 4), dim=2**70 if bad else 1),
+        "clip_loss scale overflow": lambda: clip_loss(torch.randn(2, 3), torch.randn(2, 3), 10**400 if bad else 2.0),
         "gather layout": lambda: da.gather_sequence(torch.zeros(2, 4), "zagzig" if bad else "zigzag"),
     }
     out = {name: _catch(fn) for name, fn in cases.items()}
@@ -125,6 +132,11 @@ ONE_RANK = {
     "ulysses, heads": ("ValueError", r"disagree on `q`, `k`, `v` .*ring position 1: q=\(1, 4, 3, 8\)"),
     "allgather, softcap": ("ValueError", r"`softcap` must be a finite float >= 0 .*got -1.0"),
     "gather dim": (None, r"dim"),
+    "window beyond int64": ("ValueError", r"`window_size` must be a pair"),
+    "softcap overflow": ("ValueError", r"`softcap` must be a finite float >= 0"),
+    "scale overflow": ("ValueError", r"`softmax_scale` must be a finite float or None"),
+    "gather dim beyond int64": (None, r"dim"),
+    "clip_loss scale overflow": ("ValueError", r"the input of rank 1 was rejected.*`logit_scale` must be a real number"),
     "gather layout": ("ValueError", r"zagzig"),
 }
 
@@ -140,7 +152,8 @@ def test_a_mistake_on_one_rank_raises_the_same_error_on_every_rank(world):
         msgs = [g[name] for g in got]
         assert msgs[0] is not None and all(m == msgs[0] for m in msgs), (name, msgs)
         assert kind is None or msgs[0].startswith(kind + ": "), (name, msgs[0])
-        assert "invalid input on rank 1: " in msgs[0] or "ring position 1: " in msgs[0], (name, msgs[0])
+        assert any(f in msgs[0] for f in ("invalid input on rank 1: ", "ring position 1: ", "the input of rank 1 ")), \
+            (name, msgs[0])
         assert re.search(pattern, msgs[0]), (name, msgs[0])
 
 

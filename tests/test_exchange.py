@@ -61,6 +61,9 @@ def test_plan_is_exactly_the_rows_some_query_sees(layout, world, local_len):
         ex = exchange_plan(concrete, vis, world, local_len)
         seen = _visible(vis, seq_len)
         pos = [layouts.positions(concrete, seq_len, world, r) for r in range(world)]
+        for d in range(world):  # the union: every key position some query of d sees
+            union = [p for a, b in ex.union[d] for p in range(a, b)]
+            assert union == seen[pos[d]].any(0).nonzero().flatten().tolist(), (vis, d)
         for s in range(world):
             for d in range(world):
                 wanted = seen[pos[d]][:, pos[s]].any(0).nonzero().flatten().tolist()
@@ -113,6 +116,11 @@ def _transport_rank(rank, world):
     send = torch.cat([torch.full((splits[d], 2), float(100 * rank + d)) for d in range(world)])
     out["a2a"] = t.all_to_all_v(send, splits, recv).wait()[0]
     out["empty"] = t.all_to_all_v(torch.zeros(0, 2), [0] * world, [0] * world).wait()[0].shape[0]
+    # rank 0 sends nothing at all while the others send it a row each
+    send = torch.zeros(0, 2) if rank == 0 else torch.full((1, 2), float(rank))
+    mixed = t.all_to_all_v(send, [0] * world if rank == 0 else [1] + [0] * (world - 1),
+                           [0] + [1] * (world - 1) if rank == 0 else [0] * world).wait()[0]
+    out["mixed"] = mixed
     (hop,) = t.send_recv([x], 1).wait()
     out["hop"] = hop
     return out
@@ -130,6 +138,8 @@ def test_torch_transport_moves_what_it_says(world):
         want = torch.cat([torch.full(((s + r) % 3, 2), float(100 * s + r)) for s in range(world)])
         assert torch.equal(g["a2a"], want)
         assert g["empty"] == 0
+        expected_mixed = torch.tensor([[float(s)] * 2 for s in range(1, world)]) if r == 0 else torch.zeros(0, 2)
+        assert torch.equal(g["mixed"], expected_mixed.reshape(-1, 2))
         left = (r - 1) % world
         assert torch.equal(g["hop"], torch.arange(6, dtype=torch.float64).view(3, 2) + 10 * left)
 

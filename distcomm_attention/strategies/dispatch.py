@@ -151,6 +151,8 @@ def _gathered(layout, vis, world: int, rank: int, n: int):
 def _group_error(strategy: str, group) -> ValueError | None:
     """Why ``group`` cannot carry ``strategy`` (a 2-D mesh for a 1-D strategy, or the reverse), or None."""
     if strategy in _HYBRID:
+        if is_2d_mesh(group) and group.size() != _groups.group_size(None):
+            resolve_mesh(group)  # raised at once, alike on the mesh's ranks: the others never join the exchange
         return _validation.verdict(resolve_mesh, group)[1]
     if is_2d_mesh(group):
         return ValueError(

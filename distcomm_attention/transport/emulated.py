@@ -91,11 +91,13 @@ class EmulatedLink:
         self._streams = {kind: torch.cuda.Stream(self.device) for kind in ("p2p", "collective")}
         self.seconds = 0.0  # link time of every posted operation (for reports)
 
-    def _post(self, kind: str, nbytes: float, gbps: float, fill):
+    def _post(self, kind: str, nbytes: float, gbps: float, fill, inputs):
         seconds = self.links.latency_us * 1e-6 + nbytes / (gbps * 1e9)
         self.seconds += seconds
         stream = self._streams[kind]
         stream.wait_stream(torch.cuda.current_stream())
+        for t in inputs:  # read on the link's stream later: not to be reused before then
+            t.record_stream(stream)
         with torch.cuda.stream(stream):
             torch.cuda._sleep(max(int(seconds * 1e6 * _cycles_per_us(self.device.index or 0)), 1))
             tensors = fill()
@@ -110,19 +112,20 @@ class EmulatedLink:
         nbytes = max(sum(map(_nbytes, tensors)),
                      sum(t.element_size() * torch.Size(s).numel() for t, s in zip(tensors, shapes)))
         return self._post("p2p", nbytes, self.links.p2p_gbps,
-                          lambda: tuple(_rows(t.reshape(-1), torch.Size(s).numel()).view(s) for t, s in zip(tensors, shapes)))
+                          lambda: tuple(_rows(t.reshape(-1), torch.Size(s).numel()).view(s) for t, s in zip(tensors, shapes)),
+                          tensors)
 
     def all_to_all_v(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]):
         row = _nbytes(send[:1]) if send.shape[0] else 0
         out = sum(n for p, n in enumerate(send_splits) if p != self.rank)
         into = sum(n for p, n in enumerate(recv_splits) if p != self.rank)
         return self._post("collective", max(out, into) * row, self.links.a2a_gbps,
-                          lambda: (_rows(send, sum(recv_splits)),))
+                          lambda: (_rows(send, sum(recv_splits)),), (send,))
 
     def all_gather(self, x: torch.Tensor):
         return self._post("collective", (self.size - 1) * _nbytes(x), self.links.allgather_gbps,
-                          lambda: (_rows(x, self.size * x.shape[0]),))
+                          lambda: (_rows(x, self.size * x.shape[0]),), (x,))
 
     def reduce_scatter(self, x: torch.Tensor):
         return self._post("collective", (self.size - 1) * _nbytes(x) / self.size, self.links.reduce_scatter_gbps,
-                          lambda: (x[: x.shape[0] // self.size].clone(),))
+                          lambda: (x[: x.shape[0] // self.size].clone(),), (x,))
