@@ -31,32 +31,35 @@ from distcomm_attention.planning.visibility import Block, RingPlan, Visibility, 
 __all__ = ["Exchange", "exchange_plan", "compact_plan", "gathered_exchange", "SPARSE_BELOW"]
 
 
-def _union(first: torch.Tensor, stop: torch.Tensor, seq_len: int) -> list[tuple[int, int]]:
-    """The union of the intervals [first_i, stop_i) clipped to [0, seq_len), as sorted disjoint ranges."""
+def _union(first: torch.Tensor, stop: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The union of the intervals [first_i, stop_i) clipped to [0, seq_len), as sorted disjoint ranges
+    (starts, stops)."""
     lo, hi = first.clamp(0, seq_len), stop.clamp(0, seq_len)
     keep = hi > lo
     lo, hi = lo[keep], hi[keep]
     if lo.numel() == 0:
-        return []
+        return lo, hi
     order = torch.argsort(lo, stable=True)
-    lo, hi = lo[order].tolist(), hi[order].tolist()
-    out: list[list[int]] = [[lo[0], hi[0]]]
-    for a, b in zip(lo[1:], hi[1:]):
-        if a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
+    lo, reach = lo[order], hi[order].cummax(0).values  # reach: the furthest stop so far
+    new = torch.ones_like(lo, dtype=torch.bool)
+    new[1:] = lo[1:] > reach[:-1]  # a gap before this interval: a new range starts
+    starts = new.nonzero().flatten()
+    ends = torch.cat([starts[1:] - 1, torch.tensor([lo.numel() - 1])])
+    return lo[starts], reach[ends]
 
 
-def _runs(rows: torch.Tensor) -> tuple[tuple[int, int], ...]:
-    """Increasing row indices as ranges [start, stop)."""
-    if rows.numel() == 0:
-        return ()
-    cuts = ((rows[1:] - rows[:-1]) != 1).nonzero().flatten().add(1).tolist()
-    starts = [0] + cuts
-    stops = cuts + [rows.numel()]
-    return tuple((int(rows[a]), int(rows[b - 1]) + 1) for a, b in zip(starts, stops))
+def _runs(inside: torch.Tensor) -> list[tuple[tuple[int, int], ...]]:
+    """Per row of a (rows, n) bool tensor, its runs of True as ranges [start, stop)."""
+    rows, n = inside.shape
+    padded = torch.zeros(rows, n + 2, dtype=torch.int8)
+    padded[:, 1:-1] = inside.to(torch.int8)
+    edges = padded.diff(dim=1)  # +1 where a run starts, -1 one past where it ends
+    row_s, col_s = (edges == 1).nonzero(as_tuple=True)
+    _, col_e = (edges == -1).nonzero(as_tuple=True)
+    out: list[list[tuple[int, int]]] = [[] for _ in range(rows)]
+    for r, a, b in zip(row_s.tolist(), col_s.tolist(), col_e.tolist()):
+        out[r].append((a, b))
+    return [tuple(runs) for runs in out]
 
 
 @dataclass(frozen=True)
@@ -109,22 +112,18 @@ def exchange_plan(layout, vis: Visibility, ring_size: int, local_len: int) -> Ex
     static name or a balanced ``Assignment``) with mask ``vis`` (Note [Exchange plan])."""
     seq_len = ring_size * local_len
     layout = _concrete(layout, vis, ring_size, local_len)
-    pos = [layouts.positions(layout, seq_len, ring_size, r) for r in range(ring_size)]
+    pos = torch.stack([layouts.positions(layout, seq_len, ring_size, r) for r in range(ring_size)])
     cu = None if vis.cu_seqlens is None else torch.tensor(vis.cu_seqlens, dtype=torch.int64)
-    union = tuple(tuple(_union(*_query_bounds(vis, p, cu), seq_len)) for p in pos)
-    need = []
-    for s in range(ring_size):
-        row = []
-        for d in range(ring_size):
-            if not union[d]:
-                row.append(())
-                continue
-            starts = torch.tensor([a for a, _ in union[d]])
-            stops = torch.tensor([b for _, b in union[d]])
-            k = torch.searchsorted(starts, pos[s], right=True) - 1
-            inside = (k >= 0) & (pos[s] < stops[k.clamp(min=0)])
-            row.append(_runs(inside.nonzero().flatten()))
-        need.append(tuple(row))
+    unions = [_union(*_query_bounds(vis, p, cu), seq_len) for p in pos]
+    union = tuple(tuple(zip(a.tolist(), b.tolist())) for a, b in unions)
+    by_dst = []  # by_dst[d][s]: the rows of s that d needs
+    for starts, stops in unions:
+        if starts.numel() == 0:
+            by_dst.append([()] * ring_size)
+            continue
+        k = torch.searchsorted(starts, pos, right=True) - 1
+        by_dst.append(_runs((k >= 0) & (pos < stops[k.clamp(min=0)])))
+    need = [tuple(by_dst[d][s] for d in range(ring_size)) for s in range(ring_size)]
     return Exchange(ring_size, local_len, tuple(need), union)
 
 

@@ -18,6 +18,8 @@ Note [Sparse gather]
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from distcomm_attention.planning import layouts
@@ -27,12 +29,11 @@ from distcomm_attention.planning.visibility import RingPlan
 __all__ = ["SparseGather", "split_local"]
 
 
-def _rows(ranges) -> list[int]:
-    return [i for a, b in ranges for i in range(a, b)]
-
-
-def _long(values) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
+def _index(ranges) -> torch.Tensor:
+    """The row indices of ranges [start, stop), as one int64 tensor."""
+    if not ranges:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.cat([torch.arange(a, b) for a, b in ranges])
 
 
 class _Arrival:
@@ -60,23 +61,9 @@ class SparseGather:
 
     def __init__(self, transport, ex: Exchange, layout):
         self.transport, self.ex = transport, ex
-        r, w, n = transport.rank, ex.ring_size, ex.local_len
         self.skip = ex.moves_nothing
-        send = [_rows(ex.need[r][d]) if d != r else [] for d in range(w)]
-        self.send_splits = [len(rows) for rows in send]
-        self.recv_splits = [ex.rows(s, r) if s != r else 0 for s in range(w)]
-        self.send_index = _long([i for rows in send for i in rows])
-        self.own_index = _long(_rows(ex.need[r][r]))
-        seq_len = w * n
-        positions = [layouts.positions(layout, seq_len, w, s)[_long(_rows(ex.need[s][r]))] for s in range(w)]
-        # buffer row of each needed key: its rank among the needed positions (U_r in natural order)
-        order = torch.argsort(torch.argsort(torch.cat(positions)))
-        counts = [p.numel() for p in positions]
-        starts = [sum(counts[:s]) for s in range(w)]
-        self.place_own = order[starts[r]:starts[r] + counts[r]]
-        self.place = torch.cat([order[starts[s]:starts[s] + counts[s]] for s in range(w) if s != r]) if w > 1 \
-            else order[:0]
-        self.buffer_len = sum(counts)
+        (self.send_splits, self.recv_splits, self.send_index, self.own_index, self.place_own, self.place,
+         self.buffer_len) = _indices(ex, layout, transport.rank)
         self._on: dict = {}
 
     def _index(self, name: str, device: torch.device) -> torch.Tensor:
@@ -132,6 +119,26 @@ class SparseGather:
             (back,) = handle.wait()
             out.index_add_(0, self._index("send_index", device), back)
         return out.transpose(0, 1).contiguous()
+
+
+@functools.lru_cache(maxsize=64)
+def _indices(ex: Exchange, layout, r: int):
+    """Rank ``r``'s splits and index tensors of an exchange (computed once per plan, layout and rank)."""
+    w, n = ex.ring_size, ex.local_len
+    send = [_index(ex.need[r][d]) if d != r else _index(()) for d in range(w)]
+    send_splits = [rows.numel() for rows in send]
+    recv_splits = [ex.rows(s, r) if s != r else 0 for s in range(w)]
+    send_index = torch.cat(send)
+    own_index = _index(ex.need[r][r])
+    seq_len = w * n
+    positions = [layouts.positions(layout, seq_len, w, s)[_index(ex.need[s][r])] for s in range(w)]
+    # buffer row of each needed key: its rank among the needed positions (U_r in natural order)
+    order = torch.argsort(torch.argsort(torch.cat(positions)))
+    counts = [p.numel() for p in positions]
+    starts = [sum(counts[:s]) for s in range(w)]
+    place_own = order[starts[r]:starts[r] + counts[r]]
+    place = torch.cat([order[starts[s]:starts[s] + counts[s]] for s in range(w) if s != r]) if w > 1 else order[:0]
+    return send_splits, recv_splits, send_index, own_index, place_own, place, sum(counts)
 
 
 def split_local(plan: RingPlan, own: torch.Tensor) -> RingPlan:
