@@ -39,9 +39,8 @@ from distcomm_attention.planning import cost  # noqa: E402
 from distcomm_attention.planning.exchange import compact_plan, gathered_exchange  # noqa: E402
 from distcomm_attention.planning.plans import gathered_plan, local_plan  # noqa: E402
 from distcomm_attention.planning.visibility import Visibility, ring_plan  # noqa: E402
-from distcomm_attention.strategies.allgather import local_backward  # noqa: E402
+from distcomm_attention.strategies.allgather import AllGatherKV, local_backward  # noqa: E402
 from distcomm_attention.strategies.ring import ring_backward, ring_forward  # noqa: E402
-from distcomm_attention.strategies.sparse_gather import SparseGather  # noqa: E402
 from distcomm.ring import RingComm  # noqa: E402
 from distcomm_attention import transport  # noqa: E402
 from distcomm_attention.planning.plans import natural_order  # noqa: E402
@@ -95,14 +94,15 @@ def _allgather_step(t, q, k, v, dout, concrete, vis, world, rank, fwd, bwd, scal
     n = q.shape[1]
     plan = gathered_plan(concrete, vis, world, rank, n)
     ex = gathered_exchange(concrete, vis, world, n)
-    if ex is not None:
-        plan, sparse = compact_plan(plan, ex, rank), SparseGather(t, ex, concrete)
+    if ex is not None:  # the strategy's own computation (own keys first, buffers kept when small)
+        with transport.using(lambda group: t):
+            computation = AllGatherKV(None, concrete, n, compact_plan(plan, ex, rank), 0.0, scale, fwd, bwd, ex)
 
-        def gather():
-            return sparse.gather(k, v)[:2]
+        def step():
+            out, lse = computation.forward(q, k, v, None)
+            computation.backward(dout, q, k, v, out, lse, None)
 
-        def reduce(dk, dv):
-            return sparse.scatter_add(dk, n), sparse.scatter_add(dv, n)
+        return step, True
     else:
         def gather():
             hk, hv = t.all_gather(k[0]), t.all_gather(v[0])

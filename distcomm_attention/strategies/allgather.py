@@ -116,7 +116,7 @@ class AllGatherKV:
     def __init__(self, group, layout: str, local_len: int, plan: RingPlan, softcap: float, scale: float, fwd, bwd,
                  exchange: Exchange | None = None):
         self.group, self.plan, self.softcap, self.scale, self.fwd, self.bwd = group, plan, softcap, scale, fwd, bwd
-        world = _groups.group_size(group)
+        world = _groups.group_size(group) if exchange is None else exchange.ring_size
         self.order = natural_order(layout, world, local_len) if gathered_in_natural_order(layout) else None
         self.one = RingComm(group, 1) if world > 1 else RingComm(None)
         # only the keys the plan reads (Note [Sparse gather]); ``plan`` then indexes the compacted buffer
