@@ -12,9 +12,9 @@ only), the exposed communication (their difference), the cost model's prediction
 error, the bytes the rank sends, the cost model's pick and the measured fastest. Strategies: "ring" (the
 ring loop, hops posted before the compute they overlap), "allgather" (the all-gather of k, v, or the sparse
 exchange of only the needed keys where the exchange plan makes it cheaper, Note [Sparse gather]; the
-backward gathers again and reduces dK/dV in fp32), "ulysses" (the strategy's own autograd Function, its
-all-to-alls pipelined by head groups, Note [Ulysses pipeline]) and "ulysses_serial" (the same with one group:
-every all-to-all waited before the kernels that need it, the strategy before the pipeline).
+backward gathers again and reduces dK/dV in fp32), "ulysses" (the strategy's own autograd Function as it
+runs: every all-to-all waited before the kernels that need it) and "ulysses_pipelined" (the same with its
+all-to-alls pipelined by head groups, Note [Ulysses pipeline]).
 
     python scripts/bench_emulated.py --cases 65536x8,131072x8 --docs one,lognormal --links nvlink,internode \
         --out docs/bench/emulated.json
@@ -36,7 +36,7 @@ import bench_strategies as bs  # noqa: E402
 
 from distcomm_attention.kernels import dispatch  # noqa: E402
 from distcomm_attention.planning import cost  # noqa: E402
-from distcomm_attention.planning.exchange import compact_plan, gathered_exchange  # noqa: E402
+from distcomm_attention.planning.exchange import compact_gathered_plan, gathered_exchange  # noqa: E402
 from distcomm_attention.planning.plans import gathered_plan, local_plan  # noqa: E402
 from distcomm_attention.planning.visibility import Visibility, ring_plan  # noqa: E402
 from distcomm_attention.strategies.allgather import AllGatherKV, local_backward  # noqa: E402
@@ -96,7 +96,8 @@ def _allgather_step(t, q, k, v, dout, concrete, vis, world, rank, fwd, bwd, scal
     ex = gathered_exchange(concrete, vis, world, n)
     if ex is not None:  # the strategy's own computation (own keys first, buffers kept when small)
         with transport.using(lambda group: t):
-            computation = AllGatherKV(None, concrete, n, compact_plan(plan, ex, rank), 0.0, scale, fwd, bwd, ex)
+            computation = AllGatherKV(None, concrete, n, compact_gathered_plan(concrete, vis, world, rank, n), 0.0,
+                                      scale, fwd, bwd, ex)
 
         def step():
             out, lse = computation.forward(q, k, v, None)
@@ -169,7 +170,7 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
                     f, sparse = _allgather_step(t, q, k, v, dout, concrete, vis, world, r, fwd, bwd, scale)
                 else:
                     f = _ulysses_step(t, q, k, v, dout, concrete, vis, world, fwd, bwd, scale,
-                                      pipelined=strategy == "ulysses")
+                                      pipelined=strategy == "ulysses_pipelined")
                 times.append(bs._timed(f, args.iters, args.warmup))
                 t.bytes = 0
                 f()
@@ -192,7 +193,7 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
             m["predicted_s"] = p.seconds
             m["prediction_error"] = p.seconds / m["max_s"] - 1
         fastest = min(per, key=lambda s: per[s]["max_s"])
-        pick = cost.choose(call, tuple(s for s in per if s != "ulysses_serial"), hw).strategy
+        pick = cost.choose(call, tuple(s for s in per if s != "ulysses_pipelined"), hw).strategy
         row[f"{link_name}_fastest"], row[f"{link_name}_pick"] = fastest, pick
         row[f"{link_name}_pick_vs_fastest"] = per[pick]["max_s"] / per[fastest]["max_s"]
     return row
@@ -216,8 +217,8 @@ def main():
     parser.add_argument("--layout", default="auto")
     parser.add_argument("--dense-layout", default="zigzag", help="the layout of the rows without documents")
     parser.add_argument("--links", default="nvlink,internode")
-    parser.add_argument("--strategies", default="ring,allgather,ulysses,ulysses_serial",
-                        help="ulysses: pipelined by head groups; ulysses_serial: one group (the same run's before)")
+    parser.add_argument("--strategies", default="ring,allgather,ulysses,ulysses_pipelined",
+                        help="ulysses: as the strategy runs (one head group); ulysses_pipelined: by head groups")
     parser.add_argument("--heads", default="32/8")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--ranks", type=int, default=2, help="time the k busiest ranks (by plan) and rank 0")

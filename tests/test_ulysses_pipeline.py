@@ -30,8 +30,11 @@ def test_head_groups(heads, kv_heads, forward, backward):
     assert head_groups(heads, kv_heads, backward=True) == backward
 
 
-def _ulysses_rank(rank, world, heads, kv_heads, docs, masked):
+def _ulysses_rank(rank, world, heads, kv_heads, docs, masked, pipelined):
     import distcomm_attention as da
+    from distcomm_attention.strategies import ulysses as strategy
+
+    strategy.ulysses.__kwdefaults__["pipelined"] = pipelined  # the option the strategy's callers leave out
     from distcomm_attention import transport
     from distcomm_attention._reference import attention_reference
     from distcomm_attention.planning import layouts
@@ -73,14 +76,18 @@ def _ulysses_rank(rank, world, heads, kv_heads, docs, masked):
     (2, 6, 3, (0, 7, 12), False),       # 3 heads per rank
     (4, 4, 4, None, True),              # one head per rank: nothing to pipeline
 ])
-def test_pipelined_ulysses_is_exact(world, heads, kv_heads, docs, masked):
-    """out, dQ, dK, dV equal the float64 reference, and the pipeline posts one all-to-all per head group for q
-    and out (forward) and for dout and dq (backward), plus k, v and dk, dv once each."""
-    got = run_world(_ulysses_rank, world, heads, kv_heads, docs, masked, timeout=90)
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_pipelined_ulysses_is_exact(world, heads, kv_heads, docs, masked, pipelined):
+    """out, dQ, dK, dV equal the float64 reference, pipelined or not (the default), and the pipeline posts one
+    all-to-all per head group for q and out (forward) and for dout and dq (backward), plus k, v and dk, dv
+    once each (one group each way without it)."""
+    got = run_world(_ulysses_rank, world, heads, kv_heads, docs, masked, pipelined, timeout=90)
     h = heads // world
     index = kv_head_index(heads, kv_heads, world)  # kv heads sent: split, replicated or expanded
     hk = kv_heads // world if index is None else len(index) // world
     forward, backward = head_groups(h, hk, backward=False), head_groups(h, hk, backward=True)
+    if not pipelined:
+        forward = backward = 1
     for g in got:
         assert max(g["errors"]) < 1e-10, g["errors"]
         assert g["forward"] == 2 * forward + 2, g

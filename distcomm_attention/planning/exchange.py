@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from distcomm_attention.planning import layouts
-from distcomm_attention.planning.plans import gathered_in_natural_order
+from distcomm_attention.planning.plans import gathered_in_natural_order, gathered_plan
 from distcomm_attention.planning.visibility import Block, RingPlan, Visibility, _concrete, _query_bounds
 
-__all__ = ["Exchange", "exchange_plan", "compact_plan", "gathered_exchange", "SPARSE_BELOW"]
+__all__ = ["Exchange", "exchange_plan", "compact_plan", "compact_gathered_plan", "gathered_exchange", "SPARSE_BELOW"]
 
 
 def _union(first: torch.Tensor, stop: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,3 +150,12 @@ def gathered_exchange(layout, vis: Visibility, ring_size: int, local_len: int) -
     ex = exchange_plan(layout, vis, ring_size, local_len)
     busiest = max(ex.remote_rows(r)[1] for r in range(ring_size))
     return ex if busiest < SPARSE_BELOW * (ring_size - 1) * local_len else None
+
+
+@functools.lru_cache(maxsize=256)
+def compact_gathered_plan(layout, vis: Visibility, ring_size: int, rank: int, local_len: int) -> RingPlan:
+    """Rank ``rank``'s gathered plan over its compacted buffer (the one plan object per call signature, so
+    that the kernels' derived forms cached on it are made once)."""
+    layout = _concrete(layout, vis, ring_size, local_len)
+    ex = exchange_plan(layout, vis, ring_size, local_len)
+    return compact_plan(gathered_plan(layout, vis, ring_size, rank, local_len), ex, rank)

@@ -142,7 +142,7 @@ class AllGatherKV:
         with torch.no_grad():
             arrival = self.sparse.post(k, v, key_mask)
         k_own, v_own, km_own = arrival.local()
-        plan = split_local(self.plan, self.sparse.is_own())
+        plan = self.plan.cached("own keys first", lambda: split_local(self.plan, self.sparse.is_own()))
         km_own = None if km_own is None else km_own.view(torch.bool)
         out, lse = ring_forward(q, k_own, v_own, km_own, _Arriving(arrival), plan, self.softcap, self.scale, self.fwd)
         if self.sparse.keep:

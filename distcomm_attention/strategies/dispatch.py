@@ -23,7 +23,7 @@ from distcomm.ring import RingComm
 from distcomm_attention import _validation
 from distcomm_attention.planning import cost, layouts
 from distcomm_attention.planning.layouts import hybrid_positions
-from distcomm_attention.planning.exchange import compact_plan, gathered_exchange
+from distcomm_attention.planning.exchange import compact_gathered_plan, gathered_exchange
 from distcomm_attention.planning.plans import gathered_plan, local_plan, natural_order
 from distcomm_attention.planning.visibility import Visibility, ring_plan
 from distcomm_attention.strategies import allgather as _allgather
@@ -143,9 +143,10 @@ def choose(q, k, *, group, layout: str, causal: bool, window, attention_mask, cu
 def _gathered(layout, vis, world: int, rank: int, n: int):
     """(plan, exchange) of the all-gather computation: the gathered plan, re-indexed to the compacted buffer
     when only some keys move (Note [Sparse gather])."""
-    plan = gathered_plan(layout, vis, world, rank, n)
     exchange = gathered_exchange(layout, vis, world, n)
-    return (plan, None) if exchange is None else (compact_plan(plan, exchange, rank), exchange)
+    if exchange is None:
+        return gathered_plan(layout, vis, world, rank, n), None
+    return compact_gathered_plan(layout, vis, world, rank, n), exchange
 
 
 def _group_error(strategy: str, group) -> ValueError | None:
@@ -202,7 +203,7 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
         else:
             inner = _allgather.AllGatherKV(_groups.resolve_group(ring_group), layout, wu * n, plan, softcap, scale,
                                            fwd, bwd, exchange)
-        return _ulysses.ulysses(q, k, v, attention_mask, ulysses_group, wu, inner, pipelined=False)
+        return _ulysses.ulysses(q, k, v, attention_mask, ulysses_group, wu, inner)
 
     comm = RingComm(group)
     world, rank = comm.size, comm.rank

@@ -35,6 +35,13 @@ Note [Ulysses pipeline]
     kernel efficiency (fewer heads per call) for hidden communication, and its send buffers are a group's.
     The hybrids' inner attention communicates over the other mesh dimension itself and runs on all heads
     at once.
+
+    Measured (docs/bench/emulated.md, one H100, emulated NVLink-class links, W = 8, heads 32/8: 4 query heads
+    and 1 kv head per rank, so the forward runs 4 groups of one head and the backward one group): slower
+    than one group on every row, 0.97 vs 1.00 of flash-attn-4 at 16k tokens per GPU and 0.86 vs 0.90 at 8k
+    (a one-head kernel call is less efficient than a four-head one), 0.37 vs 0.52 on packed documents (the
+    block path's per-call cost, paid per group). The strategy therefore runs one group (``pipelined=False``)
+    until the block path's per-call cost is gone; the pipeline stays tested (tests/test_ulysses_pipeline.py).
 """
 
 from __future__ import annotations
@@ -228,10 +235,10 @@ class _UlyssesAttn(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def ulysses(q, k, v, key_mask, group, degree: int, inner, *, pipelined: bool = True) -> torch.Tensor:
+def ulysses(q, k, v, key_mask, group, degree: int, inner, *, pipelined: bool = False) -> torch.Tensor:
     """Head-shard q, k, v over ``group``, run ``inner`` on the gathered rows (source order), shard back;
-    ``pipelined``: by head groups (Note [Ulysses pipeline]; an inner that communicates itself, the hybrids',
-    runs once on every head)."""
+    ``pipelined``: by head groups (Note [Ulysses pipeline]: measured slower than one group on one H100 with
+    emulated links, so off by default; an inner that communicates itself, the hybrids', never pipelines)."""
     if degree == 1:
         pipelined = False
     with _no_autocast(q.device):
