@@ -200,9 +200,8 @@ def test_sparse_gather_and_its_adjoint(layout, vis_args, world, local_len):
 
 def _allgather_rank(rank, world, layout, causal, window, docs, masked):
     import distcomm_attention as da
-    from distcomm_attention import transport
     from distcomm_attention._reference import attention_reference
-    from distcomm_attention.transport import CountingTransport, TorchTransport
+    from tests.counting import counted
 
     n = 8
     seq_len = world * n
@@ -213,13 +212,7 @@ def _allgather_rank(rank, world, layout, causal, window, docs, masked):
     concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
     pos = layouts.positions(concrete, seq_len, world, rank)
     local = [t[:, pos].clone().requires_grad_() for t in (q, k, v)]
-    counted = []
-
-    def factory(group):
-        counted.append(CountingTransport(TorchTransport(group)))
-        return counted[-1]
-
-    with transport.using(factory):
+    with counted() as made:
         out = da.context_parallel_attn(*local, strategy="allgather", causal=causal, window_size=window,
                                        cu_seqlens=docs, layout=layout, attention_mask=None if mask is None else mask[:, pos])
         out.backward(dout[:, pos])
@@ -228,7 +221,7 @@ def _allgather_rank(rank, world, layout, causal, window, docs, masked):
     ref.backward(dout)
     errors = [float((a - b[:, pos]).abs().max()) for a, b in
               zip([out] + [t.grad for t in local], [ref] + [t.grad for t in ref_in])]
-    return {"errors": errors, "sent": sum(c.total for c in counted), "sparse": bool(counted)}
+    return {"errors": errors, "sent": sum(c.total for c in made), "sparse": bool(made)}
 
 
 ALLGATHER = [

@@ -35,10 +35,9 @@ def _ulysses_rank(rank, world, heads, kv_heads, docs, masked, pipelined):
     from distcomm_attention.strategies import ulysses as strategy
 
     strategy.ulysses.__kwdefaults__["pipelined"] = pipelined  # the option the strategy's callers leave out
-    from distcomm_attention import transport
     from distcomm_attention._reference import attention_reference
     from distcomm_attention.planning import layouts
-    from distcomm_attention.transport import CountingTransport, TorchTransport
+    from tests.counting import counted
 
     n = 6
     seq = world * n
@@ -49,18 +48,12 @@ def _ulysses_rank(rank, world, heads, kv_heads, docs, masked, pipelined):
     mask = (torch.rand(2, seq, generator=g) > 0.25) if masked else None
     pos = layouts.positions("zigzag", seq, world, rank)
     local = [t[:, pos].clone().requires_grad_() for t in (q, k, v)]
-    counted = []
-
-    def factory(group):
-        counted.append(CountingTransport(TorchTransport(group)))
-        return counted[-1]
-
-    with transport.using(factory):
+    with counted() as made:
         out = da.context_parallel_attn(*local, strategy="ulysses", causal=True, layout="zigzag", cu_seqlens=docs,
                                        attention_mask=None if mask is None else mask[:, pos])
-        posted_fwd = sum(c.calls["all_to_all_v"] for c in counted)
+        posted_fwd = sum(c.calls["all_to_all_v"] for c in made)
         out.backward(dout[:, pos])
-    posted = sum(c.calls["all_to_all_v"] for c in counted)
+    posted = sum(c.calls["all_to_all_v"] for c in made)
     ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = attention_reference(*ref_in, causal=True, cu_seqlens=docs, attention_mask=mask)
     ref.backward(dout)
