@@ -63,13 +63,34 @@ def _resolve_group(name: str):
     return resolve(name)
 
 
+def _error_of(text: str) -> BaseException | None:
+    """The input error a traced call found (``"TypeName: message"``, "" for none), to be raised by every rank
+    after the run-time exchange (Note [Collective verdicts] in _validation.py)."""
+    if not text:
+        return None
+    name, _, message = text.partition(": ")
+    kinds = {t.__name__: t for t in _validation._ERRORS if t is not None}
+    return kinds.get(name, RuntimeError)(message)
+
+
+def _error_text(error: BaseException | None) -> str:
+    """``"TypeName: message"`` (built from the error's arguments: a constant while tracing)."""
+    if error is None:
+        return ""
+    message = error.args[0] if error.args and isinstance(error.args[0], str) else repr(error.args)
+    return type(error).__name__ + ": " + message
+
+
 def _prepared(q, k, v, key_mask, cu_seqlens, group_name, ring_size, layout, causal, window_left, window_right,
-              softcap, scale, backend, requires_grad):
-    comm = RingComm(_resolve_group(group_name), ring_size or None)
+              softcap, scale, backend, error, requires_grad):
+    group = _resolve_group(group_name)
+    comm, ring_error = _validation.verdict(RingComm, group, ring_size or None)
+    if comm is None:  # a ring size the group cannot take: decided over the whole group
+        comm = RingComm(group)
     prepared = prepare(  # layout "": left out, resolved for the ring here at run time (Note [Layout record])
         q, k, v, comm, layout=layout or None, causal=causal, softmax_scale=scale, window=(window_left, window_right),
         softcap=softcap, attention_mask=key_mask, cu_seqlens=cu_seqlens, backend=backend,
-        requires_grad=requires_grad,
+        requires_grad=requires_grad, error=_error_of(error) or ring_error,
     )
     return comm, prepared
 
@@ -78,12 +99,13 @@ def _prepared(q, k, v, key_mask, cu_seqlens, group_name, ring_size, layout, caus
 def _ring_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None, group_name: str, ring_size: int, layout: str, causal: bool,
-    window_left: int, window_right: int, softcap: float, scale: float, backend: str, requires_grad: bool,
+    window_left: int, window_right: int, softcap: float, scale: float, backend: str, error: str,
+    requires_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward ring; returns out (B, n, H, D) and lse (B, H, n)."""
     with _no_autocast(q.device):
         comm, p = _prepared(q, k, v, key_mask, cu_seqlens, group_name, ring_size, layout, causal, window_left,
-                            window_right, softcap, scale, backend, requires_grad)
+                            window_right, softcap, scale, backend, error, requires_grad)
         out, lse = ring_forward(q, k, v, key_mask, comm, p.plan, softcap, p.scale, p.fwd)
     # the fake implementation promises contiguous outputs
     return out.contiguous(), lse.to(_lse_dtype(q)).contiguous()
@@ -95,7 +117,7 @@ def _lse_dtype(q: torch.Tensor) -> torch.dtype:
 
 @_ring_attn.register_fake
 def _ring_attn_fake(q, k, v, key_mask, cu_seqlens, group_name, ring_size, layout, causal, window_left,
-                    window_right, softcap, scale, backend, requires_grad):
+                    window_right, softcap, scale, backend, error, requires_grad):
     b, n, h, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, h, n), dtype=_lse_dtype(q))
 
@@ -105,18 +127,19 @@ def _ring_attn_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     key_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None, group_name: str, ring_size: int,
     layout: str, causal: bool, window_left: int, window_right: int, softcap: float, scale: float, backend: str,
+    error: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward ring; returns dq, dk, dv."""
     with _no_autocast(q.device):
         comm, p = _prepared(q, k, v, key_mask, cu_seqlens, group_name, ring_size, layout, causal, window_left,
-                            window_right, softcap, scale, backend, True)
+                            window_right, softcap, scale, backend, error, True)
         grads = ring_backward(dout, q, k, v, out, lse, key_mask, comm, p.plan, softcap, p.scale, p.bwd)
     return tuple(g.contiguous() for g in grads)  # as the fake implementation promises
 
 
 @_ring_attn_backward.register_fake
 def _ring_attn_backward_fake(dout, q, k, v, out, lse, key_mask, cu_seqlens, group_name, ring_size, layout, causal,
-                             window_left, window_right, softcap, scale, backend):
+                             window_left, window_right, softcap, scale, backend, error):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -130,7 +153,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, key_mask, cu_seqlens = ctx.saved_tensors
     dq, dk, dv = _ring_attn_backward(dout.contiguous(), q, k, v, out, lse, key_mask, cu_seqlens, *ctx.options)
-    return (dq, dk, dv) + (None,) * 12
+    return (dq, dk, dv) + (None,) * 13
 
 
 _ring_attn.register_autograd(_backward, setup_context=_setup_context)
@@ -146,15 +169,35 @@ def _traced_checks(q, k, v, attention_mask, softmax_scale, cu_seqlens):
     return scale, cu_seqlens, torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
 
 
+def _checked(q, k, v, attention_mask, softmax_scale, cu_seqlens, error, ring_size=None):
+    """The traced checks' results, with stand-ins after an input error (this rank's, or the caller's), whose
+    text then travels into the operator: every rank raises it after the run-time exchange, so that no rank
+    stops while tracing while its peers wait in their operator's exchange."""
+    def checks():
+        if ring_size is not None:
+            layouts.check_position(ring_size, 0)
+        return _traced_checks(q, k, v, attention_mask, softmax_scale, cu_seqlens)
+
+    checked, traced = _validation.verdict(checks)
+    error = error or traced
+    if error is None:
+        return checked + (attention_mask, cu_seqlens, "")
+    for name, t in (("q", q), ("k", k), ("v", v)):  # a graph needs tensors: this one is raised here, alone
+        _validation.check_is_tensor(name, t)
+    mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
+    return 1.0, None, False, mask, None, _error_text(error)
+
+
 def compiled_ring_flash_attn(q, k, v, *, group, ring_size, layout, causal, softmax_scale, window, softcap,
-                             attention_mask, cu_seqlens, backend) -> torch.Tensor:
-    """``ring_flash_attn`` inside a compiled region (options already type-checked by the caller)."""
-    if ring_size is not None:
-        layouts.check_position(ring_size, 0)
-    scale, cu_seqlens, requires_grad = _traced_checks(q, k, v, attention_mask, softmax_scale, cu_seqlens)
+                             attention_mask, cu_seqlens, backend, error=None) -> torch.Tensor:
+    """``ring_flash_attn`` inside a compiled region (options already type-checked by the caller; ``error``:
+    what that check found)."""
+    scale, docs, requires_grad, mask, _, text = _checked(q, k, v, attention_mask, softmax_scale, cu_seqlens, error,
+                                                         ring_size)
+    docs = docs if not text else None
     out, _lse = _ring_attn(
-        q, k, v, attention_mask, cu_seqlens, _group_name(group), ring_size or 0, layout or "", causal, window[0],
-        window[1], softcap, scale, backend, requires_grad,
+        q, k, v, mask, docs, _group_name(group), ring_size or 0, layout or "", causal, window[0], window[1],
+        softcap, scale, backend, text, requires_grad,
     )
     return out
 
@@ -176,31 +219,32 @@ def compiled_ring_flash_attn(q, k, v, *, group, ring_size, layout, causal, softm
 
 
 def _run_strategy(q, k, v, key_mask, cu_seqlens, group_name, strategy, layout, causal, window_left, window_right,
-                  softcap, scale, backend, requires_grad):
+                  softcap, scale, backend, error, requires_grad):
     from distcomm_attention.strategies import dispatch as strategies
 
     return strategies.run(q, k, v, strategy=strategy, group=_resolve_group(group_name), layout=layout or None,
                           causal=causal, softmax_scale=scale, window=(window_left, window_right), softcap=softcap,
                           attention_mask=key_mask, cu_seqlens=cu_seqlens, backend=backend,
-                          requires_grad=requires_grad)
+                          requires_grad=requires_grad, error=_error_of(error))
 
 
 @torch.library.custom_op("distcomm_attention::cp_attn", mutates_args=())
 def _cp_attn(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None, group_name: str, strategy: str, layout: str, causal: bool,
-    window_left: int, window_right: int, softcap: float, scale: float, backend: str, requires_grad: bool,
+    window_left: int, window_right: int, softcap: float, scale: float, backend: str, error: str,
+    requires_grad: bool,
 ) -> torch.Tensor:
     """The forward of ``strategy`` (Note [Compiled strategies]); returns out (B, n, H, D)."""
     with torch.no_grad():
         out = _run_strategy(q, k, v, key_mask, cu_seqlens, group_name, strategy, layout, causal, window_left,
-                            window_right, softcap, scale, backend, requires_grad)
+                            window_right, softcap, scale, backend, error, requires_grad)
     return out.contiguous()
 
 
 @_cp_attn.register_fake
 def _cp_attn_fake(q, k, v, key_mask, cu_seqlens, group_name, strategy, layout, causal, window_left, window_right,
-                  softcap, scale, backend, requires_grad):
+                  softcap, scale, backend, error, requires_grad):
     return torch.empty_like(q)
 
 
@@ -208,20 +252,20 @@ def _cp_attn_fake(q, k, v, key_mask, cu_seqlens, group_name, strategy, layout, c
 def _cp_attn_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None, group_name: str, strategy: str, layout: str, causal: bool,
-    window_left: int, window_right: int, softcap: float, scale: float, backend: str,
+    window_left: int, window_right: int, softcap: float, scale: float, backend: str, error: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv of ``strategy``: its forward recomputed with autograd, then differentiated."""
     with torch.enable_grad():
         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
         out = _run_strategy(qg, kg, vg, key_mask, cu_seqlens, group_name, strategy, layout, causal, window_left,
-                            window_right, softcap, scale, backend, True)
+                            window_right, softcap, scale, backend, error, True)
         grads = torch.autograd.grad(out, (qg, kg, vg), dout)
     return tuple(g.contiguous() for g in grads)
 
 
 @_cp_attn_backward.register_fake
 def _cp_attn_backward_fake(dout, q, k, v, key_mask, cu_seqlens, group_name, strategy, layout, causal, window_left,
-                           window_right, softcap, scale, backend):
+                           window_right, softcap, scale, backend, error):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -234,15 +278,16 @@ def _cp_setup_context(ctx, inputs, output):
 def _cp_backward(ctx, dout):
     q, k, v, key_mask, cu_seqlens = ctx.saved_tensors
     dq, dk, dv = _cp_attn_backward(dout.contiguous(), q, k, v, key_mask, cu_seqlens, *ctx.options)
-    return (dq, dk, dv) + (None,) * 12
+    return (dq, dk, dv) + (None,) * 13
 
 
 _cp_attn.register_autograd(_cp_backward, setup_context=_cp_setup_context)
 
 
 def compiled_context_parallel_attn(q, k, v, *, strategy, group, layout, causal, softmax_scale, window, softcap,
-                                   attention_mask, cu_seqlens, backend) -> torch.Tensor:
-    """``context_parallel_attn`` with strategy "ulysses" or "allgather" inside a compiled region."""
-    scale, cu_seqlens, requires_grad = _traced_checks(q, k, v, attention_mask, softmax_scale, cu_seqlens)
-    return _cp_attn(q, k, v, attention_mask, cu_seqlens, _group_name(group), strategy, layout or "", causal, window[0],
-                    window[1], softcap, scale, backend, requires_grad)
+                                   attention_mask, cu_seqlens, backend, error=None) -> torch.Tensor:
+    """``context_parallel_attn`` with strategy "ulysses" or "allgather" inside a compiled region (``error``: what
+    the caller's argument check found; raised by every rank at run time)."""
+    scale, docs, requires_grad, mask, _, text = _checked(q, k, v, attention_mask, softmax_scale, cu_seqlens, error)
+    return _cp_attn(q, k, v, mask, docs, _group_name(group), strategy if not text else "ring", layout or "", causal,
+                    window[0], window[1], softcap, scale, backend, text, requires_grad)

@@ -141,14 +141,13 @@ def ring_flash_attn(
                                          window_size=window_size, softcap=softcap)
     layout, group, ring_size, window, softcap = options or (layout, _fallback_group(sharding, group), None,
                                                             (-1, -1), 0.0)
-    if torch.compiler.is_compiling():
-        if error is not None:
-            raise error
+    if torch.compiler.is_compiling():  # an input error travels into the operator, raised by every rank there
         from distcomm_attention._compiled import compiled_ring_flash_attn
 
         return compiled_ring_flash_attn(
             q, k, v, group=group, ring_size=ring_size, layout=layout, causal=causal, softmax_scale=softmax_scale,
             window=window, softcap=softcap, attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
+            error=error,
         )
     comm, ring_error = _validation.verdict(RingComm, group, ring_size)
     if comm is None:  # a ring_size the group cannot take: the error is decided over the whole group
@@ -262,8 +261,14 @@ def context_parallel_attn(
                                          window_size=window_size, softcap=softcap, strategy=strategy)
     layout, group, _, window, softcap = options or (layout, _fallback_group(sharding, group), None, (-1, -1), 0.0)
     compiling = torch.compiler.is_compiling()
-    if compiling and error is not None:
-        raise error
+    if compiling and error is not None:  # into the operator, raised by every rank there
+        from distcomm_attention._compiled import compiled_context_parallel_attn
+
+        return compiled_context_parallel_attn(
+            q, k, v, strategy="ring", group=group, layout=layout, causal=causal, softmax_scale=softmax_scale,
+            window=window, softcap=softcap, attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
+            error=error,
+        )
     if compiling and strategy == "auto":
         strategy = "ring"  # the cost model runs on the host; a compiled region runs the ring (Note [Compiled strategies])
     if compiling:

@@ -232,3 +232,37 @@ def test_nccl_groups_verify_over_a_gloo_twin():
     assert all(g["ok"] == g["ok2"] == 4 for g in got)
     assert all(g["twins"] == g["twins2"] == 1 for g in got)
     assert got[0]["error"] == got[1]["error"] and "disagree on `causal`" in got[0]["error"]
+
+
+def _compiled_rank(rank, world):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    q, k, v = _qkv()
+    out = {}
+
+    def ring(q, k, v, window):
+        return da.ring_flash_attn(q, k, v, causal=True, window_size=window)
+
+    def ulysses(q, k, v, softcap):
+        return da.context_parallel_attn(q, k, v, strategy="ulysses", softcap=softcap)
+
+    compiled_ring = torch.compile(ring, backend="eager", fullgraph=True)
+    compiled_ulysses = torch.compile(ulysses, backend="eager", fullgraph=True)
+    out["ring"] = _catch(lambda: compiled_ring(q, k, v, (-2, 0) if rank == 1 else (-1, -1)))
+    out["ulysses"] = _catch(lambda: compiled_ulysses(q, k, v, -1.0 if rank == 1 else 0.0))
+    out["good"] = compiled_ring(q, k, v, (-1, -1)).shape[1]
+    out["sync"] = _in_sync(world)
+    return out
+
+
+def test_compiled_calls_raise_one_ranks_mistake_on_every_rank():
+    """Under torch.compile(fullgraph=True) an argument error found while tracing on one rank travels into the
+    operator and is raised by every rank after the run-time exchange (raising it while tracing would leave
+    the peers waiting in their operator's exchange)."""
+    got = run_world(_compiled_rank, 2, timeout=120)
+    for key, pattern in (("ring", r"invalid input on rank 1: `window_size` must be a pair"),
+                         ("ulysses", r"invalid input on rank 1: `softcap` must be a finite float >= 0")):
+        assert got[0][key] is not None and got[0][key] == got[1][key], (key, got)
+        assert re.search(pattern, got[0][key]), (key, got[0][key])
+    assert all(g["good"] == 4 and g["sync"] for g in got)
