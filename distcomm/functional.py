@@ -43,6 +43,7 @@ from distcomm._all_to_all import all_to_all, all_to_all_single
 from distcomm._gather_scatter import gather, scatter
 from distcomm._reduce import all_reduce, broadcast, reduce
 from distcomm._reduce_scatter import reduce_scatter, reduce_scatter_tensor
+from distcomm._scan import scan
 from distcomm.ring import ring_pass
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "all_gather_tensor",
     "all_gather_variable",
     "ring_pass",
+    "scan",
     "ReduceOp",
     "group",
 ]

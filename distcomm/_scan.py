@@ -1,0 +1,287 @@
+"""scan: a prefix scan over the ranks of a group for an associative combine, with its exact gradient.
+
+    combine          x on rank r               rank r receives (inclusive / exclusive)
+    "sum"            a tensor                  x_0 + ... + x_r          / x_0 + ... + x_{r-1}  (rank 0: zeros)
+    "affine"         (A, B): H -> H @ A + B    the maps of ranks 0..r   / 0..r-1 composed     (rank 0: (I, 0))
+    a callable       a tensor or a tuple       combine(...combine(x_0, x_1)..., x_r) / up to x_{r-1}
+                                               (rank 0: ``identity``)
+
+Every combine runs the same algorithm (Note [Scan by gathered summaries]): one differentiable all-gather
+of every rank's summary, then the local fold in torch ops, so autograd differentiates it exactly and the
+all-gather's backward, a reduce-scatter (SUM), adds up every rank's share of each input's grad. The
+gradient that this computes for the affine combine is derived in Note [Gradient of the affine scan].
+
+Note [Scan by gathered summaries]
+    Rank r needs the summaries of ranks 0..r. One all-gather hands every rank all W of them (packed into one
+    flat tensor when their dtypes agree, so one collective for A and B together); rank r then folds rows
+    0..r left to right (r combines; "sum" is one sum over rows):
+
+        rank 0: x_0 ─┐                    ┌─► [x_0 x_1 x_2] ─► x_0                  (inclusive)
+        rank 1: x_1 ─┼─ all_gather_tensor ┼─► [x_0 x_1 x_2] ─► x_0 ⊕ x_1
+        rank 2: x_2 ─┘                    └─► [x_0 x_1 x_2] ─► (x_0 ⊕ x_1) ⊕ x_2
+
+    Backward: autograd runs each rank's fold backward, giving rank r's grad for every row s <= r, and the
+    all-gather's backward, reduce_scatter(SUM), gives row j's owner sum_r of those: the exact
+    x̄_j = sum_r (dy_r/dx_j)^T g_r of Note [Gradient convention] in :mod:`distcomm.functional`. The
+    identity handed to rank 0 of an exclusive scan is added to an empty sum over the gathered rows, so
+    that output too requires grad whenever an input does and every rank joins the backward's collective.
+    Traffic: W times the summary per rank, forward and backward, whatever the sequence length behind the
+    summaries; "sum" gathers the whole tensor, which for large tensors moves more than a ring or log-depth
+    scan would (not implemented).
+
+Note [Gradient of the affine scan]
+    Rank r's map M_r = (A_r, B_r) sends a state H (N x K) to H A_r + B_r (A_r: K x K, B_r: N x K). The inclusive scan gives rank r
+    P_r = (PA_r, PB_r), M_0 applied first, then M_1, ..., then M_r:
+
+        PA_r = PA_{r-1} A_r,    PB_r = PB_{r-1} A_r + B_r,    (PA_{-1}, PB_{-1}) = (I, 0)
+
+    Let (ga_r, gb_r) be the grads arriving at P_r. P_r also feeds P_{r+1}, so its total adjoint (Ga_r, Gb_r)
+    is a scan in reverse rank order with the transposed maps:
+
+        Ga_r = ga_r + Ga_{r+1} A_{r+1}^T,    Gb_r = gb_r + Gb_{r+1} A_{r+1}^T,    (Ga_W, Gb_W) = (0, 0)
+
+    and rank j's inputs receive
+
+        B̄_j = Gb_j,    Ā_j = PA_{j-1}^T Ga_j + PB_{j-1}^T Gb_j
+
+        forward    M_0 ─► P_0 ─► P_1 ─► P_2 ─► P_3          P_r = P_{r-1} then M_r
+                          g_0    g_1    g_2    g_3           grads arriving at each rank's output
+        backward   G_0 ◄─ G_1 ◄─ G_2 ◄─ G_3 ◄─ 0             G_r = g_r + G_{r+1} through A_{r+1}^T
+
+    For the exclusive scan the grads arriving on rank r belong to P_{r-1}, and rank 0's identity passes
+    none back. The gathered fold computes this same sum with the terms grouped by the rank that holds
+    g_r (Note [Scan by gathered summaries]); tests/test_scan.py checks the formula above against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from distcomm import _check, _groups
+from distcomm._all_gather import all_gather_tensor
+from distcomm._movement_args import _needs_graph
+
+__all__ = ["scan", "local_scan", "compose_affine"]
+
+_NAMES = ("sum", "affine")
+Parts = tuple[torch.Tensor, ...]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The combines and the local fold (pure functions, no communication)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def compose_affine(left: Parts, right: Parts) -> Parts:
+    """``left`` applied first, then ``right``: (A0, B0) then (A1, B1) = (A0 @ A1, B0 @ A1 + B1)."""
+    (a0, b0), (a1, b1) = left, right
+    return a0 @ a1, b0 @ a1 + b1
+
+
+def _user_combine(combine: Callable, parts: Parts, single: bool) -> Callable[[Parts, Parts], Parts]:
+    """The user's ``combine`` on tuples of parts (it sees values shaped like ``x``: a tensor when ``single``),
+    raising a TypeError/ValueError naming ``combine`` when its result is not shaped like ``x``."""
+    shapes = [tuple(p.shape) for p in parts]
+    what = "a tensor" if single else f"a tuple of {len(shapes)} tensors"
+
+    def checked(left: Parts, right: Parts) -> Parts:
+        out = combine(left[0], right[0]) if single else combine(left, right)
+        if single and isinstance(out, torch.Tensor):
+            out = (out,)
+        if not isinstance(out, (tuple, list)) or len(out) != len(shapes) or not all(
+            isinstance(t, torch.Tensor) for t in out
+        ):
+            raise TypeError(f"`combine` must return {what}, shaped like `x`; got {type(out).__name__}")
+        got = [tuple(t.shape) for t in out]
+        if got != shapes:
+            raise ValueError(f"`combine` returned shapes {got}; it must keep the shapes of `x`, {shapes}")
+        return tuple(out)
+
+    return checked
+
+
+def local_scan(
+    rows: Parts, rank: int, *, combine: str | Callable[[Parts, Parts], Parts], exclusive: bool, identity: Parts
+) -> Parts:
+    """Rank ``rank``'s prefix of the gathered ``rows`` (each part shape (W, ...), row s = rank s's part).
+
+    ``combine`` is "sum" or a function of two tuples of parts ("affine": :func:`compose_affine`);
+    ``identity`` holds one tensor per part, broadcastable to a row's shape, returned (plus an empty sum
+    over ``rows``, keeping it in the graph) when the prefix is empty.
+    """
+    stop = rank if exclusive else rank + 1
+    if combine == "sum":
+        return tuple(r[:stop].sum(0) for r in rows)
+    if stop == 0:
+        return tuple(i + r[:0].sum(0) for i, r in zip(identity, rows))
+    acc = tuple(r[0] for r in rows)
+    for s in range(1, stop):
+        acc = combine(acc, tuple(r[s] for r in rows))
+    return acc
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation (local, before any communication; Note [Collective verdicts] in distcomm._check)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _as_parts(name: str, value) -> Parts:
+    """``value`` (a tensor or a non-empty tuple/list of tensors) as a tuple of tensors, else a TypeError."""
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, (tuple, list)) and value:
+        for i, t in enumerate(value):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"`{name}[{i}]` must be a torch.Tensor, got {type(t).__name__}")
+        return tuple(value)
+    raise TypeError(f"`{name}` must be a tensor or a non-empty tuple of tensors, got {type(value).__name__}")
+
+
+def _parse(x, combine, exclusive, identity) -> Parts:
+    """The checks every rank passes alike (types and options): ``x`` as parts."""
+    if not isinstance(exclusive, bool):
+        raise TypeError(f"`exclusive` must be a bool, got {type(exclusive).__name__} {exclusive!r}")
+    if isinstance(combine, str):
+        if combine not in _NAMES:
+            raise ValueError(f"`combine`={combine!r} is not recognised; allowed: 'sum', 'affine' or a callable")
+        if identity is not None:
+            raise ValueError(f"`identity` is only for a callable `combine`; {combine!r} has its own")
+    elif not callable(combine):
+        raise TypeError(f"`combine` must be 'sum', 'affine' or a callable, got {type(combine).__name__} {combine!r}")
+    if combine == "sum":
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"`x` must be a torch.Tensor for combine='sum', got {type(x).__name__}")
+        return (x,)
+    if combine == "affine":
+        if not (isinstance(x, (tuple, list)) and len(x) == 2):
+            raise TypeError(f"`x` must be a pair (A, B) of tensors for combine='affine', got {type(x).__name__}")
+        return _as_parts("x", x)
+    parts = _as_parts("x", x)
+    if exclusive and identity is None:
+        raise ValueError("`identity` is required for an exclusive scan with a callable `combine` (rank 0 gets it)")
+    if identity is not None and len(_as_parts("identity", identity)) != len(parts):
+        raise ValueError(
+            f"`identity` holds {len(_as_parts('identity', identity))} tensors; it must hold one per tensor of "
+            f"`x` ({len(parts)})"
+        )
+    return parts
+
+
+def _affine_shapes(a: torch.Tensor, b: torch.Tensor) -> None:
+    """A: (..., K, K), B: (..., N, K), the same leading dims and dtype (this rank's data)."""
+    if a.dim() < 2 or a.shape[-1] != a.shape[-2]:
+        raise ValueError(f"`x` = (A, B): A must have shape (..., K, K), got {tuple(a.shape)}")
+    k = a.shape[-1]
+    if b.dim() != a.dim() or b.shape[:-2] != a.shape[:-2] or b.shape[-1] != k:
+        raise ValueError(
+            f"`x` = (A, B): B must have shape ({''.join(f'{d}, ' for d in a.shape[:-2])}N, {k}) for A of shape "
+            f"{tuple(a.shape)}, got {tuple(b.shape)}"
+        )
+    if a.dtype != b.dtype or a.device != b.device:
+        raise ValueError(
+            f"`x` = (A, B): A ({a.dtype} on {a.device}) and B ({b.dtype} on {b.device}) must have the same "
+            "dtype and device"
+        )
+
+
+def _identity_parts(combine, identity, parts: Parts) -> Parts:
+    """The identity of the combine for ``parts``, checked against them (this rank's data)."""
+    if combine == "sum":
+        return (torch.zeros((), dtype=parts[0].dtype, device=parts[0].device),)
+    if combine == "affine":
+        a, b = parts
+        _affine_shapes(a, b)
+        eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+        return eye, torch.zeros((), dtype=b.dtype, device=b.device)
+    if identity is None:
+        return ()
+    ids = _as_parts("identity", identity)
+    for i, (e, p) in enumerate(zip(ids, parts)):
+        if e.dtype != p.dtype or e.device != p.device:
+            raise ValueError(f"`identity[{i}]` has dtype {e.dtype} on {e.device}; `x[{i}]` has {p.dtype} on {p.device}")
+        try:
+            fits = torch.broadcast_shapes(e.shape, p.shape) == p.shape
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(
+                f"`identity[{i}]` of shape {tuple(e.shape)} does not broadcast to `x[{i}]`'s shape {tuple(p.shape)}"
+            )
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Communication
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _gather_rows(parts: Parts, group, n: int) -> Parts:
+    """Every rank's parts stacked in rank order, each (W, *part.shape); differentiable (Note [Scan by
+    gathered summaries]). Parts of one dtype and device travel in one all-gather."""
+    if n == 1:
+        return tuple(p.unsqueeze(0) for p in parts)
+    first = parts[0]
+    if any(p.dtype != first.dtype or p.device != first.device for p in parts):
+        return tuple(all_gather_tensor(p.unsqueeze(0), 0, group) for p in parts)
+    flat = torch.cat([p.reshape(-1) for p in parts]) if len(parts) > 1 else first.reshape(-1)
+    rows = all_gather_tensor(flat.unsqueeze(0), 0, group)
+    pieces = rows.split([p.numel() for p in parts], dim=1)
+    return tuple(piece.reshape(n, *p.shape) for piece, p in zip(pieces, parts))
+
+
+def scan(
+    x: torch.Tensor | tuple[torch.Tensor, ...],
+    *,
+    combine: str | Callable = "sum",
+    exclusive: bool = False,
+    identity: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Prefix scan over the ranks of ``group``, in group-rank order; differentiable with the exact gradient.
+
+    Args:
+        x: this rank's summary, the same shapes and dtypes on every rank (checked in check mode):
+            ``combine="sum"``: a tensor of any shape S.
+            ``combine="affine"``: a pair (A, B), A of shape (..., K, K) and B of shape (..., N, K) with the
+            same leading (batch, heads) dims, standing for the map H -> H @ A + B on states H of shape
+            (..., N, K) (for a linear-attention state S of shape (K, V): H = S^T, N = V, A = the transposed
+            transition).
+            a callable: a tensor or a tuple of tensors.
+        combine: "sum" (elementwise), "affine" (map composition in rank order: (A0, B0) then (A1, B1) =
+            (A0 @ A1, B0 @ A1 + B1)), or an associative ``combine(left, right)`` taking and returning
+            values shaped like ``x`` (``left`` holds the lower ranks), written in differentiable torch ops.
+        exclusive: False: rank r receives x_0 ⊕ ... ⊕ x_r. True: x_0 ⊕ ... ⊕ x_{r-1}, and rank 0 the
+            identity (zeros for "sum", (I, 0) for "affine", ``identity`` for a callable).
+        identity: for a callable ``combine`` only: the identity, shaped like ``x`` (each tensor
+            broadcastable to the matching tensor of ``x``); required when ``exclusive``.
+        group: None (the default group, or a world of one without a process group), a ProcessGroup, a 1-D
+            DeviceMesh or (mesh, dim).
+
+    Returns:
+        Shaped like ``x``: a tensor for "sum", a pair (A, B) for "affine" (the composed map, so that
+        H_after_r = H_in @ A + B), and for a callable a tensor or a tuple as ``x`` is. The backward is the
+        reverse scan of the grads: for "sum", rank r receives sum_{s >= r} g_s (exclusive: s > r); for
+        "affine" Note [Gradient of the affine scan]. One all-gather of W summaries forward and one
+        reduce-scatter backward (Note [Scan by gathered summaries]); the combine runs in the inputs' dtype.
+    """
+    parts = _parse(x, combine, exclusive, identity)
+    group, n, rank = _groups.resolve(group)
+    ident = _check.decide("scan", group, n, _identity_parts, combine, identity, parts)
+    if n > 1 and _check.is_check_mode() and not torch.compiler.is_compiling():
+        needs_grad = _needs_graph(*parts)
+        for i, p in enumerate(parts):
+            _check.check_same(f"scan (`x`[{i}])" if len(parts) > 1 else "scan", p, group, requires_grad=needs_grad)
+    rows = _gather_rows(parts, group, n)
+    if combine == "affine":
+        fold = compose_affine
+    elif callable(combine):
+        fold = _user_combine(combine, parts, isinstance(x, torch.Tensor))
+    else:
+        fold = combine
+    out = local_scan(rows, rank, combine=fold, exclusive=exclusive, identity=ident)
+    if combine == "sum" or (callable(combine) and isinstance(x, torch.Tensor)):
+        return out[0]
+    return tuple(out)
