@@ -50,7 +50,7 @@ Note [Gradient of the affine scan]
 
     For the exclusive scan the grads arriving on rank r belong to P_{r-1}, and rank 0's identity passes
     none back. The gathered fold computes this same sum with the terms grouped by the rank that holds
-    g_r (Note [Scan by gathered summaries]); tests/test_scan.py checks the formula above against it.
+    g_r (Note [Scan by gathered summaries]); tests/test_scan.py checks the formula above against autograd.
 """
 
 from __future__ import annotations
@@ -253,6 +253,8 @@ def scan(
         combine: "sum" (elementwise), "affine" (map composition in rank order: (A0, B0) then (A1, B1) =
             (A0 @ A1, B0 @ A1 + B1)), or an associative ``combine(left, right)`` taking and returning
             values shaped like ``x`` (``left`` holds the lower ranks), written in differentiable torch ops.
+            A result not shaped like ``x`` raises where the combine runs (after the all-gather, on the
+            ranks past the first).
         exclusive: False: rank r receives x_0 ⊕ ... ⊕ x_r. True: x_0 ⊕ ... ⊕ x_{r-1}, and rank 0 the
             identity (zeros for "sum", (I, 0) for "affine", ``identity`` for a callable).
         identity: for a callable ``combine`` only: the identity, shaped like ``x`` (each tensor
