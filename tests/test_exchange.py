@@ -260,3 +260,35 @@ def test_allgather_strategy_moves_only_the_plan(layout, causal, window, docs, ma
         assert g["sent"] == expected, (r, g["sent"], expected)
         if ex.moves_nothing:
             assert g["sent"] == 0
+
+
+def _dense_allgather_rank(rank, world):
+    import distcomm_attention as da
+    from distcomm_attention._reference import attention_reference
+    from tests.counting import counted
+
+    n, seq_len = 8, world * 8
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, seq_len, h, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
+    pos = layouts.positions("zigzag", seq_len, world, rank)
+    local = [t[:, pos].clone().requires_grad_() for t in (q, k, v)]
+    with counted() as made:
+        out = da.context_parallel_attn(*local, strategy="allgather", causal=True, layout="zigzag")
+        out.sum().backward()
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    attention_reference(*ref_in, causal=True).sum().backward()
+    errors = [float((a.grad - b.grad[:, pos]).abs().max()) for a, b in zip(local, ref_in)]
+    return {"errors": errors, "sent": sum(c.total for c in made),
+            "calls": {op: sum(c.calls[op] for c in made) for op in ("all_gather", "reduce_scatter")}}
+
+
+def test_dense_allgather_goes_through_the_transport():
+    """Plain causal attention needs every key somewhere: the all-gather stays whole, through the transport
+    (two gathers of k and v, forward and backward; one reduce-scatter each of dK, dV), gradients exact."""
+    world = 3
+    got = run_world(_dense_allgather_rank, world, timeout=60)
+    row = 1 * 2 * 8 * 8  # batch x kv heads x head dim x float64, per token of k or v
+    for g in got:
+        assert max(g["errors"]) < 1e-10, g["errors"]
+        assert g["calls"] == {"all_gather": 4, "reduce_scatter": 2}
+        assert g["sent"] == 4 * (world - 1) * 8 * row + 2 * (world - 1) * (world * 8) * row // world

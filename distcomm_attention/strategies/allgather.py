@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-import distcomm.functional as dfunc
 from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention import transport
@@ -50,15 +49,28 @@ def _from_buffer(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """(B, n, ...) -> (n, B, ...): the sequence along dim 0, where the transport moves rows."""
+    return x.transpose(0, 1).contiguous()
+
+
 def gather_kv(k, v, key_mask, group, order):
-    """(K, V, key mask) of the whole sequence, in the plan's buffer order (no autograd)."""
+    """(K, V, key mask) of the whole sequence, in the plan's buffer order (no autograd): one all-gather each,
+    posted together through the transport (Note [Transport])."""
+    t = transport.for_group(group)
+    tensors = [k, v] + ([key_mask.view(torch.uint8)] if key_mask is not None else [])
     with torch.no_grad():
-        k_all = dfunc.all_gather_tensor(k.contiguous(), 1, group)
-        v_all = dfunc.all_gather_tensor(v.contiguous(), 1, group)
-        km_all = None
-        if key_mask is not None:
-            km_all = dfunc.all_gather_tensor(key_mask.contiguous().view(torch.uint8), 1, group).view(torch.bool)
-    return _to_buffer(k_all, order), _to_buffer(v_all, order), None if km_all is None else _to_buffer(km_all, order)
+        pending = [t.all_gather(_rows(x)) for x in tensors]
+        gathered = [_to_buffer(p.wait()[0].transpose(0, 1), order) for p in pending]
+    k_all, v_all = gathered[0], gathered[1]
+    return k_all, v_all, gathered[2].view(torch.bool) if key_mask is not None else None
+
+
+def reduce_scatter_kv(dk_all, dv_all, group, order):
+    """This rank's rows of the sums over ranks of the buffers' dK, dV (in their dtype), posted together."""
+    t = transport.for_group(group)
+    pending = [t.reduce_scatter(_rows(_from_buffer(x, order))) for x in (dk_all, dv_all)]
+    return tuple(p.wait()[0].transpose(0, 1) for p in pending)
 
 
 def local_backward(dout, q, k, v, out, lse, key_mask, plan: RingPlan, softcap: float, scale: float, bwd):
@@ -160,8 +172,7 @@ class AllGatherKV:
                 dk = self.sparse.scatter_add(dk_all, k.shape[1])
                 dv = self.sparse.scatter_add(dv_all, v.shape[1])
             else:
-                dk = dfunc.reduce_scatter_tensor(_from_buffer(dk_all, self.order), 1, group=self.group)
-                dv = dfunc.reduce_scatter_tensor(_from_buffer(dv_all, self.order), 1, group=self.group)
+                dk, dv = reduce_scatter_kv(dk_all, dv_all, self.group, self.order)
         return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 

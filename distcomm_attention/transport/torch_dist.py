@@ -82,7 +82,7 @@ class TorchTransport:
     def all_gather(self, x: torch.Tensor):
         x = x.contiguous()
         out = x.new_empty((self.size * x.shape[0],) + tuple(x.shape[1:]))
-        if self.size == 1:
+        if self.size == 1 or x.numel() == 0:  # (shapes agree across ranks: every rank takes this path)
             out.copy_(x)
             return Done(out)
         work = dist.all_gather_into_tensor(out, x, group=self.group, async_op=True)
@@ -91,7 +91,7 @@ class TorchTransport:
     def reduce_scatter(self, x: torch.Tensor):
         x = x.contiguous()
         out = x.new_empty((x.shape[0] // self.size,) + tuple(x.shape[1:]))
-        if self.size == 1:
+        if self.size == 1 or x.numel() == 0:
             out.copy_(x)
             return Done(out)
         work = dist.reduce_scatter_tensor(out, x, group=self.group, async_op=True)
