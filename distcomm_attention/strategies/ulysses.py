@@ -1,8 +1,8 @@
 """Ulysses: all-to-all from sequence sharding to head sharding, attention over the whole sequence, and back.
 
 Note [Ulysses]
-    W ranks, rank r holding n tokens of every head (any layout). Two all-to-alls (distcomm's, whose
-    backward is the adjoint all-to-all) move the sequence dimension for the head dimension:
+    W ranks, rank r holding n tokens of every head (any layout). All-to-alls through the transport (Note
+    [Transport]; the backward is the adjoint all-to-all) move the sequence dimension for the head dimension:
 
         q (B, n, H, D)  --a2a-->  (B, W n, H / W, D)   rank r gets heads [r H/W, (r+1) H/W) of every token,
                                                         rank w's tokens at rows [w n, (w+1) n)
@@ -50,11 +50,10 @@ import torch
 
 from torch.autograd.function import once_differentiable
 
-import distcomm.functional as dfunc
 from distcomm_attention import transport
 from distcomm_attention.strategies.ring import _no_autocast
 
-__all__ = ["check_heads", "kv_head_index", "seq_to_heads", "heads_to_seq", "gather_key_mask", "head_groups", "ulysses"]
+__all__ = ["check_heads", "kv_head_index", "gather_key_mask", "head_groups", "ulysses"]
 
 
 def check_heads(heads: int, kv_heads: int, degree: int) -> None:
@@ -78,37 +77,13 @@ def kv_head_index(heads: int, kv_heads: int, degree: int) -> list[int] | None:
     return [h // group for h in range(heads)]
 
 
-def _a2a(send: torch.Tensor, group) -> torch.Tensor:
-    """distcomm's all-to-all of dim 0 (equal splits), outside autograd: the Function below is the adjoint."""
-    with torch.no_grad():
-        return dfunc.all_to_all_single(torch.empty_like(send), send, group=group)
-
-
-def seq_to_heads(x: torch.Tensor, group, degree: int) -> torch.Tensor:
-    """(B, n, H, D) sequence-sharded -> (B, W n, H / W, D) head-sharded, rows in source order."""
-    if degree == 1:
-        return x
-    b, n, h, d = x.shape
-    recv = _a2a(x.reshape(b, n, degree, h // degree, d).permute(2, 0, 1, 3, 4).contiguous(), group)
-    return recv.permute(1, 0, 2, 3, 4).reshape(b, degree * n, h // degree, d)
-
-
-def heads_to_seq(y: torch.Tensor, group, degree: int) -> torch.Tensor:
-    """(B, W n, H / W, D) head-sharded, rows in source order -> (B, n, H, D) sequence-sharded."""
-    if degree == 1:
-        return y
-    b, s, h, d = y.shape
-    n = s // degree
-    recv = _a2a(y.reshape(b, degree, n, h, d).permute(1, 0, 2, 3, 4).contiguous(), group)
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, n, degree * h, d)
-
-
 def gather_key_mask(key_mask: torch.Tensor | None, group, degree: int) -> torch.Tensor | None:
     """Every rank's key padding mask rows, concatenated in source order (no autograd)."""
     if key_mask is None or degree == 1:
         return key_mask
-    with torch.no_grad():
-        return dfunc.all_gather_tensor(key_mask.contiguous().view(torch.uint8), 1, group).view(torch.bool)
+    rows = key_mask.view(torch.uint8).transpose(0, 1).contiguous()  # (n, B): the transport moves rows
+    (gathered,) = transport.for_group(group).all_gather(rows).wait()
+    return gathered.transpose(0, 1).contiguous().view(torch.bool)
 
 
 MAX_GROUPS = 4  # head groups a rank's heads are pipelined in (Note [Ulysses pipeline])
