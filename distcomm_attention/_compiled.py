@@ -24,10 +24,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distcomm.ring import RingComm
 from distcomm_attention import _validation
 from distcomm_attention.planning import layouts
-from distcomm_attention.strategies.prepare import prepare
+from distcomm_attention.strategies.prepare import prepare, ring_comm
 from distcomm_attention.strategies.ring import _no_autocast, ring_backward, ring_forward
 
 __all__ = ["compiled_ring_flash_attn", "compiled_context_parallel_attn"]
@@ -83,10 +82,7 @@ def _error_text(error: BaseException | None) -> str:
 
 def _prepared(q, k, v, key_mask, cu_seqlens, group_name, ring_size, layout, causal, window_left, window_right,
               softcap, scale, backend, error, requires_grad):
-    group = _resolve_group(group_name)
-    comm, ring_error = _validation.verdict(RingComm, group, ring_size or None)
-    if comm is None:  # a ring size the group cannot take: decided over the whole group
-        comm = RingComm(group)
+    comm, ring_error = ring_comm(_resolve_group(group_name), ring_size or None)
     prepared = prepare(  # layout "": left out, resolved for the ring here at run time (Note [Layout record])
         q, k, v, comm, layout=layout or None, causal=causal, softmax_scale=scale, window=(window_left, window_right),
         softcap=softcap, attention_mask=key_mask, cu_seqlens=cu_seqlens, backend=backend,

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from distcomm.ring import RingComm
 from distcomm_attention import _validation
 from distcomm_attention.kernels import dispatch
 from distcomm_attention.planning import layouts
 from distcomm_attention.kernels.dispatch import KernelChoice
 from distcomm_attention.strategies import dispatch as strategies
 from distcomm_attention.strategies.ring import ring_attention
-from distcomm_attention.strategies.prepare import prepare
+from distcomm_attention.strategies.prepare import prepare, ring_comm
 from distcomm_attention.planning.visibility import Visibility
 from distcomm_attention.sharding import Sharding, merge_sharding
 
@@ -149,9 +148,8 @@ def ring_flash_attn(
             window=window, softcap=softcap, attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
             error=error,
         )
-    comm, ring_error = _validation.verdict(RingComm, group, ring_size)
-    if comm is None:  # a ring_size the group cannot take: the error is decided over the whole group
-        comm, error = RingComm(group), error or ring_error
+    comm, ring_error = ring_comm(group, ring_size)
+    error = error or ring_error
     requires_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     plan, scale, fwd, bwd, _ = prepare(

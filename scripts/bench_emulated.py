@@ -43,6 +43,7 @@ from distcomm_attention.strategies.allgather import AllGatherKV, local_backward 
 from distcomm_attention.strategies.ring import ring_backward, ring_forward  # noqa: E402
 from distcomm.ring import RingComm  # noqa: E402
 from distcomm_attention import transport  # noqa: E402
+from distcomm_attention.transport import CountingTransport  # noqa: E402
 from distcomm_attention.planning.plans import natural_order  # noqa: E402
 from distcomm_attention.strategies.dispatch import _Ring  # noqa: E402
 from distcomm_attention.strategies.ulysses import ulysses  # noqa: E402
@@ -51,29 +52,12 @@ from distcomm_attention.transport.emulated import INTER_NODE, NVLINK, EmulatedLi
 LINKS = {"nvlink": NVLINK, "internode": INTER_NODE, "ideal": Links(1e9, 1e9, 1e9, 1e9, latency_us=0.0)}
 
 
-class _Sent:
-    """Counts the bytes a link's operations put on this rank's wire (as CountingTransport does)."""
+class _Sent(CountingTransport):
+    """The link, its bytes counted, with RingComm's ``send_recv`` signature for the ring loop."""
 
-    def __init__(self, link: EmulatedLink):
-        self.link, self.size, self.rank, self.bytes = link, link.size, link.rank, 0
-
-    def send_recv(self, *tensors, shift: int = 1, recv_like=None):  # RingComm's signature, for the ring loop
-        self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+    def send_recv(self, *tensors, shift: int = 1, recv_like=None):
         shapes = None if recv_like is None else [tuple(getattr(r, "shape", r)) for r in recv_like]
-        return self.link.send_recv(tensors, shift, shapes)
-
-    def all_to_all_v(self, send, send_splits, recv_splits):
-        row = send[:1].numel() * send.element_size() if send.shape[0] else 0
-        self.bytes += row * sum(n for p, n in enumerate(send_splits) if p != self.rank)
-        return self.link.all_to_all_v(send, send_splits, recv_splits)
-
-    def all_gather(self, x):
-        self.bytes += x.numel() * x.element_size() * (self.size - 1)
-        return self.link.all_gather(x)
-
-    def reduce_scatter(self, x):
-        self.bytes += x.numel() * x.element_size() * (self.size - 1) // self.size
-        return self.link.reduce_scatter(x)
+        return super().send_recv(tensors, shift, shapes)
 
 
 class _One:
@@ -172,10 +156,10 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
                     f = _ulysses_step(t, q, k, v, dout, concrete, vis, world, fwd, bwd, scale,
                                       pipelined=strategy == "ulysses_pipelined")
                 times.append(bs._timed(f, args.iters, args.warmup))
-                t.bytes = 0
+                t.sent.clear()
                 f()
                 torch.cuda.synchronize()
-                sent = max(sent, t.bytes)
+                sent = max(sent, t.total)
             per[strategy] = {"ranks": ranks, "rank_s": times, "max_s": max(times), "bytes_sent": sent,
                              "efficiency": single / (world * max(times))}
             if sparse is not None:

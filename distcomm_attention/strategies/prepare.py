@@ -17,7 +17,7 @@ from distcomm_attention.planning import balance, layouts
 from distcomm_attention.planning.visibility import RingPlan, Visibility, ring_plan
 from distcomm_attention.sharding import balance_window_of, resolve_layout
 
-__all__ = ["Prepared", "prepare"]
+__all__ = ["Prepared", "prepare", "ring_comm"]
 
 
 class Prepared(NamedTuple):
@@ -28,6 +28,13 @@ class Prepared(NamedTuple):
     fwd: object
     bwd: object
     layout: object = None  # the planner's layout: a static name or an Assignment (Note [Balanced layout])
+
+
+def ring_comm(group, ring_size) -> tuple[RingComm, BaseException | None]:
+    """The ring of ``group`` with ``ring_size`` ranks, or, for a ring size the group cannot take, the whole group
+    and that error (decided with the peers by ``prepare``, Note [Collective verdicts])."""
+    comm, error = _validation.verdict(RingComm, group, ring_size)
+    return (comm, None) if comm is not None else (RingComm(group), error)
 
 
 def prepare(

@@ -31,7 +31,12 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-__all__ = ["Handle", "Done", "Transport", "for_group", "using"]
+__all__ = ["Handle", "Done", "Transport", "for_group", "using", "nbytes"]
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """The bytes a tensor's elements take (what it puts on a wire)."""
+    return t.numel() * t.element_size()
 
 
 class Handle(Protocol):

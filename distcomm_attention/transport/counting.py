@@ -7,11 +7,9 @@ from typing import Sequence
 
 import torch
 
+from distcomm_attention.transport.base import nbytes as _nbytes
+
 __all__ = ["CountingTransport"]
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 class CountingTransport:

@@ -27,6 +27,8 @@ from typing import Sequence
 
 import torch
 
+from distcomm_attention.transport.base import nbytes as _nbytes
+
 __all__ = ["Links", "NVLINK", "INTER_NODE", "EmulatedLink"]
 
 
@@ -68,10 +70,6 @@ class _Pending:
     def wait(self) -> tuple[torch.Tensor, ...]:
         torch.cuda.current_stream().wait_event(self._event)
         return self._tensors
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
