@@ -6,6 +6,8 @@
 #   bash scripts/gpu2_runs.sh features     # packed documents, sliding windows, softcap, padding
 #   bash scripts/gpu2_runs.sh compile      # compiled collectives: tests, report and eager/compiled benchmark
 #   bash scripts/gpu2_runs.sh profile      # the short-step (8k over 2 GPUs) profile
+#   bash scripts/gpu2_runs.sh real         # every strategy on real links (scripts/bench_real.py), dense + packed
+#   bash scripts/gpu2_runs.sh emulated     # the same rows on one GPU with emulated links, for the comparison
 #
 # Logs and results go to $OUT (default ./gpu2_out). With flash-attn-4 installed (pip install "distcomm[fa4]")
 # the fa4 backend and the FA4 single-GPU baseline are measured too; otherwise they are skipped with a reason.
@@ -39,8 +41,18 @@ case "${1:-}" in
   profile)
     timeout 500 python scripts/profile_ring_attention.py --seqs 8k --iters 5 --out "$OUT" 2>&1 | tee "$OUT/profile.log" | tail -30
     ;;
+  real)
+    timeout 420 python scripts/bench_real.py --world 2 --seqs 8k,16k,32k,64k --full --docs one,lognormal,pareto \
+      --out "$OUT/real_w2.json" 2>&1 | tee "$OUT/real.log" | grep -v Warning
+    ;;
+  emulated)
+    timeout 150 python scripts/bench_emulated.py --cases 8192x2,16384x2,32768x2,65536x2 --docs one --links nvlink \
+      --strategies ring,allgather,ulysses --out "$OUT/emulated_w2_dense.json" 2>&1 | tee "$OUT/emulated.log"
+    timeout 100 python scripts/bench_emulated.py --cases 131072x2 --docs lognormal,pareto --links nvlink \
+      --strategies ring,allgather,ulysses --out "$OUT/emulated_w2_packed.json" 2>&1 | tee -a "$OUT/emulated.log"
+    ;;
   *)
-    sed -n 2,11p "$0"
+    sed -n 2,13p "$0"
     exit 2
     ;;
 esac
