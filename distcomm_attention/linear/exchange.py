@@ -1,0 +1,51 @@
+"""The linear-attention room's one collective: a differentiable all-gather over the transport (Note [Transport]).
+
+Both exchanges of this room (the run summaries of the recurrences, the conv halos) are one all-gather of a
+small fixed-size tensor per rank, so tests count their bytes with a counting transport like every strategy's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distcomm_attention import transport
+
+__all__ = ["all_gather_rows"]
+
+
+class _AllGather(torch.autograd.Function):
+    """(rows, ...) per rank -> (W * rows, ...) in rank order."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group):
+        ctx.group = group
+        (out,) = transport.for_group(group).all_gather(x.contiguous()).wait()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        """Adjoint: all_gather <-> reduce_scatter(sum); rank j receives sum_r grad_r[rows of j]."""
+        return _ReduceScatter.apply(grad.contiguous(), ctx.group), None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """(W * rows, ...) per rank -> (rows, ...): this rank's rows summed over the ranks."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group):
+        ctx.group = group
+        (out,) = transport.for_group(group).reduce_scatter(x.contiguous()).wait()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        """Adjoint: reduce_scatter(sum) <-> all_gather."""
+        return _AllGather.apply(grad.contiguous(), ctx.group), None
+
+
+def all_gather_rows(x: torch.Tensor, group, world: int) -> torch.Tensor:
+    """Every rank's ``x`` (the same shape everywhere) stacked: (world, *x.shape); differentiable. A world of
+    one returns ``x`` unsqueezed, without communication."""
+    if world == 1:
+        return x.unsqueeze(0)
+    return _AllGather.apply(x.unsqueeze(0), group)

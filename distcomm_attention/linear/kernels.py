@@ -1,0 +1,150 @@
+"""Per-run kernels of the linear-attention recurrences: a chunked PyTorch implementation and fla's.
+
+One contract, two backends (the only place that imports fla):
+
+    kernel(q, k, v, g, beta, *, scale, initial_state, cu_seqlens) -> (o, final_state)
+
+        q, k           (B, T, H, K)       v (B, T, HV, V), HV a multiple of H (value head i reads key head
+        g              (B, T, HV)         i // (HV // H)); g: the log decay, the state is multiplied by exp(g_t)
+        beta           (B, T, HV) or None None: the scalar-decay form (simple GLA / Mamba-2 SSD)
+        initial_state  (N, HV, K, V)      N = B, or the number of sequences of ``cu_seqlens`` (then B = 1)
+        cu_seqlens     LongTensor (N + 1,) independent sequences inside the T tokens, or None
+        o              (B, T, HV, V)      final_state (N, HV, K, V), float32 (float64 for float64 inputs)
+
+    gated delta rule    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = scale S_t^T q_t
+    scalar decay        S_t = exp(g_t) S_{t-1} + k_t v_t^T,                                   o_t = scale S_t^T q_t
+
+fla-core's ``chunk_gated_delta_rule`` and ``chunk_simple_gla`` keep this contract (fla's names and shapes).
+
+Note [Chunked delta rule]
+    Inside a chunk of C tokens with cumulative log decay gamma_t (Gamma_t = exp(gamma_t)), the delta rule's
+    pseudo-values w_t (S_t = exp(g_t) S_{t-1} + k_t w_t^T) solve one unit lower-triangular system:
+
+        (I + L) W = diag(beta) V - diag(beta Gamma) K S_0,   L_ti = beta_t (Gamma_t / Gamma_i) k_t.k_i  (i < t)
+        O   = scale (diag(Gamma) Q S_0 + (Q K^T * D) W),     D_ti = Gamma_t / Gamma_i (i <= t), else 0
+        S_C = Gamma_C S_0 + (K * Gamma_C / Gamma)^T W
+
+    The scalar-decay form is the same with W = V. Everything is differentiable torch ops, so autograd gives
+    the exact gradient; float64 inputs run in float64 (the tests' reference precision).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["torch_chunk", "fla_chunk", "select_kernel", "KERNELS", "fla_available"]
+
+KERNELS = ("auto", "torch", "fla")
+CHUNK = 64
+
+
+def _state_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _segment(q, k, v, g, beta, scale: float, h0, chunk: int):
+    """One sequence, heads first: q, k (B, HV, T, K), v (B, HV, T, V), g, beta (B, HV, T) -> (o, S_T)."""
+    b, h, t, dk = q.shape
+    dv = v.shape[-1]
+    pad = (-t) % chunk
+    if pad:  # padded tokens carry k = v = 0 and g = 0: they leave the state as it is
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g = torch.nn.functional.pad(g, (0, pad))
+        beta = None if beta is None else torch.nn.functional.pad(beta, (0, pad))
+    n = (t + pad) // chunk
+    state = h0 if h0 is not None else q.new_zeros(b, h, dk, dv)
+    ones = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device)
+    incl, strict = ones.tril(), ones.tril(-1)
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    outs = []
+    for c in range(n):
+        sl = slice(c * chunk, (c + 1) * chunk)
+        qc, kc, vc, gc = q[:, :, sl], k[:, :, sl], v[:, :, sl], g[:, :, sl]
+        gam = gc.cumsum(-1)
+        decay = torch.exp((gam[..., :, None] - gam[..., None, :]).masked_fill(~incl, float("-inf")))
+        if beta is None:
+            w = vc
+        else:
+            bc = beta[:, :, sl]
+            lower = (bc[..., :, None] * (kc @ kc.transpose(-1, -2)) * decay).masked_fill(~strict, 0.0)
+            system = eye + lower
+            rhs = torch.cat([bc[..., None] * vc, (bc * gam.exp())[..., None] * kc], dim=-1)
+            sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+            w = sol[..., :dv] - sol[..., dv:] @ state
+        scores = (qc @ kc.transpose(-1, -2)) * decay
+        outs.append(scale * (gam.exp()[..., None] * (qc @ state) + scores @ w))
+        last = gam[..., -1:]
+        state = last.exp()[..., None] * state + (kc * (last - gam).exp()[..., None]).transpose(-1, -2) @ w
+    return torch.cat(outs, dim=2)[:, :, :t], state
+
+
+def torch_chunk(q, k, v, g, beta, *, scale: float, initial_state=None, cu_seqlens=None, chunk: int = CHUNK):
+    """The kernel contract in PyTorch (Note [Chunked delta rule]); any device, float32/float64 compute."""
+    dtype = _state_dtype(q)
+    groups = v.shape[2] // q.shape[2]
+    q, k = (x.repeat_interleave(groups, dim=2) if groups > 1 else x for x in (q, k))
+    heads_first = lambda x: x.transpose(1, 2).to(dtype)  # noqa: E731
+    q, k, v, g = map(heads_first, (q, k, v, g))
+    beta = None if beta is None else heads_first(beta)
+    h0 = None if initial_state is None else initial_state.to(dtype)
+    if cu_seqlens is None:
+        o, state = _segment(q, k, v, g, beta, scale, h0, chunk)
+        return o.transpose(1, 2), state
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    outs, states = [], []
+    for i, (a, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        sl = slice(a, e)
+        o, state = _segment(q[:, :, sl], k[:, :, sl], v[:, :, sl], g[:, :, sl],
+                            None if beta is None else beta[:, :, sl], scale,
+                            None if h0 is None else h0[i : i + 1], chunk)
+        outs.append(o)
+        states.append(state)
+    return torch.cat(outs, dim=2).transpose(1, 2), torch.cat(states, dim=0)
+
+
+def fla_available() -> bool:
+    try:
+        import fla.ops  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def fla_chunk(q, k, v, g, beta, *, scale: float, initial_state=None, cu_seqlens=None):
+    """The kernel contract by fla-core's Triton kernels (CUDA tensors). Scalar decay with HV > H expands the
+    key heads first (fla's ``chunk_simple_gla`` takes as many key heads as value heads)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops.simple_gla import chunk_simple_gla
+    except ImportError as e:
+        raise ImportError("kernel='fla' needs flash-linear-attention: pip install fla-core") from e
+    h0 = None if initial_state is None else initial_state.float()
+    cu = None if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.long)
+    if beta is None:
+        groups = v.shape[2] // q.shape[2]
+        q, k = (x.repeat_interleave(groups, dim=2) if groups > 1 else x for x in (q, k))
+        o, state = chunk_simple_gla(q, k, v, g=g, scale=scale, initial_state=h0, output_final_state=True,
+                                    cu_seqlens=cu)
+    else:
+        o, state = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
+                                          cu_seqlens=cu)
+    return o, state
+
+
+def select_kernel(kernel: str, q: torch.Tensor) -> Callable:
+    """The kernel for a call: "torch", "fla" (ImportError / ValueError saying why it cannot run), or "auto":
+    fla for CUDA tensors of 16/32 bits when it is installed, else torch."""
+    if kernel not in KERNELS:
+        raise ValueError(f"Invalid kernel {kernel!r}. Must be one of: {', '.join(map(repr, KERNELS))}")
+    if kernel == "torch":
+        return torch_chunk
+    usable = q.is_cuda and q.dtype != torch.float64
+    if kernel == "fla":
+        if not usable:
+            raise ValueError(f"kernel='fla' runs on CUDA tensors of 16 or 32 bits, got {q.dtype} on {q.device}")
+        if not fla_available():
+            raise ImportError("kernel='fla' needs flash-linear-attention: pip install fla-core")
+        return fla_chunk
+    return fla_chunk if usable and fla_available() else torch_chunk
