@@ -1,0 +1,334 @@
+"""Context-parallel linear attention (distcomm_attention.linear): the gated delta rule, scalar decay, the conv halo.
+
+Layers, cheapest first:
+1. one process: the plan's runs and segments, the chunked PyTorch kernel against the token-by-token float64
+   recurrence written here (several chunks, GVA, documents, initial states), argument errors with their
+   messages (a world of one without a process group);
+2. gloo worlds of 1, 2, 3, 4 and 8 ranks on CPU against that single-process float64 recurrence: outputs,
+   final states and the gradients of q, k, v, g, beta and the initial state, for the layouts contiguous,
+   zigzag, striped and balanced, packed documents (one-token documents, a document crossing every rank
+   boundary), GVA; the conv halo against a float64 conv of the whole sequence; a bad input on one rank
+   raising the same error on every rank; bytes per rank the same at two sequence lengths.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from distcomm_attention import Sharding, shard_sequence
+from distcomm_attention.linear import causal_conv1d_cp, chunk_gated_delta_rule_cp, chunk_simple_gla_cp
+from distcomm_attention.linear.kernels import torch_chunk
+from distcomm_attention.linear.plan import make_plan, rank_positions
+from tests.dist_harness import run_world
+
+TOL = dict(rtol=1e-9, atol=1e-10)
+F64 = torch.float64
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The reference: one process, float64, token by token (fla's naive recurrence, documents restarting)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def recurrence(q, k, v, g, beta, scale, h0, docs):
+    """o (B, S, HV, V) and the final state of each document (each batch row without ``docs``)."""
+    b, s, h, dk = q.shape
+    hv, dv = v.shape[2:]
+    q, k = q.repeat_interleave(hv // h, 2), k.repeat_interleave(hv // h, 2)
+    bounds = docs if docs is not None else [0, s]
+    outs, finals, state = [], [], None
+    for t in range(s):
+        if t in bounds[:-1]:
+            if state is not None:
+                finals.append(state)
+            d = bounds.index(t)
+            start = h0 if docs is None else h0[d : d + 1]
+            state = start.clone() if h0 is not None else torch.zeros(b, hv, dk, dv, dtype=F64)
+        state = state * g[:, t].exp()[..., None, None]
+        kt = k[:, t]
+        if beta is None:
+            state = state + kt[..., :, None] * v[:, t][..., None, :]
+        else:
+            err = v[:, t] - (state * kt[..., None]).sum(-2)
+            state = state + beta[:, t][..., None, None] * kt[..., :, None] * err[..., None, :]
+        outs.append(scale * torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    finals.append(state)
+    return torch.stack(outs, 1), torch.cat(finals)
+
+
+def conv_reference(x, weight, bias, docs):
+    """Causal depthwise conv of the whole (B, S, C) sequence, document by document, then SiLU."""
+    bounds = docs if docs is not None else [0, x.shape[1]]
+    outs = []
+    for a, e in zip(bounds[:-1], bounds[1:]):
+        seg = x[:, a:e].transpose(1, 2)
+        y = torch.nn.functional.conv1d(seg, weight[:, None], bias, padding=weight.shape[1] - 1, groups=x.shape[2])
+        outs.append(y[..., : e - a].transpose(1, 2))
+    return torch.nn.functional.silu(torch.cat(outs, 1))
+
+
+def _gen(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def make_inputs(case: dict):
+    """The full-sequence inputs of a case, the same in every process."""
+    gen = _gen("inputs", case["seq"], case["heads"], case["docs"])
+    b = 1 if case["docs"] else 2
+    h, hv = case["heads"]
+    dk, dv = 4, 3
+    r = lambda *shape: torch.randn(*shape, generator=gen, dtype=F64)  # noqa: E731
+    q = r(b, case["seq"], h, dk)
+    k = torch.nn.functional.normalize(r(b, case["seq"], h, dk), dim=-1)
+    v = r(b, case["seq"], hv, dv)
+    g = -0.6 * torch.rand(b, case["seq"], hv, generator=gen, dtype=F64)
+    beta = torch.rand(b, case["seq"], hv, generator=gen, dtype=F64)
+    n = len(case["docs"]) - 1 if case["docs"] else b
+    h0 = r(n, hv, dk, dv)
+    weights = (r(b, case["seq"], hv, dv), r(n, hv, dk, dv))
+    return (q, k, v, g, beta, h0), weights
+
+
+NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def reference(case: dict):
+    """Outputs, final states and gradients (summed loss of Note [Linear attention across ranks]) in float64."""
+    (q, k, v, g, beta, h0), (wo, wf) = make_inputs(case)
+    delta = case["kind"] == "gdn"
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+    q, k, v, g, beta, h0 = leaves
+    o, final = recurrence(q, k, v, g, beta if delta else None, 4**-0.5, h0, case["docs"])
+    ((o * wo).sum() + (final * wf).sum()).backward()
+    grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+    return o.detach(), final.detach(), dict(zip(NAMES, grads))
+
+
+def _cp_rank(rank: int, world: int, cases: list[dict]):
+    """Every case on this rank: (o, final, grads) of its shard."""
+    results = []
+    for case in cases:
+        (q, k, v, g, beta, h0), (wo, wf) = make_inputs(case)
+        sharding = Sharding(case["layout"])
+        local = [sharding.shard(t, cu_seqlens=case["docs"]).clone().requires_grad_() for t in (q, k, v, g, beta)]
+        h0 = h0.clone().requires_grad_()
+        options = dict(initial_state=h0, output_final_state=True, cu_seqlens=case["docs"], sharding=sharding)
+        if case["kind"] == "gdn":
+            o, final = chunk_gated_delta_rule_cp(*local, **options)
+        else:
+            o, final = chunk_simple_gla_cp(*local[:4], **options)
+        loss = (o * sharding.shard(wo, cu_seqlens=case["docs"])).sum()
+        if rank == 0:  # final_state is returned on every rank: one rank's loss counts it
+            loss = loss + (final * wf).sum()
+        loss.backward()
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in local + [h0]]
+        results.append((o.detach(), final.detach(), grads))
+    return results
+
+
+def _check_world(world: int, cases: list[dict]):
+    results = run_world(_cp_rank, world, cases)
+    for i, case in enumerate(cases):
+        o, final, grads = reference(case)
+        shard = lambda t: shard_sequence(t, case["layout"], ring_size=world, rank=r, cu_seqlens=case["docs"])  # noqa: E731
+        for r in range(world):
+            got_o, got_final, got_grads = results[r][i]
+            torch.testing.assert_close(got_o, shard(o), **TOL, msg=lambda m: f"{case} rank {r} o: {m}")
+            torch.testing.assert_close(got_final, final, **TOL, msg=lambda m: f"{case} rank {r} final: {m}")
+            for name, got in zip(NAMES[:5], got_grads[:5]):
+                if name == "beta" and case["kind"] != "gdn":
+                    continue
+                torch.testing.assert_close(got, shard(grads[name]), **TOL, msg=lambda m: f"{case} rank {r} d{name}: {m}")
+        total = sum(results[r][i][2][5] for r in range(world))  # initial_state: summed over the ranks
+        torch.testing.assert_close(total, grads["initial_state"], **TOL, msg=lambda m: f"{case} dh0: {m}")
+
+
+def _case(kind, layout, seq, docs=None, heads=(2, 4)):
+    return dict(kind=kind, layout=layout, seq=seq, docs=docs, heads=heads)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 1. One process
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_plan_runs_and_segments():
+    """Zigzag gives two runs per rank (one where the two chunks meet); a document start cuts a run, and only a run's first segment is open."""
+    docs = (0, 3, 4, 15, 16)
+    plan = make_plan(rank_positions("zigzag", 16, 4), 16, docs, finals=True)
+    assert [[(r.start, r.length) for r in rank] for rank in plan.runs] == [
+        [(0, 2), (14, 2)], [(2, 2), (12, 2)], [(4, 2), (10, 2)], [(6, 4)]]
+    run = plan.runs[1][0]  # global [2, 4): doc 0's last token, then the one-token doc 1 at 3
+    assert [(s.start, s.length, s.doc, s.opens, s.ends) for s in run.segments] == [(2, 1, 0, False, True),
+                                                                                  (3, 1, 1, True, True)]
+    assert run.is_open and not plan.runs[0][0].is_open
+    assert [o for _, _, o in plan.doc_end] == [1, 1, 6, 6]  # run orders holding each document's end
+
+
+@pytest.mark.parametrize("kind", ["gdn", "scalar"])
+def test_kernel_matches_recurrence(kind):
+    """The chunked kernel (chunks of 8 over 37 tokens, GVA, documents, initial states) is the recurrence."""
+    case = _case(kind, "contiguous", 37, [0, 1, 9, 30, 37])
+    (q, k, v, g, beta, h0), _ = make_inputs(case)
+    beta = beta if kind == "gdn" else None
+    o, final = torch_chunk(q, k, v, g, beta, scale=0.5, initial_state=h0,
+                           cu_seqlens=torch.tensor(case["docs"]), chunk=8)
+    o_ref, final_ref = recurrence(q, k, v, g, beta, 0.5, h0, case["docs"])
+    torch.testing.assert_close(o, o_ref, **TOL)
+    torch.testing.assert_close(final, final_ref, **TOL)
+
+
+def _bad(**change):
+    (q, k, v, g, beta, h0), _ = make_inputs(_case("gdn", "contiguous", 8))
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0) | change
+    return args.pop("q"), args.pop("k"), args.pop("v"), args.pop("g"), args.pop("beta"), args
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(g=torch.zeros(2, 8, 3)), ValueError, r"`g` must have shape \(B, T, HV\) = \(2, 8, 4\).*got \(2, 8, 3\)"),
+    (dict(beta=torch.zeros(2, 8)), ValueError, r"`beta` must have shape \(B, T, HV\) = \(2, 8, 4\).*got \(2, 8\)"),
+    (dict(v=torch.zeros(2, 8, 3, 3, dtype=F64)), ValueError, r"`v` has 3 heads, which is not a multiple of the 2 heads"),
+    (dict(initial_state=torch.zeros(2, 4, 3, 4, dtype=F64)), ValueError,
+     r"`initial_state` must have shape \(N, HV, K, V\) = \(2, 4, 4, 3\) with N = 2 \(one per batch row\), got \(2, 4, 3, 4\)"),
+    (dict(k=torch.zeros(2, 8, 2, 4, dtype=torch.float32)), TypeError, r"`q`, `k` and `v` must share one dtype"),
+    (dict(q=torch.zeros(2, 8, 2, 4, dtype=torch.int64)), TypeError, r"`q` must be a floating tensor"),
+    (dict(scale=-1.0), ValueError, r"`scale` must be a finite positive float or None.*got -1.0"),
+    (dict(cu_seqlens=[0, 3, 8]), ValueError, r"with `cu_seqlens` the documents are packed in one row: B must be 1, got B=2"),
+    (dict(layout="diagonal"), ValueError, r"diagonal"),
+    (dict(kernel="triton"), ValueError, r"Invalid kernel 'triton'. Must be one of: 'auto', 'torch', 'fla'"),
+])
+def test_bad_input_names_the_argument(change, error, match):
+    """Each bad argument raises a clear error naming it, the value received and what is allowed."""
+    q, k, v, g, beta, rest = _bad(**change)
+    with pytest.raises(error, match=match):
+        chunk_gated_delta_rule_cp(q, k, v, g, beta, **rest)
+
+
+def test_conv_bad_input():
+    """The conv names its bad weight and activation."""
+    x = torch.zeros(1, 8, 6)
+    with pytest.raises(ValueError, match=r"`weight` must have shape \(C, w\) or \(C, 1, w\) with C = 6.*got \(5, 4\)"):
+        causal_conv1d_cp(x, torch.zeros(5, 4))
+    with pytest.raises(ValueError, match=r"Invalid activation 'relu'. Must be one of: None, 'silu', 'swish'"):
+        causal_conv1d_cp(x, torch.zeros(6, 4), activation="relu")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2. gloo worlds against the float64 recurrence
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_world_1_and_2():
+    """World of one (no exchange) and two ranks: contiguous, zigzag over several chunks, one-token documents."""
+    _check_world(1, [_case("gdn", "contiguous", 12), _case("scalar", "contiguous", 12, [0, 1, 5, 12])])
+    _check_world(2, [_case("gdn", "zigzag", 160), _case("scalar", "zigzag", 160),
+                     _case("gdn", "contiguous", 16, [0, 1, 2, 8, 9, 16], heads=(2, 2))])
+
+
+def test_world_3():
+    """Three ranks: striped (one run per token), balanced documents, GVA."""
+    docs = [0, 1, 7, 12, 24]
+    _check_world(3, [_case("gdn", "striped", 12, [0, 5, 12]), _case("gdn", "balanced", 24, docs),
+                     _case("scalar", "balanced", 24, docs, heads=(1, 3))])
+
+
+def test_world_4():
+    """Four ranks: a document crossing every rank boundary (and zigzag's middle), one-token documents."""
+    every = [0, 3, 4, 15, 16]
+    _check_world(4, [_case("gdn", "zigzag", 16, every), _case("scalar", "zigzag", 16, every),
+                     _case("gdn", "contiguous", 32, [0, 1, 31, 32]), _case("gdn", "balanced", 32, [0, 3, 4, 15, 16, 32])])
+
+
+def test_world_8():
+    """Eight ranks, zigzag, documents across boundaries."""
+    _check_world(8, [_case("gdn", "zigzag", 32, [0, 1, 13, 14, 31, 32])])
+
+
+def _conv_rank(rank: int, world: int, layout: str, docs, seq: int):
+    gen = _gen("conv", seq)
+    x = torch.randn(2 if docs is None else 1, seq, 6, generator=gen, dtype=F64)
+    weight = torch.randn(6, 4, generator=gen, dtype=F64)
+    bias = torch.randn(6, generator=gen, dtype=F64)
+    sharding = Sharding(layout)
+    local = sharding.shard(x, cu_seqlens=docs).clone().requires_grad_()
+    w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+    out = causal_conv1d_cp(local, w, b, "silu", cu_seqlens=docs, sharding=sharding)
+    wo = torch.randn(x.shape, generator=_gen("conv-w", seq), dtype=F64)
+    (out * sharding.shard(wo, cu_seqlens=docs)).sum().backward()
+    return out.detach(), local.grad, w.grad, b.grad
+
+
+@pytest.mark.parametrize("world, layout, docs, seq", [
+    (2, "contiguous", None, 12), (3, "zigzag", [0, 1, 2, 9, 10, 18], 18), (4, "striped", [0, 5, 16], 16),
+    (4, "balanced", [0, 3, 4, 15, 16, 32], 32),
+])
+def test_conv_halo(world, layout, docs, seq):
+    """The halo conv equals a float64 conv of the whole sequence, forward and backward, no input crossing a
+    document start (runs shorter than the kernel: striped)."""
+    results = run_world(_conv_rank, world, layout, docs, seq)
+    gen = _gen("conv", seq)
+    x = torch.randn(2 if docs is None else 1, seq, 6, generator=gen, dtype=F64).requires_grad_()
+    weight = torch.randn(6, 4, generator=gen, dtype=F64).requires_grad_()
+    bias = torch.randn(6, generator=gen, dtype=F64).requires_grad_()
+    ref = conv_reference(x, weight, bias, docs)
+    (ref * torch.randn(x.shape, generator=_gen("conv-w", seq), dtype=F64)).sum().backward()
+    for r, (out, dx, _, _) in enumerate(results):
+        shard = lambda t: shard_sequence(t, layout, ring_size=world, rank=r, cu_seqlens=docs)  # noqa: E731
+        torch.testing.assert_close(out, shard(ref.detach()), **TOL)
+        torch.testing.assert_close(dx, shard(x.grad), **TOL)
+    torch.testing.assert_close(sum(r[2] for r in results), weight.grad, **TOL)
+    torch.testing.assert_close(sum(r[3] for r in results), bias.grad, **TOL)
+
+
+def _bad_on_rank_1(rank: int, world: int):
+    case = _case("gdn", "contiguous", 8 * world)
+    (q, k, v, g, beta, _), _ = make_inputs(case)
+    local = [shard_sequence(t, "contiguous", ring_size=world, rank=rank) for t in (q, k, v, g, beta)]
+    if rank == 1:
+        local[3] = local[3][..., :3]  # g with the key heads' count instead of the value heads'
+    try:
+        chunk_gated_delta_rule_cp(*local, layout="contiguous")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_bad_input_on_one_rank_raises_everywhere():
+    """A bad gate on rank 1 alone: every rank raises the same error naming rank 1 and `g` (no hang)."""
+    messages = run_world(_bad_on_rank_1, 3, timeout=30)
+    assert messages[0] is not None and len(set(messages)) == 1
+    assert "rank 1" in messages[0] and "`g` must have shape (B, T, HV) = (2, 8, 4)" in messages[0]
+
+
+def _traffic_rank(rank: int, world: int, seqs: list[int]):
+    from tests.counting import counted
+
+    totals = []
+    for layout in ("contiguous", "zigzag"):
+        for seq in seqs:
+            case = _case("gdn", layout, seq)
+            (q, k, v, g, beta, h0), _ = make_inputs(case)
+            sharding = Sharding(layout)
+            local = [sharding.shard(t).clone().requires_grad_() for t in (q, k, v, g, beta)]
+            with counted() as made:
+                o, final = chunk_gated_delta_rule_cp(*local, initial_state=h0, output_final_state=True,
+                                                     sharding=sharding)
+                (o.sum() + final.sum()).backward()
+                x = sharding.shard(v.reshape(*v.shape[:2], -1)).clone().requires_grad_()
+                causal_conv1d_cp(x, torch.ones(x.shape[-1], 4, dtype=F64), sharding=sharding).sum().backward()
+            totals.append((layout, seq, sum(c.total for c in made), sum(sum(c.calls.values()) for c in made)))
+    return totals
+
+
+def test_traffic_independent_of_sequence_length():
+    """Bytes each rank sends (summaries and halos, forward and backward) are the same at S = 24 and S = 240."""
+    results = run_world(_traffic_rank, 3, [24, 240])
+    for rows in results:
+        by_layout = {}
+        for layout, seq, nbytes, calls in rows:
+            assert nbytes > 0 and calls == 4  # two all-gathers and their two reduce-scatters
+            by_layout.setdefault(layout, set()).add(nbytes)
+        assert all(len(sizes) == 1 for sizes in by_layout.values()), rows
