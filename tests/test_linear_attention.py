@@ -332,3 +332,71 @@ def test_traffic_independent_of_sequence_length():
             assert nbytes > 0 and calls == 4  # two all-gathers and their two reduce-scatters
             by_layout.setdefault(layout, set()).add(nbytes)
         assert all(len(sizes) == 1 for sizes in by_layout.values()), rows
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hugging Face: a tiny Qwen3-Next (three GDN layers, one attention layer) under context parallelism
+# ---------------------------------------------------------------------------------------------------------
+
+HF_SEQ, HF_VOCAB = 24, 64
+HF_TOL = dict(rtol=1e-5, atol=1e-7)  # transformers runs the GDN reference and the gated norm in float32
+
+
+def _qwen3_next(attn_implementation: str):
+    """The same randomly initialised float64 weights for every run (seeded); dense MLPs (grouped_mm of the
+    experts takes no float64)."""
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    config = Qwen3NextConfig(
+        vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        mlp_only_layers=[0, 1, 2, 3], max_position_embeddings=256, attention_dropout=0.0,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float64)
+
+
+def _hf_ids() -> torch.Tensor:
+    return torch.randint(0, HF_VOCAB, (2, HF_SEQ), generator=_gen("hf-ids"))
+
+
+def _hf_rank(rank: int, world: int, layout: str):
+    from distcomm_attention.integrations import huggingface as ring_hf
+
+    ring = ring_hf.register("cp_hybrid", layout=layout)
+    model = ring.attach(_qwen3_next(ring.name))
+    ids = _hf_ids()
+    loss = model(**ring.shard_inputs(input_ids=ids, labels=ids)).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("world, layout", [(2, "zigzag"), (3, "zigzag"), (3, "contiguous")])
+def test_qwen3_next_under_context_parallelism(world, layout):
+    """A hybrid model trains under CP with one register/attach/shard_inputs: the ranks' losses add up to the
+    one-process loss (transformers' own layers, sdpa) and the summed parameter gradients match its gradients,
+    the GDN layers' conv and recurrence parameters included."""
+    pytest.importorskip("transformers")
+    results = run_world(_hf_rank, world, layout, timeout=120)
+    model = _qwen3_next("sdpa")
+    ids = _hf_ids()
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    torch.testing.assert_close(sum(r[0] for r in results), loss.detach(), **HF_TOL)
+    scale = max(float(p.grad.abs().max()) for p in model.parameters())
+    for name, p in model.named_parameters():
+        got = sum(r[1][name] for r in results)
+        torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-7 * scale, msg=lambda m: f"{name}: {m}")
+    assert any("linear_attn.conv1d" in n for n, _ in model.named_parameters())
+
+
+def test_attach_refuses_another_implementation():
+    """attach() names the attention implementation the model was made with."""
+    pytest.importorskip("transformers")
+    from distcomm_attention.integrations import huggingface as ring_hf
+
+    ring = ring_hf.register("cp_hybrid", layout="zigzag")
+    with pytest.raises(ValueError, match=r"the model's attention implementation is 'sdpa', not 'cp_hybrid'"):
+        ring.attach(_qwen3_next("sdpa"))

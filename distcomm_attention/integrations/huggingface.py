@@ -46,6 +46,9 @@ Note [Hugging Face integration]
     - Layout: ``register`` defaults to "zigzag", and ``shard_inputs`` and the attention function read the
       same registered layout (``ring.sharding``), so they agree by construction; the attention passes it to
       ``ring_flash_attn`` explicitly, never leaving it to the layout record of ``shard_sequence``.
+    - Hybrid models (Qwen3-Next, Qwen3.5): ``ring.attach(model)`` routes the model's gated-delta-rule layers
+      (their short conv and recurrence) through :mod:`distcomm_attention.linear` on the same sharding, so one
+      layout serves both kinds of layer (docs/hybrid.md).
     - Gradients: distcomm's convention (the total loss is the sum of the per-rank losses). Rank r's loss
       is its share of the batch's mean, so the parameters' gradient is the SUM of the ranks' gradients
       over the ring: ``all_reduce(p.grad)`` over the ring's group, or, under DDP/FSDP averaging over
@@ -54,6 +57,7 @@ Note [Hugging Face integration]
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,6 +226,41 @@ class RingAttentionHF:
         """
         return attention_mask
 
+    # -- linear-attention layers of hybrid models ------------------------------------------------------
+
+    def attach(self, model: torch.nn.Module, *, kernel: str = "auto") -> torch.nn.Module:
+        """Run ``model``'s gated-delta-rule layers under context parallelism on this sharding; returns ``model``.
+
+        Each GatedDeltaNet module (Qwen3-Next, Qwen3.5) gets a forward that calls its own projections, norm
+        and output projection, and the sharded conv and recurrence of :mod:`distcomm_attention.linear`
+        (``kernel``: "auto", "torch" or "fla"); the softmax layers already use this implementation when the
+        model was made with ``attn_implementation=ring.name``. The layout must be one for the whole group
+        (``ring_size`` None). Train with ``use_cache=False`` (``shard_inputs`` sets it).
+
+        Raises:
+            ValueError: the model's attention implementation is not this one, or it has no linear-attention
+                layer. NotImplementedError: a GatedDeltaNet module of another shape.
+        """
+        from distcomm_attention.linear import layers
+
+        used = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if used is not None and used != self.name:
+            raise ValueError(
+                f"the model's attention implementation is {used!r}, not {self.name!r}: make it with "
+                f"attn_implementation={self.name!r} so that its softmax layers use the same sharding"
+            )
+        found = 0
+        for module in model.modules():
+            if "GatedDeltaNet" not in type(module).__name__:
+                continue
+            if not layers.is_gdn_layer(module):
+                raise NotImplementedError(f"{type(module).__name__} is not a layer attach() knows: {layers.SUPPORTED}")
+            module.forward = functools.partial(_gdn_forward, self, module, kernel)
+            found += 1
+        if not found:
+            raise ValueError(f"{type(model).__name__} has no linear-attention layer to attach ({layers.SUPPORTED})")
+        return model
+
     # -- inputs ---------------------------------------------------------------------------------------
 
     def shard_inputs(
@@ -351,6 +390,18 @@ class RingAttentionHF:
             "the inputs with `shard_inputs`, or pass `position_ids=ring.sharding.position_ids(local_seq)` "
             "(and, for packed documents, the global `cu_seq_lens_q`)"
         )
+
+
+def _gdn_forward(impl: RingAttentionHF, module, kernel: str, hidden_states: torch.Tensor, cache=None,
+                 attention_mask=None, **kwargs) -> torch.Tensor:
+    """A GatedDeltaNet module's forward under context parallelism (``RingAttentionHF.attach``)."""
+    if cache is not None or kwargs.get("cache_params") is not None:
+        raise ValueError("context-parallel linear attention keeps no cache: call the model with use_cache=False")
+    cu_seqlens = _boundaries(kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
+    from distcomm_attention.linear import layers
+
+    return layers.gdn_forward(module, hidden_states, sharding=impl.sharding, cu_seqlens=cu_seqlens,
+                              attention_mask=attention_mask, kernel=kernel)
 
 
 def _window(sliding_window, causal: bool) -> tuple[int, int]:

@@ -1,0 +1,72 @@
+"""A gated-delta-rule layer's forward under context parallelism, from the layer's own weights.
+
+Qwen3-Next's and Qwen3.5's ``GatedDeltaNet`` modules (transformers) run: input projections -> short causal
+conv over [q | k | v] -> SiLU -> gated delta rule (q, k L2-normalised, beta = sigmoid(b), g = -exp(A_log)
+softplus(a + dt_bias)) -> gated RMS norm with z -> output projection. Everything but the conv and the
+recurrence is per token; :func:`gdn_forward` runs those two across ranks (:func:`causal_conv1d_cp`,
+:func:`chunk_gated_delta_rule_cp`) and calls the module's own projections, norm and gate for the rest.
+Nothing here imports transformers: the module is read by its attributes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from distcomm_attention.linear.conv import causal_conv1d_cp
+from distcomm_attention.linear.recurrence import chunk_gated_delta_rule_cp
+
+__all__ = ["gdn_forward", "is_gdn_layer", "SUPPORTED"]
+
+SUPPORTED = "Qwen3-Next's and Qwen3.5's GatedDeltaNet (in_proj_qkvz + in_proj_ba, or in_proj_qkv/z/b/a)"
+
+
+def is_gdn_layer(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has the attributes :func:`gdn_forward` reads."""
+    common = ("conv1d", "A_log", "dt_bias", "norm", "out_proj", "head_k_dim", "head_v_dim", "key_dim", "value_dim")
+    if not all(hasattr(module, a) for a in common):
+        return False
+    return hasattr(module, "in_proj_qkvz") and hasattr(module, "in_proj_ba") or \
+        all(hasattr(module, a) for a in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+
+
+def _projections(module, hidden: torch.Tensor):
+    """(mixed q|k|v (B, T, C), z (B, T, HV, V), b, a (B, T, HV)) as the module computes them."""
+    batch, seq = hidden.shape[:2]
+    if hasattr(module, "in_proj_qkvz"):
+        q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden), module.in_proj_ba(hidden))
+        mixed = torch.cat([x.reshape(batch, seq, -1) for x in (q, k, v)], dim=-1)
+        return mixed, z, b, a
+    z = module.in_proj_z(hidden).reshape(batch, seq, -1, module.head_v_dim)
+    return module.in_proj_qkv(hidden), z, module.in_proj_b(hidden), module.in_proj_a(hidden)
+
+
+def gdn_forward(module, hidden_states: torch.Tensor, *, sharding, cu_seqlens=None, attention_mask=None,
+                kernel: str = "auto") -> torch.Tensor:
+    """The layer's output (B, T, hidden) for this rank's T tokens, sharded as ``sharding`` says.
+
+    Args:
+        module: a GatedDeltaNet module (:func:`is_gdn_layer`).
+        hidden_states: (B, T, hidden) this rank's tokens.
+        sharding: the :class:`~distcomm_attention.Sharding` of the tokens (the softmax layers' one).
+        cu_seqlens: the global document boundaries (packed documents), or None.
+        attention_mask: None or this rank's (B, T) padding mask (padded tokens' inputs are zeroed, as the
+            module does).
+        kernel: the recurrence's kernel ("auto", "torch", "fla").
+    """
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+    batch, seq = hidden_states.shape[:2]
+    mixed, z, b, a = _projections(module, hidden_states)
+    mixed = causal_conv1d_cp(mixed, module.conv1d.weight, module.conv1d.bias, module.activation,
+                             cu_seqlens=cu_seqlens, sharding=sharding)
+    q, k, v = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    q = q.reshape(batch, seq, -1, module.head_k_dim)
+    k = k.reshape(batch, seq, -1, module.head_k_dim)
+    v = v.reshape(batch, seq, -1, module.head_v_dim)
+    beta = b.sigmoid()
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    out, _ = chunk_gated_delta_rule_cp(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+                                       sharding=sharding, kernel=kernel)
+    out = module.norm(out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return module.out_proj(out.reshape(batch, seq, -1))
