@@ -5,6 +5,8 @@ Public API: :func:`context_parallel_attn` (ring, Ulysses, all-gather KV, hybrids
 :func:`shard_sequence`, :func:`gather_sequence`, :func:`position_ids`, :class:`Sharding` (layout, group and
 ring size in one handle), :class:`RingAttention`, and the accepted names ``LAYOUTS`` and ``BACKENDS``.
 Importing needs neither triton nor flash_attn: kernels are imported when a backend is first used.
+Linear attention and the short conv of hybrid models (GDN, Mamba-2) on the same sharding:
+:mod:`distcomm_attention.linear` (docs/hybrid.md).
 """
 
 from distcomm import __version__  # one distribution ships both packages

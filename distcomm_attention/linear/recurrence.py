@@ -166,8 +166,10 @@ def _linear_cp(op, q, k, v, g, beta, scale, initial_state, output_final_state, c
 class _Call:
     """One call's three phases (Note [Linear attention across ranks]) on this rank's runs."""
 
-    def __init__(self, plan, comm, run, scale, q, k, v, g, beta, initial_state):
+    def __init__(self, plan, comm, run, scale, q, k, v, g, beta, initial_state, gather=None):
         self.plan, self.comm, self.run, self.scale = plan, comm, run, scale
+        # (slots, n) -> (W, slots, n); scripts/bench_linear.py passes one for simulated ranks
+        self.gather = gather or (lambda table: all_gather_rows(table, comm.group, comm.size))
         self.q, self.k, self.v, self.g, self.beta, self.h0 = q, k, v, g, beta, initial_state
         self.delta = beta is not None
         self.sdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -242,7 +244,7 @@ class _Call:
         table = torch.stack([torch.cat([a.reshape(-1), b.reshape(-1)]) for a, b in slots]) if slots else \
             zero_a.new_zeros(0, zero_a.numel() + self.rows * self.hv * self.dk * self.dv)
         table = torch.nn.functional.pad(table, (0, 0, 0, plan.slots - table.shape[0]))
-        gathered = all_gather_rows(table, self.comm.group, self.comm.size)
+        gathered = self.gather(table)
         states = self._fold(gathered, finals)
         for order, (s, o0, factor) in opened.items():
             pieces[s.local] = o0 + torch.einsum("bthk,bhkv->bthv", factor, states[order]).to(o0.dtype)

@@ -1,0 +1,260 @@
+"""Context-parallel linear attention, simulated ranks on one GPU: each rank's real kernel and summary work.
+
+For every (kind, layout, tokens per GPU n, ring size W) the script builds the sharded sequence of S = n * W
+tokens and runs, for every rank r in turn, exactly what rank r computes in
+``distcomm_attention.linear`` (its runs' kernel calls, the fold over all runs' maps, the correction), with
+the all-gather replaced by this rank's own maps repeated W times (communication is not run; the bytes it
+would move are reported from the plan). The per-rank time is compared with one fla call over the whole
+sequence (``--full-limit`` caps its length; beyond it W x one call over n tokens stands in, marked "x").
+
+    efficiency = t(one fla call over S tokens) / (W * max over ranks of t(rank))
+
+Shapes: the gated delta rule with Qwen3.5's GDN heads (16 key heads, 32 value heads, 128 dims) and the scalar
+decay with Mamba-2 2.7B's SSD (80 heads of 64, state 128, one group), bf16, batch 1; ``--doc-len`` packs
+documents of log-normal lengths (the balanced layout needs them).
+
+Examples:
+    python scripts/bench_linear.py --dry-run                     # CPU: arguments, plans, bytes, one tiny step
+    python scripts/bench_linear.py --tokens 16k,32k,64k --worlds 4,8,16 --layouts contiguous,zigzag \
+        --json bench_linear.json
+    python scripts/bench_linear.py --tokens 16k --worlds 8 --doc-len 4096 --layouts contiguous,zigzag,balanced
+
+Bytes per rank per layer: the maps it sends in the forward all-gather (slots x heads x K x (K + V) float32
+numbers to W - 1 ranks; the backward's reduce-scatter moves the same), beside what all-gathering the
+sequence's q, k, v and gates in bf16 would send.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from distcomm_attention.linear import _checks, kernels  # noqa: E402
+from distcomm_attention.linear.recurrence import _Call  # noqa: E402
+from distcomm_attention.planning import balance  # noqa: E402
+
+SHAPES = {  # kind -> (key heads, value heads, K, V)
+    "gdn": (16, 32, 128, 128),
+    "ssd": (1, 80, 128, 64),
+}
+DRY_SHAPES = {"gdn": (2, 4, 16, 16), "ssd": (1, 4, 16, 8)}  # --dry-run's float64 step on CPU
+
+
+def parse_count(text: str) -> int:
+    text = text.strip().lower()
+    scale = {"k": 1024, "m": 1024 * 1024}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kinds", default="gdn,ssd", help="gdn (gated delta rule), ssd (scalar decay)")
+    p.add_argument("--layouts", default="contiguous,zigzag", help="contiguous, zigzag, striped, balanced")
+    p.add_argument("--tokens", default="16k,32k,64k", help="tokens per GPU (n)")
+    p.add_argument("--worlds", default="4,8,16", help="ring sizes W")
+    p.add_argument("--doc-len", type=int, default=0, help="mean document length (log-normal); 0: one sequence")
+    p.add_argument("--backward", action="store_true", help="time forward + backward (default: forward)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--full-limit", type=parse_count, default=parse_count("512k"),
+                   help="longest whole-sequence fla call to time (beyond: W x one call over n tokens)")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--dry-run", action="store_true",
+                   help="CPU, no fla: check the arguments, plans and bytes, run one tiny step per simulated rank")
+    args = p.parse_args(argv)
+    args.kinds = [x for x in args.kinds.split(",") if x]
+    args.layouts = [x for x in args.layouts.split(",") if x]
+    args.tokens = [parse_count(x) for x in args.tokens.split(",") if x]
+    args.worlds = [int(x) for x in args.worlds.split(",") if x]
+    for kind in args.kinds:
+        if kind not in SHAPES:
+            p.error(f"unknown kind {kind!r}; allowed: {', '.join(SHAPES)}")
+    if "balanced" in args.layouts and not args.doc_len:
+        p.error("layout 'balanced' places documents: pass --doc-len")
+    return args
+
+
+def documents(seq_len: int, mean: int, seed: int = 0) -> tuple[int, ...] | None:
+    """Log-normal document lengths (sigma 1) with the given mean, packed to ``seq_len``."""
+    if not mean:
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    bounds, pos = [0], 0
+    while pos < seq_len:
+        length = max(1, int(math.exp(math.log(mean) - 0.5 + torch.randn((), generator=gen).item())))
+        pos = min(seq_len, pos + length)
+        bounds.append(pos)
+    return tuple(bounds)
+
+
+def plan_of(layout: str, n: int, world: int, docs):
+    concrete = balance.resolve(layout, n * world, world, docs)
+    return _checks.cached_plan(concrete, n * world, world, docs, False)
+
+
+def bytes_per_rank(kind: str, plan, n: int, world: int) -> tuple[int, int]:
+    """(maps sent by the busiest rank forward, all-gathering its q, k, v and gates in bf16 instead)."""
+    h, hv, dk, dv = SHAPES[kind]
+    per_map = hv * dk * (dk + dv) if kind == "gdn" else hv * (dk * dv + 1)
+    maps = plan.slots * per_map * 4 * (world - 1)
+    gates = 2 if kind == "gdn" else 1
+    sequence = n * (2 * h * dk + hv * dv + gates * hv) * 2 * (world - 1)
+    return maps, sequence
+
+
+def inputs(kind: str, tokens: int, device, dtype, seed: int = 0, shape=None):
+    h, hv, dk, dv = shape or SHAPES[kind]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, device=device, dtype=dtype)  # noqa: E731
+    q = r(1, tokens, h, dk)
+    k = torch.nn.functional.normalize(r(1, tokens, h, dk).float(), dim=-1).to(dtype)
+    v = r(1, tokens, hv, dv)
+    g = torch.nn.functional.logsigmoid(r(1, tokens, hv).float()) * 0.1
+    beta = torch.rand(1, tokens, hv, generator=gen, device=device).to(dtype) if kind == "gdn" else None
+    return [t.requires_grad_() if t is not None else None for t in (q, k, v, g, beta)]
+
+
+def rank_step(kind, plan, rank, world, tensors, run, backward: bool):
+    """Rank ``rank``'s computation, the all-gather replaced by its own maps repeated ``world`` times."""
+    comm = SimpleNamespace(size=world, rank=rank, group=None)
+    q, k, v, g, beta = tensors
+    gather = lambda table: table.unsqueeze(0).expand(world, *table.shape)  # noqa: E731
+    call = _Call(plan, comm, run, SHAPES[kind][2] ** -0.5, q, k, v, g, beta, None, gather=gather)
+    out, _ = call.forward(False)
+    if backward:
+        out.float().sum().backward()
+    return out
+
+
+def full_call(kind, tensors, run, backward: bool):
+    q, k, v, g, beta = tensors
+    out, _ = run(q, k, v, g, beta, scale=SHAPES[kind][2] ** -0.5)
+    if backward:
+        out.float().sum().backward()
+    return out
+
+
+def timed(fn, iters: int, warmup: int, device) -> float:
+    """Median milliseconds per call (CUDA events on GPU, wall clock on CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def shard_of(tensors, plan, rank):
+    index = torch.cat([torch.arange(r.start, r.start + r.length) for r in plan.runs[rank]])
+    return [None if t is None else t.detach().index_select(1, index.to(t.device)).requires_grad_() for t in tensors]
+
+
+def run_case(args, kind, layout, n, world, device, dtype, run) -> dict:
+    docs = documents(n * world, args.doc_len)
+    plan = plan_of(layout, n, world, docs)
+    maps, sequence = bytes_per_rank(kind, plan, n, world)
+    row = dict(kind=kind, layout=layout, tokens_per_gpu=n, world=world, docs=0 if docs is None else len(docs) - 1,
+               slots=plan.slots, bytes_maps=maps, bytes_allgather_sequence=sequence)
+    if args.dry_run:
+        return row
+    full = inputs(kind, n * world, device, dtype)
+    rank_ms = []
+    for rank in range(world):
+        local = shard_of(full, plan, rank)
+        rank_ms.append(timed(lambda: rank_step(kind, plan, rank, world, local, run, args.backward),
+                             args.iters, args.warmup, device))
+    if n * world <= args.full_limit:
+        base = timed(lambda: full_call(kind, full, run, args.backward), args.iters, args.warmup, device)
+        row["baseline"] = "one call over S"
+    else:
+        part = inputs(kind, n, device, dtype)
+        base = world * timed(lambda: full_call(kind, part, run, args.backward), args.iters, args.warmup, device)
+        row["baseline"] = "x: W x one call over n"
+    row.update(rank_ms=rank_ms, max_rank_ms=max(rank_ms), baseline_ms=base, efficiency=base / (world * max(rank_ms)))
+    del full
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def dry_step(kind: str, layout: str, world: int, doc_len: int) -> float:
+    """One tiny float64 step of every simulated rank on CPU (the PyTorch kernel) against one call over the
+    whole sequence: the largest difference of the ranks' outputs (checks the simulated split end to end)."""
+    n = 16
+    docs = documents(n * world, doc_len and 6, seed=1)
+    plan = plan_of(layout, n, world, docs)
+    tensors = inputs(kind, n * world, torch.device("cpu"), torch.float64, shape=DRY_SHAPES[kind])
+    scale = DRY_SHAPES[kind][2] ** -0.5
+    ref, _ = kernels.torch_chunk(*tensors, scale=scale, cu_seqlens=None if docs is None else torch.tensor(docs))
+    worst = 0.0
+    # The split itself: every rank's maps, gathered for real, give the whole sequence's outputs.
+    all_tables = {}
+    for rank in range(world):
+        local = shard_of(tensors, plan, rank)
+        comm = SimpleNamespace(size=world, rank=rank, group=None)
+        _Call(plan, comm, kernels.torch_chunk, scale, *local, None,
+              gather=lambda t, r=rank: all_tables.setdefault(r, t).unsqueeze(0).expand(world, *t.shape)).forward(False)
+    stacked = torch.stack([all_tables[r] for r in range(world)])
+    for rank in range(world):
+        local = shard_of(tensors, plan, rank)
+        comm = SimpleNamespace(size=world, rank=rank, group=None)
+        out, _ = _Call(plan, comm, kernels.torch_chunk, scale, *local, None, gather=lambda t: stacked).forward(False)
+        index = torch.cat([torch.arange(r.start, r.start + r.length) for r in plan.runs[rank]])
+        worst = max(worst, float((out - ref[:, index]).detach().abs().max()))
+    return worst
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        device, dtype, run = torch.device("cpu"), torch.float64, kernels.torch_chunk
+    else:
+        if not kernels.fla_available():
+            sys.exit("bench_linear.py needs flash-linear-attention: pip install fla-core "
+                     "(use --dry-run to check the setup without it)")
+        if not torch.cuda.is_available():
+            sys.exit("bench_linear.py needs a CUDA GPU (use --dry-run to check the setup on CPU)")
+        device, dtype, run = torch.device("cuda"), torch.bfloat16, kernels.fla_chunk
+    rows = []
+    for kind in args.kinds:
+        for layout in args.layouts:
+            for n in args.tokens:
+                for world in args.worlds:
+                    row = run_case(args, kind, layout, n, world, device, dtype, run)
+                    if args.dry_run:
+                        row["dry_step_max_error"] = dry_step(kind, layout, min(world, 4), args.doc_len)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
+    if args.dry_run:
+        bad = [r for r in rows if r["dry_step_max_error"] > 1e-9]
+        if bad:
+            print(f"simulated ranks disagree with one call over the sequence: {bad}", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
