@@ -66,7 +66,7 @@ def _weight(r: int, name: str, shape) -> torch.Tensor:
 
 
 def _loss(outs: dict, r: int) -> torch.Tensor:
-    return sum((y * _weight(r, k, y.shape)).sum() for k, y in outs.items() if y.is_floating_point())
+    return sum((y * _weight(r, k, y.shape).to(y.device)).sum() for k, y in outs.items() if y.is_floating_point())
 
 
 def _a2a_in(r: int, w: int) -> list[int]:
@@ -112,16 +112,21 @@ def _reduction_inputs(r: int, w: int) -> dict[str, torch.Tensor]:
     return x
 
 
-def _reductions(x: dict, ops: tuple, bits: torch.Tensor, rank: int, w: int) -> dict[str, torch.Tensor]:
-    premul, premul_tensor = ops
+# torch >= 2.13 exposes a PREMUL_SUM op's factor to dynamo: the op compiles into the graph. Older torch
+# breaks the graph at such a call and runs it eagerly (distcomm/_compile/path.py: parse_op).
+PREMUL_IN_GRAPH = hasattr(dist.ReduceOp, "factor")
+PREMUL_KEYS = ("premul", "premul_tensor")
+
+
+def _reductions(x: dict, ops: tuple | None, bits: torch.Tensor, rank: int, w: int) -> dict[str, torch.Tensor]:
+    """``ops``: the two PREMUL_SUM ops, or None to leave them out."""
+    premul, premul_tensor = ops or (None, None)
     out = {
         "sum": F.all_reduce(x["sum"]),
         "avg": F.all_reduce(x["avg"], R.AVG),
         "product": F.all_reduce(x["product"], R.PRODUCT),
         "max": F.all_reduce(x["max"], op=R.MAX),
         "min": F.all_reduce(x["min"], R.MIN),
-        "premul": F.all_reduce(x["premul"], premul),
-        "premul_tensor": F.all_reduce(x["premul_tensor"], premul_tensor),
         "reduce_max": F.reduce(x["reduce_max"], w - 1, R.MAX),
         "reduce_avg": F.reduce(x["reduce_avg"], 0, R.AVG),
         "reduce_product": F.reduce(x["reduce_product"], 1, R.PRODUCT),
@@ -131,6 +136,9 @@ def _reductions(x: dict, ops: tuple, bits: torch.Tensor, rank: int, w: int) -> d
         "rst_avg": F.reduce_scatter_tensor(x["rst_avg"], -1, R.AVG),
         "rst_max_0d_rows": F.reduce_scatter_tensor(x["rst_max_0d_rows"], 0, R.MAX),
     }
+    if ops is not None:
+        out["premul"] = F.all_reduce(x["premul"], premul)
+        out["premul_tensor"] = F.all_reduce(x["premul_tensor"], premul_tensor)
     if not bits.is_cuda:  # NCCL has no bitwise reductions
         out["bxor"] = F.all_reduce(bits, R.BXOR)  # forward only
     largest = F.all_reduce(bits, R.MAX)
@@ -290,6 +298,14 @@ def _cpu(pair: tuple) -> tuple:
     return tuple({k: (None if v is None else v.detach().cpu()) for k, v in d.items()} for d in pair)
 
 
+def _premul_outside_graph(ops, rank: int, w: int, backend: str, device) -> bool:
+    """Older torch: each PREMUL_SUM op, compiled without fullgraph, gives eager's bits."""
+    x = _reduction_inputs(rank, w)
+    fn = torch.compile(lambda t, op: F.all_reduce(t, op), backend=backend)
+    return all(torch.equal(fn(x[k].to(device), op), F.all_reduce(x[k].to(device), op))
+               for k, op in zip(PREMUL_KEYS, ops))
+
+
 def _programs_rank(rank: int, w: int, program: str, backend: str, device: str):
     """Compile ``program`` with fullgraph=True (one graph, or an error naming the break); report the
     compiled-vs-eager differences and the compiled results."""
@@ -299,9 +315,13 @@ def _programs_rank(rank: int, w: int, program: str, backend: str, device: str):
         ops = (dist._make_nccl_premul_sum(_factor(rank, False)),
                dist._make_nccl_premul_sum(_factor(rank, True).to(device)))
         bits = _bits(rank).to(device)
+        if not PREMUL_IN_GRAPH:  # compiled on their own below, where the graph may break
+            res["premul_falls_back_to_eager"] = _premul_outside_graph(ops, rank, w, backend, device)
+            ops = None
 
         def make():
-            return _reduction_inputs(rank, w)
+            x = _reduction_inputs(rank, w)
+            return x if ops is not None else {k: v for k, v in x.items() if k not in PREMUL_KEYS}
 
         def call(fn, x):
             return fn(x, ops, bits, rank, w)
@@ -387,6 +407,9 @@ def _check_programs(results: list, program: str, w: int, device: str = "cpu") ->
         reference = _movement_reference(w)
     for r, res in enumerate(results):
         assert res["differences"] == [], f"rank {r}: compiled differs from eager in {res['differences']}"
+        if "premul_falls_back_to_eager" in res:
+            assert res["premul_falls_back_to_eager"], f"rank {r}: PREMUL_SUM compiled outside the graph != eager"
+            reference[r] = tuple({k: v for k, v in d.items() if k not in PREMUL_KEYS} for d in reference[r])
         _assert_matches(res["compiled"], reference[r], f"{program} rank {r}")
         if program == "movement":
             assert all(res["writes_return_the_buffers"]), "output arguments must be returned themselves"

@@ -44,25 +44,18 @@ def _size(group) -> int:
 
 def parse_op(op) -> _Op:
     """``_parse_op`` under torch.compile, where a ``ReduceOp`` object (PREMUL_SUM with its factor) is opaque
-    to dynamo except for its ``factor`` (torch >= 2.13). Older torch parses the object once while tracing
-    and bakes the result into the graph (guarded on the object): there the op must be an argument of the
-    compiled function (dynamo cannot guard the object from a closure or a global)."""
+    to dynamo except for its ``factor`` (torch >= 2.13). Older torch cannot read the object while tracing
+    (dynamo: "ReduceOp is not a constant", seen on torch 2.11): there the call breaks the graph and runs
+    eagerly, with eager's result, and ``fullgraph=True`` reports the break."""
     if type(op) is not ReduceOp:
         return _parse_op(op)
     if _FACTOR_READABLE:
         return _premul_op(op.factor)  # only PREMUL_SUM ops carry a factor
-    return _parse_op_object(op)
+    torch._dynamo.graph_break()
+    return _parse_op(op)
 
 
 _FACTOR_READABLE = hasattr(ReduceOp, "factor")
-
-
-@torch.compiler.assume_constant_result
-def _parse_op_object(op) -> _Op:
-    parsed = _parse_op(op)
-    if isinstance(parsed.factor, torch.Tensor):  # a Python number: the graph's constant (same arithmetic)
-        return _Op(parsed.kind, parsed.factor.item())
-    return parsed
 
 
 def _premultiplied(tensor: torch.Tensor, op: _Op) -> tuple[torch.Tensor, str]:

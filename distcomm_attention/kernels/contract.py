@@ -211,7 +211,7 @@ def _packed_varlen(call: PackedCall, batch: int, n: int, nk: int, device: torch.
         (r_lo, r_hi), (lo, hi) = (0, n), (0, nk)
     index = None
     if 3 * covered < hi - lo:
-        index = torch.cat([torch.arange(a, b) for a, b in keys]).to(device)
+        index = torch.cat([torch.arange(a, b) for a, b in keys]).to(device, non_blocking=True)
         key_at = tuple(itertools.accumulate((b - a for a, b in keys[:-1]), initial=0))
         width = covered
     else:

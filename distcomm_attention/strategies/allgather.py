@@ -36,8 +36,14 @@ from distcomm_attention.strategies.ring import (_add_dq, _dq_result, _dq_sum, _n
 __all__ = ["AllGatherKV", "allgather_attention", "gather_kv", "local_backward"]
 
 
+def _on(order: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``order`` (a host tensor) on ``device`` without waiting for the device: a blocking copy would hold the
+    host until every kernel queued before it had run."""
+    return order.to(device, non_blocking=True)
+
+
 def _to_buffer(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
-    return x if order is None else x.index_select(1, order.to(x.device))
+    return x if order is None else x.index_select(1, _on(order, x.device))
 
 
 def _from_buffer(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
@@ -45,7 +51,7 @@ def _from_buffer(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
     if order is None:
         return x
     out = torch.empty_like(x)
-    out[:, order.to(x.device)] = x
+    out[:, _on(order, x.device)] = x
     return out
 
 

@@ -150,7 +150,7 @@ class _UlyssesAttn(torch.autograd.Function):
     def forward(ctx, q, k, v, key_mask, group, degree: int, inner, pipelined: bool):
         kv_heads = k.shape[2]
         index = kv_head_index(q.shape[2], kv_heads, degree)
-        ids = None if index is None else torch.tensor(index, device=k.device)
+        ids = None if index is None else torch.tensor(index).to(k.device, non_blocking=True)
         if ids is not None:
             k, v = k.index_select(2, ids), v.index_select(2, ids)
         t = transport.for_group(group)

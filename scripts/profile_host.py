@@ -1,0 +1,104 @@
+"""Host time of one context_parallel_attn fwd+bwd per strategy on W ranks: where short steps lose time.
+
+Per strategy: the GPU time per call (CUDA events over back-to-back calls), the host time per call (the
+Python loop's wall time when the host does not wait: with ``torch.cuda._sleep`` queued ahead so the GPU
+never starves the host), and on rank 0 a cProfile of a few calls (top functions by cumulative time).
+
+    python scripts/profile_host.py --world 2 --seq 8k --strategies ring,ulysses,allgather,auto --out prof.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import _bench_util as U  # noqa: E402
+
+from distcomm_attention import context_parallel_attn, shard_sequence  # noqa: E402
+
+
+def run_rank(rank: int, world: int, cfg: dict) -> dict:
+    device = U.rank_device(cfg["backend"])
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    heads, kv_heads, d, seq = cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["seq"]
+    g = torch.Generator(device=device).manual_seed(0)
+    full = [torch.randn(1, seq, h, d, device=device, dtype=dt, generator=g) for h in (heads, kv_heads, kv_heads, heads)]
+    q, k, v, dout = (shard_sequence(x, "zigzag").contiguous() for x in full)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = {}
+    for strategy in cfg["strategies"]:
+        def step():
+            o = context_parallel_attn(q, k, v, strategy=strategy, causal=True, layout="zigzag")
+            o.backward(dout)
+            q.grad = k.grad = v.grad = None
+
+        gpu = U.time_loop(step, iters=cfg["iters"], warmup=3, device=device)
+        U.synchronize(device)
+        if device.type == "cuda":
+            torch.cuda._sleep(int(2e9))  # ~1 s of queued GPU work: the host never waits for the GPU below
+        t0 = time.perf_counter()
+        for _ in range(cfg["iters"]):
+            step()
+        host = (time.perf_counter() - t0) / cfg["iters"]
+        U.synchronize(device)
+        U.all_max([0.0], device)
+        text = ""
+        if rank == 0:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(5):
+                step()
+            U.synchronize(device)
+            prof.disable()
+            s = io.StringIO()
+            pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(cfg["top"])
+            text = s.getvalue()
+        else:
+            for _ in range(5):
+                step()
+            U.synchronize(device)
+        gpu_max, host_max = U.all_max([gpu, host], device)
+        out[strategy] = {"gpu_s": gpu_max, "host_s": host_max, "profile": text}
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--seq", default="8k")
+    p.add_argument("--strategies", default="ring,ulysses,allgather,auto")
+    p.add_argument("--heads", default="32/8")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    heads, kv_heads = map(int, a.heads.split("/"))
+    cfg = {"seq": U.parse_count(a.seq), "strategies": a.strategies.split(","), "heads": heads, "kv_heads": kv_heads,
+           "head_dim": a.head_dim, "iters": a.iters, "top": a.top,
+           "backend": "nccl" if a.device == "cuda" else "gloo"}
+    res = U.launch(run_rank, a.world, cfg, backend=cfg["backend"], timeout=600)
+    if not res:
+        return
+    lines = []
+    for s, m in res[0].items():
+        lines.append(f"== {s}: GPU {m['gpu_s'] * 1e3:.2f} ms/call, host {m['host_s'] * 1e3:.2f} ms/call\n{m['profile']}")
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

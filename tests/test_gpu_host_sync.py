@@ -1,0 +1,59 @@
+"""No host synchronisation on the hot path: after a call has planned and cached its device tensors, a
+repeated context_parallel_attn forward + backward over NCCL runs under ``torch.cuda.set_sync_debug_mode
+("error")``, which raises on any operation that makes the host wait for the GPU (a blocking host-to-device
+copy, ``.item()``, ``.tolist()``, ``torch.cuda.synchronize``). Marked ``gpu2``: run on the GPU machine."""
+
+import os
+
+import pytest
+import torch
+
+from tests.dist_harness import run_world
+
+for _name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+    os.environ.setdefault(_name, "0" if _name == "NCCL_NVLS_ENABLE" else "1")  # no NVLink multicast
+
+STRATEGIES = ("ring", "allgather", "ulysses", "auto")
+CASES = [  # (name, layout, documents over the whole sequence, kv heads)
+    ("dense causal zigzag", "zigzag", None, 2),
+    ("packed balanced", "balanced", [0, 100, 900, 1000, 1700, 2048], 2),
+    ("kv heads replicated", "zigzag", None, 1),
+]
+
+
+def _rank(rank: int, world: int):
+    from distcomm_attention import context_parallel_attn, shard_sequence
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    failures = []
+    for name, layout, docs, kv_heads in CASES:
+        g = torch.Generator(device=device).manual_seed(0)
+        full = [torch.randn(1, 2048, h, 64, device=device, dtype=torch.bfloat16, generator=g)
+                for h in (4, kv_heads, kv_heads, 4)]
+        cu = docs  # on the host, as the docs advise: a CUDA cu_seqlens is read back once per call
+        q, k, v, dout = (shard_sequence(x, layout, cu_seqlens=cu).contiguous() for x in full)
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        for strategy in STRATEGIES:
+            def step():
+                out = context_parallel_attn(q, k, v, strategy=strategy, causal=True, layout=layout, cu_seqlens=cu)
+                out.backward(dout)
+
+            step()  # plans, caches, kernel compilation
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                step()
+            except RuntimeError as exc:
+                failures.append(f"{name}, {strategy}: {' '.join(str(exc).split())[:300]}")
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+    return failures
+
+
+@pytest.mark.gpu2
+def test_repeated_calls_never_wait_for_the_gpu():
+    per_rank = run_world(_rank, 2, backend="nccl", timeout=600)
+    failures = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+    assert not failures, "\n".join(failures)
