@@ -72,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, no fla: check the arguments, plans and bytes, run one tiny step per simulated rank")
+    p.add_argument("--check", action="store_true",
+                   help="GPU: fla's split (simulated ranks, maps gathered) vs a float64 reference, fwd and bwd")
     args = p.parse_args(argv)
     args.kinds = [x for x in args.kinds.split(",") if x]
     args.layouts = [x for x in args.layouts.split(",") if x]
@@ -120,7 +122,8 @@ def inputs(kind: str, tokens: int, device, dtype, seed: int = 0, shape=None):
     q = r(1, tokens, h, dk)
     k = torch.nn.functional.normalize(r(1, tokens, h, dk).float(), dim=-1).to(dtype)
     v = r(1, tokens, hv, dv)
-    g = torch.nn.functional.logsigmoid(r(1, tokens, hv).float()) * 0.1
+    gate_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    g = torch.nn.functional.logsigmoid(r(1, tokens, hv).to(gate_dtype)) * 0.1
     beta = torch.rand(1, tokens, hv, generator=gen, device=device).to(dtype) if kind == "gdn" else None
     return [t.requires_grad_() if t is not None else None for t in (q, k, v, g, beta)]
 
@@ -198,31 +201,57 @@ def run_case(args, kind, layout, n, world, device, dtype, run) -> dict:
     return row
 
 
-def dry_step(kind: str, layout: str, world: int, doc_len: int) -> float:
-    """One tiny float64 step of every simulated rank on CPU (the PyTorch kernel) against one call over the
-    whole sequence: the largest difference of the ranks' outputs (checks the simulated split end to end)."""
-    n = 16
-    docs = documents(n * world, doc_len and 6, seed=1)
+def split_check(kind: str, layout: str, world: int, doc_len: int, run, device, dtype, *, n: int = 16,
+                shape=None) -> dict:
+    """Every simulated rank of a ring of ``world`` with ``run`` as its kernel, the ranks' maps gathered for real,
+    forward and backward, against the float64 PyTorch kernel over the whole sequence (and, for another
+    kernel, that kernel over the whole sequence beside it): the largest differences of outputs and of the
+    gradients of q, k, v, g (and beta), each relative to the reference's largest magnitude."""
+    shape = shape or DRY_SHAPES[kind]
+    docs = documents(n * world, doc_len and max(2, n // 3), seed=1)
     plan = plan_of(layout, n, world, docs)
-    tensors = inputs(kind, n * world, torch.device("cpu"), torch.float64, shape=DRY_SHAPES[kind])
-    scale = DRY_SHAPES[kind][2] ** -0.5
-    ref, _ = kernels.torch_chunk(*tensors, scale=scale, cu_seqlens=None if docs is None else torch.tensor(docs))
-    worst = 0.0
-    # The split itself: every rank's maps, gathered for real, give the whole sequence's outputs.
-    all_tables = {}
-    for rank in range(world):
-        local = shard_of(tensors, plan, rank)
+    full = [t.detach().requires_grad_() if t is not None else None
+            for t in inputs(kind, n * world, device, torch.float64, shape=shape)]
+    scale = shape[2] ** -0.5
+    cu = None if docs is None else torch.tensor(docs)
+    weight = torch.randn(full[2].shape[:3] + (shape[3],), generator=torch.Generator(device=device).manual_seed(2),
+                         device=device, dtype=torch.float64)
+
+    def grads_of(out_full, leaves):
+        return torch.autograd.grad((out_full.double() * weight).sum(), [t for t in leaves if t is not None])
+
+    ref, _ = kernels.torch_chunk(*full, scale=scale, cu_seqlens=cu)
+    ref_grads = grads_of(ref, full)
+    gate_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # fla takes g in float32
+    low = [None if t is None else t.detach().to(gate_dtype if i == 3 else dtype).requires_grad_()
+           for i, t in enumerate(full)]
+    indices = [torch.cat([torch.arange(r.start, r.start + r.length) for r in plan.runs[rank]]).to(device)
+               for rank in range(world)]
+    shards = [[None if t is None else t.index_select(1, idx) for t in low] for idx in indices]
+    tables = {}
+    for rank in range(world):  # phase 1 of every rank; the tables stay in the graph of `low`
         comm = SimpleNamespace(size=world, rank=rank, group=None)
-        _Call(plan, comm, kernels.torch_chunk, scale, *local, None,
-              gather=lambda t, r=rank: all_tables.setdefault(r, t).unsqueeze(0).expand(world, *t.shape)).forward(False)
-    stacked = torch.stack([all_tables[r] for r in range(world)])
+        _Call(plan, comm, run, scale, *shards[rank], None,
+              gather=lambda t, r=rank: tables.setdefault(r, t).unsqueeze(0).expand(world, *t.shape)).forward(False)
+    stacked = torch.stack([tables[r] for r in range(world)])
+    out_full = torch.zeros_like(ref)
     for rank in range(world):
-        local = shard_of(tensors, plan, rank)
         comm = SimpleNamespace(size=world, rank=rank, group=None)
-        out, _ = _Call(plan, comm, kernels.torch_chunk, scale, *local, None, gather=lambda t: stacked).forward(False)
-        index = torch.cat([torch.arange(r.start, r.start + r.length) for r in plan.runs[rank]])
-        worst = max(worst, float((out - ref[:, index]).detach().abs().max()))
-    return worst
+        out, _ = _Call(plan, comm, run, scale, *shards[rank], None, gather=lambda t: stacked).forward(False)
+        out_full = out_full.index_copy(1, indices[rank], out.double())
+    def rel(a, b):
+        a, b = a.detach().double(), b.detach()
+        return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+    names = ["q", "k", "v", "g", "beta"][: 5 if kind == "gdn" else 4]
+    result = {"out": rel(out_full, ref)}
+    result.update({f"d{name}": rel(g, r) for name, g, r in zip(names, grads_of(out_full, low), ref_grads)})
+    if run is not kernels.torch_chunk:  # the same kernel over the whole sequence, for scale
+        whole = [None if t is None else t.detach().requires_grad_() for t in low]
+        o, _ = run(*whole, scale=scale, cu_seqlens=None if cu is None else cu.to(device))
+        result["whole_out"] = rel(o, ref)
+        result.update({f"whole_d{name}": rel(g, r) for name, g, r in zip(names, grads_of(o, whole), ref_grads)})
+    return result
 
 
 def main(argv=None) -> int:
@@ -236,6 +265,15 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             sys.exit("bench_linear.py needs a CUDA GPU (use --dry-run to check the setup on CPU)")
         device, dtype, run = torch.device("cuda"), torch.bfloat16, kernels.fla_chunk
+    if args.check:
+        rows = [dict(kind=kind, layout=layout, world=world, **split_check(
+                    kind, layout, world, args.doc_len, run, device, dtype, n=n, shape=SHAPES[kind]))
+                for kind in args.kinds for layout in args.layouts for world in args.worlds for n in args.tokens]
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        if args.json is not None:
+            args.json.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
+        return 0
     rows = []
     for kind in args.kinds:
         for layout in args.layouts:
@@ -243,7 +281,8 @@ def main(argv=None) -> int:
                 for world in args.worlds:
                     row = run_case(args, kind, layout, n, world, device, dtype, run)
                     if args.dry_run:
-                        row["dry_step_max_error"] = dry_step(kind, layout, min(world, 4), args.doc_len)
+                        errors = split_check(kind, layout, min(world, 4), args.doc_len, run, device, dtype)
+                        row["dry_step_max_error"] = max(errors.values())
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     if args.json is not None:

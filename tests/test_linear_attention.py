@@ -156,7 +156,8 @@ def _case(kind, layout, seq, docs=None, heads=(2, 4)):
 
 
 def test_plan_runs_and_segments():
-    """Zigzag gives two runs per rank (one where the two chunks meet); a document start cuts a run, and only a run's first segment is open."""
+    """Zigzag gives two runs per rank (one where the two chunks meet); a document start cuts a run, and only a
+    run's first segment is open."""
     docs = (0, 3, 4, 15, 16)
     plan = make_plan(rank_positions("zigzag", 16, 4), 16, docs, finals=True)
     assert [[(r.start, r.length) for r in rank] for rank in plan.runs] == [

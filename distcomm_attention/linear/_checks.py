@@ -86,7 +86,8 @@ def check_recurrence(q, k, v, g, beta, scale, initial_state, delta: bool) -> flo
                 f"{_shape(gate)}"
             )
     if any(x.device != q.device for x in named.values()):
-        raise ValueError(f"all tensors must be on one device, got {', '.join(f'{n} on {x.device}' for n, x in named.items())}")
+        where = ", ".join(f"{n} on {x.device}" for n, x in named.items())
+        raise ValueError(f"all tensors must be on one device, got {where}")
     if scale is None:
         scale = dk**-0.5
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
