@@ -8,7 +8,10 @@ Layers, cheapest first:
    final states and the gradients of q, k, v, g, beta and the initial state, for the layouts contiguous,
    zigzag, striped and balanced, packed documents (one-token documents, a document crossing every rank
    boundary), GVA; the conv halo against a float64 conv of the whole sequence; a bad input on one rank
-   raising the same error on every rank; bytes per rank the same at two sequence lengths.
+   raising the same error on every rank; bytes per rank the same at two sequence lengths; a tiny Qwen3-Next
+   under context parallelism against one process; the benchmark's --dry-run;
+4. GPU (marked ``gpu``, needs fla-core): simulated ranks with fla's kernels, forward and backward, against the
+   float64 recurrence, beside one fla call over the whole sequence.
 """
 
 from __future__ import annotations
@@ -434,3 +437,39 @@ def kernels_fla_available() -> bool:
     from distcomm_attention.linear.kernels import fla_available
 
     return fla_available()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 4. GPU (marked): fla's kernels behind the same split, against the float64 reference
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_fla_kernel_refused_on_cpu():
+    """kernel='fla' on CPU tensors says what it needs instead of failing inside Triton."""
+    q, k, v, g, beta, rest = _bad(kernel="fla")
+    with pytest.raises(ValueError, match=r"kernel='fla' runs on CUDA tensors of 16 or 32 bits, got torch.float64 on cpu"):
+        chunk_gated_delta_rule_cp(q, k, v, g, beta, **rest)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gdn", "ssd"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "balanced"])
+def test_fla_split_matches_float64(kind, layout):
+    """Simulated ranks (W = 4) with fla's bf16 kernels, forward and backward, documents: each error against the
+    float64 recurrence at most 2x (plus 1e-3) that of one fla call over the whole sequence."""
+    pytest.importorskip("fla")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        import bench_linear
+    finally:
+        sys.path.pop(0)
+    from distcomm_attention.linear.kernels import fla_chunk
+
+    errors = bench_linear.split_check(kind, layout, 4, 96, fla_chunk, torch.device("cuda"), torch.bfloat16, n=256,
+                                      shape=bench_linear.SHAPES[kind])
+    for name, err in errors.items():
+        if not name.startswith("whole_"):
+            assert err <= 2 * errors[f"whole_{name}"] + 1e-3, errors
