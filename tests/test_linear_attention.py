@@ -346,18 +346,22 @@ HF_SEQ, HF_VOCAB = 24, 64
 HF_TOL = dict(rtol=1e-5, atol=1e-7)  # transformers runs the GDN reference and the gated norm in float32
 
 
-def _qwen3_next(attn_implementation: str):
-    """The same randomly initialised float64 weights for every run (seeded); dense MLPs (grouped_mm of the
-    experts takes no float64)."""
+def _qwen3_next(attn_implementation: str, family: str = "qwen3_next"):
+    """The same randomly initialised float64 weights for every run (seeded): Qwen3-Next with dense MLPs
+    (grouped_mm of the experts takes no float64), or Qwen3.5's text model."""
     from transformers import AutoModelForCausalLM, Qwen3NextConfig
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
-    config = Qwen3NextConfig(
+    shared = dict(
         vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
-        mlp_only_layers=[0, 1, 2, 3], max_position_embeddings=256, attention_dropout=0.0,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=256, attention_dropout=0.0,
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
     )
+    if family == "qwen3_next":
+        config = Qwen3NextConfig(**shared, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0, 1, 2, 3])
+    else:
+        config = Qwen3_5TextConfig(**shared)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float64)
 
@@ -366,25 +370,26 @@ def _hf_ids() -> torch.Tensor:
     return torch.randint(0, HF_VOCAB, (2, HF_SEQ), generator=_gen("hf-ids"))
 
 
-def _hf_rank(rank: int, world: int, layout: str):
+def _hf_rank(rank: int, world: int, layout: str, family: str):
     from distcomm_attention.integrations import huggingface as ring_hf
 
     ring = ring_hf.register("cp_hybrid", layout=layout)
-    model = ring.attach(_qwen3_next(ring.name))
+    model = ring.attach(_qwen3_next(ring.name, family))
     ids = _hf_ids()
     loss = model(**ring.shard_inputs(input_ids=ids, labels=ids)).loss
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("world, layout", [(2, "zigzag"), (3, "zigzag"), (3, "contiguous")])
-def test_qwen3_next_under_context_parallelism(world, layout):
+@pytest.mark.parametrize("world, layout, family", [(2, "zigzag", "qwen3_next"), (3, "zigzag", "qwen3_next"),
+                                                   (3, "contiguous", "qwen3_next"), (2, "zigzag", "qwen3_5")])
+def test_qwen3_next_under_context_parallelism(world, layout, family):
     """A hybrid model trains under CP with one register/attach/shard_inputs: the ranks' losses add up to the
     one-process loss (transformers' own layers, sdpa) and the summed parameter gradients match its gradients,
-    the GDN layers' conv and recurrence parameters included."""
+    the GDN layers' conv and recurrence parameters included (Qwen3-Next's and Qwen3.5's projections)."""
     pytest.importorskip("transformers")
-    results = run_world(_hf_rank, world, layout, timeout=120)
-    model = _qwen3_next("sdpa")
+    results = run_world(_hf_rank, world, layout, family, timeout=120)
+    model = _qwen3_next("sdpa", family)
     ids = _hf_ids()
     loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
