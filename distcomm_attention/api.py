@@ -10,7 +10,7 @@ from distcomm_attention.kernels import dispatch
 from distcomm_attention.planning import layouts
 from distcomm_attention.kernels.dispatch import KernelChoice
 from distcomm_attention.strategies import dispatch as strategies
-from distcomm_attention.strategies.ring import ring_attention
+from distcomm_attention.strategies.sparse_ring import ring_planner, run_ring
 from distcomm_attention.strategies.prepare import prepare, ring_comm
 from distcomm_attention.planning.visibility import Visibility
 from distcomm_attention.sharding import Sharding, merge_sharding
@@ -152,14 +152,12 @@ def ring_flash_attn(
     error = error or ring_error
     requires_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
-    plan, scale, fwd, bwd, _ = prepare(
+    planned, scale, fwd, bwd, _ = prepare(
         q, k, v, comm, layout=layout, causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
         attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend, requires_grad=requires_grad,
-        error=error,
+        error=error, planner=ring_planner(comm, q),
     )
-    return ring_attention(
-        q, k, v, comm, plan=plan, key_mask=attention_mask, softcap=softcap, scale=scale, fwd=fwd, bwd=bwd
-    )
+    return run_ring(q, k, v, comm, planned, key_mask=attention_mask, softcap=softcap, scale=scale, fwd=fwd, bwd=bwd)
 
 
 def which_kernels(

@@ -10,7 +10,8 @@ code waits on NCCL, so the measured time includes whatever communication the ran
 Per row and strategy: the time with the link, the time with an ideal link (no wait, same copies: compute
 only), the exposed communication (their difference), the cost model's prediction for that link and its
 error, the bytes the rank sends, the cost model's pick and the measured fastest. Strategies: "ring" (the
-ring loop, hops posted before the compute they overlap), "allgather" (the all-gather of k, v, or the sparse
+ring loop, hops posted before the compute they overlap; the sparse ring's direct sends of the rows each
+block reads where the strategy takes it, Note [Sparse ring]), "allgather" (the all-gather of k, v, or the sparse
 exchange of only the needed keys where the exchange plan makes it cheaper, Note [Sparse gather]; the
 backward gathers again and reduces dK/dV in fp32), "ulysses" (the strategy's own autograd Function as it
 runs: every all-to-all waited before the kernels that need it) and "ulysses_pipelined" (the same with its
@@ -36,7 +37,8 @@ import bench_strategies as bs  # noqa: E402
 
 from distcomm_attention.kernels import dispatch  # noqa: E402
 from distcomm_attention.planning import cost  # noqa: E402
-from distcomm_attention.planning.exchange import compact_gathered_plan, gathered_exchange  # noqa: E402
+from distcomm_attention.planning.exchange import compact_gathered_plan, gathered_exchange, sparse_ring  # noqa: E402
+from distcomm_attention.strategies.sparse_ring import sparse_ring_backward, sparse_ring_forward  # noqa: E402
 from distcomm_attention.planning.plans import gathered_plan, local_plan  # noqa: E402
 from distcomm_attention.planning.visibility import Visibility, ring_plan  # noqa: E402
 from distcomm_attention.strategies.allgather import AllGatherKV, local_backward  # noqa: E402
@@ -70,6 +72,16 @@ def _ring_step(t, q, k, v, dout, plan, fwd, bwd, scale):
     def step():
         out, lse = ring_forward(q, k, v, None, t, plan, 0.0, scale, fwd)
         ring_backward(dout, q, k, v, out, lse, None, t, plan, 0.0, scale, bwd)
+
+    return step
+
+
+def _sparse_ring_step(t, q, k, v, dout, sp, fwd, bwd, scale):
+    """The ring with direct sparse sends (Note [Sparse ring]) where the strategy takes it."""
+
+    def step():
+        out, lse, kept = sparse_ring_forward(q, k, v, None, t, sp, 0.0, scale, fwd)
+        sparse_ring_backward(dout, q, k, v, out, lse, None, t, sp, kept, 0.0, scale, bwd)
 
     return step
 
@@ -148,7 +160,10 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
             times, sent, sparse = [], 0, None
             for r in ranks:
                 t = _Sent(EmulatedLink(world, r, LINKS[link_name]))
-                if strategy == "ring":
+                sp = sparse_ring(concrete, vis, world, r, n)
+                if strategy == "ring" and sp is not None:
+                    f = _sparse_ring_step(t, q, k, v, dout, sp, fwd, bwd, scale)
+                elif strategy == "ring":
                     f = _ring_step(t, q, k, v, dout, ring_plan(concrete, vis, world, r, n), fwd, bwd, scale)
                 elif strategy == "allgather":
                     f, sparse = _allgather_step(t, q, k, v, dout, concrete, vis, world, r, fwd, bwd, scale)

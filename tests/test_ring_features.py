@@ -254,7 +254,7 @@ def _hops_rank(rank, world):
 
     def counting(self, *tensors, shift=1, **kwargs):
         if shift % self.size:
-            sent.append(shift % self.size)
+            sent.append((shift % self.size, tensors[0].shape[1]))
         return original(self, *tensors, shift=shift, **kwargs)
 
     RingComm.send_recv = counting
@@ -267,13 +267,16 @@ def _hops_rank(rank, world):
 
 
 def test_window_skips_ring_steps_on_the_wire():
-    """A causal window of 3 over 4 ranks of 8 tokens needs only the neighbour: the forward makes one kv hop."""
+    """A causal window of 3 over 4 ranks of 8 tokens needs only the neighbour's last 3 keys: the forward sends
+    those 3 rows one hop (Note [Sparse ring]), the backward keeps them and sends their dK, dV straight back."""
     results = run_world(_hops_rank, 4)
     case = dict(layout="contiguous", causal=True, b=1, n=8, h=2, hkv=2, d=8, w=4, seed=5, window=(3, -1))
     _check(case, [r[0] for r in results])
-    for _result, sent in results:
-        # forward: one kv hop; backward: its kv hop, one accumulator hop, and the final hop home (shift 3)
-        assert sent == [1, 1, 1, 3], sent
+    for rank, (_result, sent) in enumerate(results):
+        # rank 3's keys are seen by no query of rank 0 (causal); rank 0 sees no other rank's keys
+        forward = 0 if rank == 3 else 3
+        backward = 0 if rank == 0 else 3
+        assert sent == [(1, forward), (3, backward)], (rank, sent)
 
 
 def _mismatch_rank(rank, world):

@@ -37,7 +37,7 @@ import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from distcomm_attention.planning.exchange import gathered_exchange
+from distcomm_attention.planning.exchange import gathered_exchange, sparse_ring
 from distcomm_attention.planning.plans import gathered_plan, local_plan
 from distcomm_attention.planning.visibility import RingPlan, Visibility, ring_plan
 
@@ -142,21 +142,35 @@ def _transfer_s(nbytes: float, gbps: float, hw: Hardware) -> float:
 
 
 def _ring_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: Hardware) -> tuple[float, float]:
-    """(compute, exposed communication) of the slowest rank of a ring of ``ranks`` over ``local_len`` tokens."""
-    kv = 2 * c.batch * local_len * kv_heads * c.head_dim
-    hop_fwd = _transfer_s(kv * c.itemsize, hw.p2p_gbps, hw) if ranks > 1 else 0.0
-    hop_bwd = _transfer_s(kv * (c.itemsize + 4), hw.p2p_gbps, hw) if ranks > 1 else 0.0
+    """(compute, exposed communication) of the slowest rank of a ring of ``ranks`` over ``local_len`` tokens:
+    whole shards relayed, or the sparse ring's rows (Note [Sparse ring]) where it runs."""
+    row = 2 * c.batch * kv_heads * c.head_dim  # k and v elements of one token
     worst = (0.0, 0.0)
     for r in range(ranks):
         plan = ring_plan(c.layout, c.vis, ranks, r, local_len)
+        sparse = sparse_ring(c.layout, c.vis, ranks, r, local_len) if ranks > 1 else None
+        if sparse is None:  # every hop a whole shard; dK, dV ride along and go home at the end
+            rows = [local_len] * (len(plan.steps) + 1)  # a hop beside every step (the backward's accumulators)
+            bwd_bytes = c.itemsize + 4
+            home = _transfer_s(row * local_len * bwd_bytes, hw.p2p_gbps, hw)
+        else:  # each step the rows its block reads; dK, dV of them straight back (k, v again unless kept)
+            rows = [b - a for a, b in sparse.recv]
+            bwd_bytes = 4 if sparse.keep else c.itemsize + 4
+            home = _transfer_s(row * rows[-1] * 4, hw.p2p_gbps, hw)
         compute = total = 0.0
         hops = len(plan.steps) > 1
-        for costs in _step_costs(plan):
+        for i, costs in enumerate(_step_costs(plan)):
             step = _compute_s(*costs, c, heads, kv_heads, hw)
             compute += step
-            # forward: 1 / 3.5 of the work against the k, v hop; backward: the rest against k, v, dK, dV
-            total += max(step / 3.5, hop_fwd) + max(step * 2.5 / 3.5, hop_bwd) if hops else step
-        total += hop_bwd if hops else 0.0  # dK, dV home
+            if not hops:
+                total += step
+                continue
+            # forward: 1 / 3.5 of the work against the next step's k, v; backward: the rest against k, v, dK, dV
+            nxt = rows[i + 1] if i + 1 < len(rows) else 0
+            hop_fwd = _transfer_s(row * nxt * c.itemsize, hw.p2p_gbps, hw) if nxt else 0.0
+            hop_bwd = _transfer_s(row * nxt * bwd_bytes, hw.p2p_gbps, hw) if nxt else 0.0
+            total += max(step / 3.5, hop_fwd) + max(step * 2.5 / 3.5, hop_bwd)
+        total += home if hops else 0.0
         if total > sum(worst):
             worst = (compute, total - compute)
     return worst

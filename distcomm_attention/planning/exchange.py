@@ -26,7 +26,7 @@ import torch
 
 from distcomm_attention.planning import layouts
 from distcomm_attention.planning.plans import gathered_in_natural_order, gathered_plan
-from distcomm_attention.planning.visibility import Block, RingPlan, Visibility, _concrete, _query_bounds
+from distcomm_attention.planning.visibility import Block, RingPlan, Visibility, _concrete, _query_bounds, ring_plan
 
 __all__ = ["Exchange", "exchange_plan", "compact_plan", "compact_gathered_plan", "gathered_exchange", "SPARSE_BELOW"]
 
@@ -159,3 +159,67 @@ def compact_gathered_plan(layout, vis: Visibility, ring_size: int, rank: int, lo
     layout = _concrete(layout, vis, ring_size, local_len)
     ex = exchange_plan(layout, vis, ring_size, local_len)
     return compact_plan(gathered_plan(layout, vis, ring_size, rank, local_len), ex, rank)
+
+
+# The ring with direct sparse sends (Note [Sparse ring] in strategies/sparse_ring.py): its schedule.
+
+RING_KEEP_ROWS = 2  # the forward's received rows are kept for the backward up to this many shards on every rank
+
+
+@dataclass(frozen=True)
+class SparseRing:
+    """One rank's sparse ring schedule (Note [Sparse ring]).
+
+    Attributes:
+        plan: this rank's ring plan with every remote block's kv slice re-based to the received rows.
+        recv: recv[i] = (lo, hi): the rows of src = rank - steps[i] this rank's block reads at step i.
+        send: send[i] = (lo, hi): this rank's rows that rank + steps[i]'s block reads at step i.
+        keep: the forward's received rows are kept for the backward (decided alike on every rank).
+    """
+
+    plan: RingPlan
+    recv: tuple[tuple[int, int], ...]
+    send: tuple[tuple[int, int], ...]
+    keep: bool
+
+    def rows_received(self) -> int:
+        return sum(b - a for a, b in self.recv[1:])
+
+    def rows_sent(self) -> int:
+        return sum(b - a for a, b in self.send[1:])
+
+
+def _reads(plan: RingPlan, i: int) -> tuple[int, int]:
+    """The kv rows [lo, hi) of the source that step i's blocks read ((0, 0): none)."""
+    blocks = plan.blocks[i]
+    if not blocks:
+        return 0, 0
+    return min(b.kv.start for b in blocks), max(b.kv.stop for b in blocks)
+
+
+def compact_ring_plan(plan: RingPlan) -> RingPlan:
+    """``plan`` with every block after step 0 reading from a buffer that starts at its step's first row."""
+    steps = [plan.blocks[0]]
+    for i in range(1, len(plan.steps)):
+        lo, _ = _reads(plan, i)
+        steps.append(tuple(Block(b.q, slice(b.kv.start - lo, b.kv.stop - lo), b.mode, b.intervals)
+                           for b in plan.blocks[i]))
+    return RingPlan(plan.steps, tuple(steps))
+
+
+@functools.lru_cache(maxsize=128)
+def sparse_ring(layout, vis: Visibility, ring_size: int, rank: int, local_len: int) -> SparseRing | None:
+    """The sparse ring schedule of ``rank``, or None where the plain ring's relay moves about as little (the
+    busiest rank would receive at least SPARSE_BELOW of the relay's rows), or for a ring of one."""
+    if ring_size == 1 or local_len == 0:
+        return None
+    plans = [ring_plan(layout, vis, ring_size, r, local_len) for r in range(ring_size)]
+    steps = plans[rank].steps
+    if len(steps) == 1:
+        return None
+    received = [sum(b - a for a, b in map(functools.partial(_reads, p), range(1, len(steps)))) for p in plans]
+    if max(received) >= SPARSE_BELOW * (len(steps) - 1) * local_len:
+        return None
+    recv = tuple(_reads(plans[rank], i) for i in range(len(steps)))
+    send = tuple(_reads(plans[(rank + t) % ring_size], i) for i, t in enumerate(steps))
+    return SparseRing(compact_ring_plan(plans[rank]), recv, send, max(received) <= RING_KEEP_ROWS * local_len)

@@ -30,7 +30,8 @@ from distcomm_attention.strategies import allgather as _allgather
 from distcomm_attention.strategies import ulysses as _ulysses
 from distcomm_attention.sharding import concrete_layout, is_2d_mesh, resolve_layout
 from distcomm_attention.strategies.prepare import prepare
-from distcomm_attention.strategies.ring import ring_attention, ring_backward, ring_forward
+from distcomm_attention.strategies.ring import ring_backward, ring_forward
+from distcomm_attention.strategies.sparse_ring import ring_planner, run_ring
 
 __all__ = ["STRATEGIES", "check_strategy", "is_2d_mesh", "resolve_mesh", "hybrid_positions", "choose", "run"]
 
@@ -210,9 +211,9 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
     extra = {"strategy": _CODES[strategy]}
     n = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
     if strategy == "ring":
-        plan, scale, fwd, bwd, _ = prepare(q, k, v, comm, extra=extra, **common)
-        return ring_attention(q, k, v, comm, plan=plan, key_mask=attention_mask, softcap=softcap, scale=scale,
-                              fwd=fwd, bwd=bwd)
+        planned, scale, fwd, bwd, _ = prepare(q, k, v, comm, extra=extra, **common, planner=ring_planner(comm, q))
+        return run_ring(q, k, v, comm, planned, key_mask=attention_mask, softcap=softcap, scale=scale, fwd=fwd,
+                        bwd=bwd)
     if strategy == "allgather":
         (plan, exchange), scale, fwd, bwd, layout = prepare(q, k, v, comm, extra=extra, **common,
                                                             planner=lambda vis, lay: _gathered(lay, vis, world, rank, n))

@@ -1,0 +1,201 @@
+"""The ring with direct sparse sends: at each needed step only the key rows the receiver's block reads move.
+
+Note [Sparse ring]
+    In the ring loop (Note [Ring attention loop]) rank r computes at step t one block against the keys of
+    src = (r - t) mod W, rows [lo, hi) of src's shard (the block's kv slice: every key its queries can see
+    lies in it). The plain ring relays whole shards around the ring, so every hop moves n rows whatever the
+    block reads. With packed documents, windows or balanced layouts most blocks read a few rows or none, and
+    the sparse ring sends them directly instead:
+
+        step t (every rank posts the same steps):  rank r sends rows [lo, hi) of its shard that rank r + t's
+                                                   block reads, straight to r + t (shift t), and receives the
+                                                   rows its own block reads from r - t; nothing when empty
+        block call:                                the plan's block with its kv slice re-based to the received
+                                                   rows (``compact_ring_plan``)
+        backward:                                  the same sends (or the forward's buffers, kept when every
+                                                   rank's buffers total at most KEEP_ROWS shards), and each
+                                                   step's dK, dV of the received rows straight back to src
+                                                   (shift -t, fp32), added into src's own accumulators
+
+    Every send's size is known to both ends from the plans alone (each rank builds every rank's ring plan, a
+    pure function of the layout and the mask), so nothing but the rows themselves is exchanged, and each
+    step's transfer is posted before the step before it computes, as in the plain ring. The strategy picks
+    it when the busiest rank receives less than SPARSE_BELOW of what the relay moves it; then each rank holds
+    at most one source's rows at a time, as the ring does, not the union of all of them as the sparse
+    all-gather does (Note [Sparse gather]).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from distcomm import _groups
+from distcomm.ring import RingComm
+from distcomm_attention import transport
+from distcomm_attention.planning.exchange import SparseRing, sparse_ring
+from distcomm_attention.planning.visibility import RingPlan, ring_plan
+from distcomm_attention.strategies.ring import (_add_dq, _as_bytes, _dq_result, _dq_sum, _no_autocast, _rows_of,
+                                                packed, ring_attention)
+
+__all__ = ["sparse_ring_attention", "ring_planner", "run_ring"]
+
+def _post_rows(t, k, v, km, sp: SparseRing, i: int):
+    """Post step i's rows: ours that rank + t reads out, the ones our block reads in."""
+    lo, hi = sp.send[i]
+    a, b = sp.recv[i]
+    send = (k[:, lo:hi], v[:, lo:hi], *_as_bytes(None if km is None else km[:, lo:hi]))
+    shapes = [(x.shape[0], b - a, *x.shape[2:]) for x in send]
+    return t.send_recv(send, sp.plan.steps[i], shapes)
+
+
+def _received(handle, has_mask: bool):
+    got = handle.wait()
+    return got[0], got[1], (got[2].view(torch.bool) if has_mask else None)
+
+
+def sparse_ring_forward(q, k, v, km, t, sp: SparseRing, softcap: float, scale: float, fwd):
+    """The forward loop -> (out, lse, the received rows of every step when ``sp.keep``)."""
+    plan = sp.plan
+    state = fwd.init_state(q)
+    kept = []
+    handle = None
+    for i, blocks in enumerate(plan.blocks):
+        nxt = _post_rows(t, k, v, km, sp, i + 1) if i + 1 < len(plan.steps) else None
+        kb, vb, mb = (k, v, km) if i == 0 else _received(handle, km is not None)
+        if i > 0 and sp.keep:
+            kept.append((kb, vb, mb))
+        _forward_step(state, q, kb, vb, mb, plan, i, blocks, softcap, scale, fwd)
+        handle = nxt
+    out, lse = fwd.finalize(state, q.dtype)
+    return out, lse, kept
+
+
+def _forward_step(state, q, k, v, km, plan: RingPlan, i: int, blocks, softcap, scale, fwd):
+    calls = packed(plan, i, fwd, km, q.device, backward=False)
+    if calls is not None:
+        fwd.packed_step(state, q, k, v, calls, scale=scale, softcap=softcap)
+        return
+    for j, block in enumerate(blocks):
+        fwd.step(state, q, k[:, block.kv], v[:, block.kv], mask=plan.mask(i, j, q.device), scale=scale,
+                 softcap=softcap, key_mask=None if km is None else km[:, block.kv], q_slice=block.q, final=False)
+
+
+def _backward_step(dout, q, k, v, out, lse, delta, km, dq, plan: RingPlan, i: int, softcap, scale, bwd, acc_dtype):
+    """This rank's dQ added into ``dq``; returns dK, dV of the step's kv rows (fp32, the buffer's shape)."""
+    dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+    calls = packed(plan, i, bwd, km, q.device, backward=True)
+    if calls is not None:
+        grads = bwd.packed_step(dout, q, k, v, out, lse, calls, scale=scale, softcap=softcap, dq_acc=dq)
+    else:
+        grads = []
+        for j, block in enumerate(plan.blocks[i]):
+            rows = block.q
+            dq_b, dk_b, dv_b = bwd.step(
+                dout[:, rows], q[:, rows], k[:, block.kv], v[:, block.kv], out[:, rows], lse[:, :, rows],
+                None if delta is None else delta[:, :, rows], mask=plan.mask(i, j, q.device), scale=scale,
+                softcap=softcap, key_mask=None if km is None else km[:, block.kv], dq_acc=_rows_of(dq, rows),
+                dkv_dtype=acc_dtype)
+            _add_dq(dq, rows, dq_b)
+            grads.append((block.kv, dk_b, dv_b))
+    for kv, dk_b, dv_b in grads:
+        dk[:, kv] += dk_b
+        dv[:, kv] += dv_b
+    return dk, dv
+
+
+def sparse_ring_backward(dout, q, k, v, out, lse, km, t, sp: SparseRing, kept, softcap, scale, bwd):
+    """The backward loop -> dq, dk, dv in the inputs' dtypes (Note [Sparse ring])."""
+    plan = sp.plan
+    dout = dout.contiguous()
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    delta = None
+    if getattr(bwd, "uses_delta", True):
+        delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1).transpose(1, 2).contiguous()
+    dq = _dq_sum(q, acc_dtype, bwd)
+    steps = plan.steps
+    handle = None if sp.keep else _post_rows(t, k, v, km, sp, 1)
+    dk_own, dv_own = _backward_step(dout, q, k, v, out, lse, delta, km, dq, plan, 0, softcap, scale, bwd, acc_dtype)
+    back = []  # (step, handle) of the dK, dV on their way to their sources
+    for i in range(1, len(steps)):
+        if sp.keep:
+            kb, vb, mb = kept[i - 1]
+        else:
+            kb, vb, mb = _received(handle, km is not None)
+            handle = _post_rows(t, k, v, km, sp, i + 1) if i + 1 < len(steps) else None
+        dk, dv = _backward_step(dout, q, kb, vb, out, lse, delta, mb, dq, plan, i, softcap, scale, bwd, acc_dtype)
+        lo, hi = sp.send[i]
+        back.append((i, t.send_recv((dk, dv), -steps[i], [(k.shape[0], hi - lo, *k.shape[2:])] * 2)))
+    for i, h in back:
+        lo, hi = sp.send[i]
+        dk_r, dv_r = h.wait()
+        dk_own[:, lo:hi] += dk_r
+        dv_own[:, lo:hi] += dv_r
+    return _dq_result(dq, q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
+
+
+class _OnRing:
+    """The transport's ring hops on a ring that is part of its group (``RingComm(group, ring_size)``)."""
+
+    def __init__(self, comm: RingComm):
+        self.comm, self.size, self.rank = comm, comm.size, comm.rank
+
+    def send_recv(self, tensors, shift: int, recv_shapes=None):
+        return self.comm.send_recv(*tensors, shift=shift, recv_like=recv_shapes)
+
+
+def _transport(comm: RingComm):
+    """The strategies' transport over the ring (Note [Transport]) when the ring is its whole group."""
+    if comm.size == _groups.group_size(comm.group):
+        return transport.for_group(comm.group)
+    return _OnRing(comm)
+
+
+class _SparseRingAttn(torch.autograd.Function):
+    """The ring's attention with direct sparse sends; adjoint: the same sends, dK/dV straight back."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, key_mask, comm: RingComm, sp: SparseRing, softcap: float, scale: float, fwd, bwd):
+        k, v = k.contiguous(), v.contiguous()
+        t = _transport(comm)
+        out, lse, kept = sparse_ring_forward(q, k, v, key_mask, t, sp, softcap, scale, fwd)
+        flat = [x for step in kept for x in step[:2]]
+        masks = [step[2] for step in kept]
+        ctx.save_for_backward(q, k, v, out, lse, key_mask, *flat)
+        ctx.comm, ctx.sp, ctx.softcap, ctx.scale, ctx.bwd, ctx.masks = comm, sp, softcap, scale, bwd, masks
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse, km, *flat = ctx.saved_tensors
+        kept = [(flat[2 * j], flat[2 * j + 1], m) for j, m in enumerate(ctx.masks)]
+        with _no_autocast(dout.device):
+            dq, dk, dv = sparse_ring_backward(dout, q, k, v, out, lse, km, _transport(ctx.comm), ctx.sp,
+                                              kept, ctx.softcap, ctx.scale, ctx.bwd)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def sparse_ring_attention(q, k, v, comm: RingComm, *, sparse: SparseRing, key_mask, softcap: float, scale: float,
+                          fwd, bwd):
+    """The ring strategy with direct sparse sends (Note [Sparse ring]); inputs already validated."""
+    with _no_autocast(q.device):
+        return _SparseRingAttn.apply(q, k, v, key_mask, comm, sparse, softcap, scale, fwd, bwd)
+
+
+def ring_planner(comm: RingComm, q):
+    """``prepare``'s planner for the ring: (this rank's ring plan, its sparse schedule or None)."""
+    n = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
+    return lambda vis, layout: (ring_plan(layout, vis, comm.size, comm.rank, n),
+                                sparse_ring(layout, vis, comm.size, comm.rank, n))
+
+
+def run_ring(q, k, v, comm: RingComm, planned, *, key_mask, softcap: float, scale: float, fwd, bwd):
+    """The ring strategy on ``prepare``'s result of ``ring_planner``: the sparse ring where it moves less."""
+    plan, sparse = planned
+    if sparse is None:
+        return ring_attention(q, k, v, comm, plan=plan, key_mask=key_mask, softcap=softcap, scale=scale, fwd=fwd,
+                              bwd=bwd)
+    return sparse_ring_attention(q, k, v, comm, sparse=sparse, key_mask=key_mask, softcap=softcap, scale=scale,
+                                 fwd=fwd, bwd=bwd)

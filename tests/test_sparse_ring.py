@@ -1,0 +1,127 @@
+"""The ring with direct sparse sends (Note [Sparse ring]), on gloo: out, dQ, dK, dV against the float64
+reference over the whole sequence, and every rank's bytes on the wire counted and equal to the schedule's
+rows, which are the blocks' reads; within 1.1x of the exchange plan's minimum where the blocks read exactly
+the visible keys; nothing moves when every document stays on one rank."""
+
+import pytest
+import torch
+
+from distcomm_attention.planning import balance, layouts
+from distcomm_attention.planning.exchange import exchange_plan
+from distcomm_attention.planning.visibility import Visibility, ring_plan
+from distcomm_attention.planning.exchange import sparse_ring
+from tests.dist_harness import run_world
+
+N = 8  # tokens per rank
+
+
+def _rank(rank, world, layout, causal, window, docs, masked, entry):
+    import distcomm_attention as da
+    from distcomm_attention._reference import attention_reference
+    from tests.counting import counted
+
+    seq_len = world * N
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, seq_len, h, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
+    dout = torch.randn(2, seq_len, 4, 8, dtype=torch.float64, generator=g)
+    mask = torch.rand(2, seq_len, generator=g) > 0.2 if masked else None
+    concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
+    pos = layouts.positions(concrete, seq_len, world, rank)
+    local = [t[:, pos].clone().requires_grad_() for t in (q, k, v)]
+    kwargs = dict(causal=causal, window_size=window, cu_seqlens=docs, layout=layout,
+                  attention_mask=None if mask is None else mask[:, pos])
+    with counted() as made:
+        if entry == "ring_flash_attn":
+            out = da.ring_flash_attn(*local, **kwargs)
+        else:
+            out = da.context_parallel_attn(*local, strategy="ring", **kwargs)
+        out.backward(dout[:, pos])
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = attention_reference(*ref_in, causal=causal, window_size=window, cu_seqlens=docs, attention_mask=mask)
+    ref.backward(dout)
+    errors = [float((a - b[:, pos]).abs().max().detach()) for a, b in
+              zip([out] + [t.grad for t in local], [ref] + [t.grad for t in ref_in])]
+    return {"errors": errors, "sent": sum(c.total for c in made), "transports": len(made)}
+
+
+CASES = [  # world, layout, causal, window, documents, key padding
+    (3, "contiguous", True, (-1, -1), (0, 5, 13, 24), True),       # documents crossing boundaries, padding
+    (3, "contiguous", True, (-1, -1), (0, 8, 16, 24), False),      # documents on one rank each: nothing moves
+    (4, "contiguous", True, (3, -1), None, False),                 # a window: the neighbour's last 3 keys
+    (3, "zigzag", True, (3, -1), None, False),
+    (4, "balanced", True, (-1, -1), (0, 1, 2, 9, 10, 27, 30, 32), False),  # one-token documents
+    (3, "contiguous", False, (2, 2), (0, 11, 24), False),          # two-sided window within documents
+    (4, "zigzag", True, (14, -1), None, False),                    # buffers too large to keep: sent again
+    (2, "contiguous", True, (-1, -1), (0, 3, 16), False),          # W = 2: one rank receives nothing
+]
+
+
+def _schedule_bytes(world, layout, causal, window, docs, masked, rank):
+    """The bytes the schedule sends from ``rank`` (k, v and the mask rows each time they move; dK, dV back)."""
+    seq_len = world * N
+    vis = Visibility(causal, window, docs, masked)
+    concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
+    sp = sparse_ring(concrete, vis, world, rank, N)
+    if sp is None:  # no step but the rank's own: nothing moves on any ring
+        assert ring_plan(concrete, vis, world, rank, N).steps == (0,)
+        return None, 0
+    kv_row = 2 * 2 * 8 * 8  # batch 2 x kv heads 2 x head_dim 8 x float64, for k or for v
+    mask_row = 2 if masked else 0
+    times = 1 if sp.keep else 2
+    return sp, times * sp.rows_sent() * (2 * kv_row + mask_row) + sp.rows_received() * 2 * kv_row
+
+
+@pytest.mark.parametrize("world, layout, causal, window, docs, masked", CASES)
+def test_sparse_ring_is_exact_and_moves_the_blocks_reads(world, layout, causal, window, docs, masked):
+    got = run_world(_rank, world, layout, causal, window, docs, masked, "context_parallel_attn", timeout=120)
+    seq_len = world * N
+    vis = Visibility(causal, window, docs, masked)
+    concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
+    ex = exchange_plan(concrete, vis, world, N)
+    for r, g in enumerate(got):
+        assert max(g["errors"]) < 1e-10, (r, g["errors"])
+        sp, expected = _schedule_bytes(world, layout, causal, window, docs, masked, r)
+        assert sp is not None or ex.moves_nothing, "the case must take the sparse ring"
+        assert g["sent"] == expected, (r, g["sent"], expected)
+        if sp is None:
+            continue
+        # the schedule's rows cover the plan's: every key some query of the receiver sees moves
+        sent, received = ex.remote_rows(r)
+        assert sp.rows_sent() >= sent and sp.rows_received() >= received
+        if ex.moves_nothing:
+            assert g["sent"] == 0
+
+
+def test_ring_flash_attn_takes_the_sparse_ring_too():
+    got = run_world(_rank, 3, "contiguous", True, (-1, -1), (0, 5, 13, 24), False, "ring_flash_attn", timeout=120)
+    for r, g in enumerate(got):
+        assert max(g["errors"]) < 1e-10
+        assert g["sent"] == _schedule_bytes(3, "contiguous", True, (-1, -1), (0, 5, 13, 24), False, r)[1]
+
+
+def test_schedule_is_the_plain_rings_when_nothing_is_saved():
+    """Plain causal or full attention reads every row of every needed step: no sparse schedule."""
+    for causal in (True, False):
+        for layout in ("contiguous", "zigzag"):
+            assert sparse_ring(layout, Visibility(causal), 4, 0, N) is None
+
+
+def test_sparse_ring_traffic_near_the_plan_on_packed_documents():
+    """On contiguous shards of packed documents each block reads one run of keys (the part of the documents
+    crossing into the receiver): the schedule's rows are exactly the exchange plan's."""
+    import random
+
+    rng = random.Random(0)
+    for world in (2, 4, 8):
+        seq_len = world * 64
+        cuts = sorted(rng.sample(range(1, seq_len), 3 * world))
+        docs = (0, *cuts, seq_len)
+        vis = Visibility(True, cu_seqlens=docs)
+        ex = exchange_plan("contiguous", vis, world, 64)
+        for r in range(world):
+            sp = sparse_ring("contiguous", vis, world, r, 64)
+            if sp is None:  # too little saved to go sparse: only possible when documents span most of the ring
+                assert ring_plan("contiguous", vis, world, r, 64) is not None
+                continue
+            sent, received = ex.remote_rows(r)
+            assert (sp.rows_sent(), sp.rows_received()) == (sent, received)
