@@ -72,7 +72,8 @@ def _counting_ring(wire: _Wire, device: torch.device):
     original = RingComm.send_recv
 
     def send_recv(self, *tensors, shift: int = 1, **kwargs):
-        if shift % self.size:
+        inside = any(self is getattr(t.inner, "_ring", None) for t in wire.transports)  # counted there already
+        if shift % self.size and not inside:
             wire.ring += sum(t.numel() * t.element_size() for t in tensors if t.device == device)
         return original(self, *tensors, shift=shift, **kwargs)
 

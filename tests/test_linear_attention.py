@@ -488,3 +488,18 @@ def test_fla_split_matches_float64(kind, layout):
     for name, err in errors.items():
         if not name.startswith("whole_"):
             assert err <= 2 * errors[f"whole_{name}"] + 1e-3, errors
+
+
+def test_fla_backward_problem_names_the_versions():
+    """fla-core refuses its gated chunk backward on Hopper with Triton >= 3.4.0, < 3.7.1 (seen: Triton 3.6.0 on
+    an H100): "auto" then runs the PyTorch kernel for calls with gradients, and kernel="fla" says why."""
+    from distcomm_attention.linear.kernels import fla_backward_problem
+
+    cuda = torch.device("cuda", 0)
+    problem = fla_backward_problem(cuda, "3.6.0", (9, 0), tilelang=False)
+    assert problem is not None and "3.6.0" in problem and ">= 3.7.1" in problem and "tilelang" in problem
+    assert fla_backward_problem(cuda, "3.7.1", (9, 0), tilelang=False) is None
+    assert fla_backward_problem(cuda, "3.3.1", (9, 0), tilelang=False) is None
+    assert fla_backward_problem(cuda, "3.6.0+git1234", (10, 0), tilelang=False) is None  # Blackwell
+    assert fla_backward_problem(cuda, "3.6.0", (9, 0), tilelang=True) is None
+    assert fla_backward_problem(torch.device("cpu")) is None

@@ -112,6 +112,37 @@ def fla_available() -> bool:
     return True
 
 
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for p in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in p if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def fla_backward_problem(device: torch.device, triton_version: str | None = None,
+                         capability: tuple[int, int] | None = None, tilelang: bool | None = None) -> str | None:
+    """Why fla-core's gated chunk backward cannot run here, or None. fla refuses it on Hopper with Triton
+    >= 3.4.0 and < 3.7.1 (wrong results in that Triton, fla issue #640) unless tilelang is installed; seen
+    with fla-core 0.6.0 and Triton 3.6.0 on an H100. The arguments after ``device`` default to this machine's."""
+    if device.type != "cuda":
+        return None
+    if triton_version is None:
+        import triton
+
+        triton_version = triton.__version__
+    if capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    if tilelang is None:
+        import importlib.util
+
+        tilelang = importlib.util.find_spec("tilelang") is not None
+    if capability[0] == 9 and (3, 4, 0) <= _version(triton_version) < (3, 7, 1) and not tilelang:
+        return (f"fla-core's gated chunk backward refuses Triton {triton_version} on Hopper (fla issue #640: "
+                f"wrong results in Triton >= 3.4.0, < 3.7.1): upgrade Triton to >= 3.7.1 or pip install tilelang")
+    return None
+
+
 def fla_chunk(q, k, v, g, beta, *, scale: float, initial_state=None, cu_seqlens=None):
     """The kernel contract by fla-core's Triton kernels (CUDA tensors). Scalar decay with HV > H expands the
     key heads first (fla's ``chunk_simple_gla`` takes as many key heads as value heads)."""
@@ -133,9 +164,10 @@ def fla_chunk(q, k, v, g, beta, *, scale: float, initial_state=None, cu_seqlens=
     return o, state
 
 
-def select_kernel(kernel: str, q: torch.Tensor) -> Callable:
+def select_kernel(kernel: str, q: torch.Tensor, backward: bool = False) -> Callable:
     """The kernel for a call: "torch", "fla" (ImportError / ValueError saying why it cannot run), or "auto":
-    fla for CUDA tensors of 16/32 bits when it is installed, else torch."""
+    fla for CUDA tensors of 16/32 bits when it is installed and, for a call that will be differentiated
+    (``backward``), its backward runs here (``fla_backward_problem``), else torch."""
     if kernel not in KERNELS:
         raise ValueError(f"Invalid kernel {kernel!r}. Must be one of: {', '.join(map(repr, KERNELS))}")
     if kernel == "torch":
@@ -146,5 +178,10 @@ def select_kernel(kernel: str, q: torch.Tensor) -> Callable:
             raise ValueError(f"kernel='fla' runs on CUDA tensors of 16 or 32 bits, got {q.dtype} on {q.device}")
         if not fla_available():
             raise ImportError("kernel='fla' needs flash-linear-attention: pip install fla-core")
+        problem = fla_backward_problem(q.device) if backward else None
+        if problem is not None:
+            raise ValueError(f"kernel='fla' with gradients: {problem}; or kernel='torch'")
         return fla_chunk
-    return fla_chunk if usable and fla_available() else torch_chunk
+    if usable and fla_available() and not (backward and fla_backward_problem(q.device)):
+        return fla_chunk
+    return torch_chunk

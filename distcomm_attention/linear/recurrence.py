@@ -146,13 +146,13 @@ def _linear_cp(op, q, k, v, g, beta, scale, initial_state, output_final_state, c
             raise ValueError(f"with `cu_seqlens` the documents are packed in one row: B must be 1, got B={b}")
         count, per = (b, "one per batch row") if docs is None else (len(docs) - 1, "one per document of cu_seqlens")
         _checks.check_state("initial_state", initial_state, count, per, hv, dk, dv)
-        run = select_kernel(kernel, q)
+        run = select_kernel(kernel, q, backward=needs_grad)
         return scale_, _checks.cached_plan(concrete, q.shape[1] * comm.size, comm.size, docs, output_final_state), run
 
-    checked, error = _validation.verdict(local_checks)
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state}
     needs_grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                                  for t in tensors.values())
+    checked, error = _validation.verdict(local_checks)
     _validation.verify_across_ring(op, comm, tensors, extra={
         **facts, "output_final_state": output_final_state, "use_qk_l2norm_in_kernel": l2norm,
         "scale": scale if isinstance(scale, (float, int, type(None))) else repr(scale), "kernel": kernel,
