@@ -154,7 +154,7 @@ def _ring_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: 
             bwd_bytes = c.itemsize + 4
             home = _transfer_s(row * local_len * bwd_bytes, hw.p2p_gbps, hw)
         else:  # each step the rows its block reads; dK, dV of them straight back (k, v again unless kept)
-            rows = [b - a for a, b in sparse.recv]
+            rows = [sum(b - a for a, b in runs) for runs in sparse.recv]
             bwd_bytes = 4 if sparse.keep else c.itemsize + 4
             home = _transfer_s(row * rows[-1] * 4, hw.p2p_gbps, hw)
         compute = total = 0.0

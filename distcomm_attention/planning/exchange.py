@@ -26,7 +26,8 @@ import torch
 
 from distcomm_attention.planning import layouts
 from distcomm_attention.planning.plans import gathered_in_natural_order, gathered_plan
-from distcomm_attention.planning.visibility import Block, RingPlan, Visibility, _concrete, _query_bounds, ring_plan
+from distcomm_attention.planning.visibility import (Block, RingPlan, Visibility, _block, _concrete, _query_bounds,
+                                                   ring_plan)
 
 __all__ = ["Exchange", "exchange_plan", "compact_plan", "compact_gathered_plan", "gathered_exchange", "SPARSE_BELOW"]
 
@@ -166,44 +167,84 @@ def compact_gathered_plan(layout, vis: Visibility, ring_size: int, rank: int, lo
 RING_KEEP_ROWS = 2  # the forward's received rows are kept for the backward up to this many shards on every rank
 
 
+MERGE_GAP = 128  # key runs of a block closer than this many rows travel as one (fewer, larger kernel calls)
+
+
 @dataclass(frozen=True)
 class SparseRing:
     """One rank's sparse ring schedule (Note [Sparse ring]).
 
     Attributes:
-        plan: this rank's ring plan with every remote block's kv slice re-based to the received rows.
-        recv: recv[i] = (lo, hi): the rows of src = rank - steps[i] this rank's block reads at step i.
-        send: send[i] = (lo, hi): this rank's rows that rank + steps[i]'s block reads at step i.
+        plan: this rank's ring plan; each remote block split at the rows its queries do not see and re-based
+            to the received buffer (the step's runs, concatenated).
+        recv: recv[i]: the runs (row ranges) of src = rank - steps[i] this rank's blocks read at step i.
+        send: send[i]: this rank's runs that rank + steps[i]'s blocks read at step i.
         keep: the forward's received rows are kept for the backward (decided alike on every rank).
     """
 
     plan: RingPlan
-    recv: tuple[tuple[int, int], ...]
-    send: tuple[tuple[int, int], ...]
+    recv: tuple[tuple[tuple[int, int], ...], ...]
+    send: tuple[tuple[tuple[int, int], ...], ...]
     keep: bool
 
     def rows_received(self) -> int:
-        return sum(b - a for a, b in self.recv[1:])
+        return sum(b - a for runs in self.recv[1:] for a, b in runs)
 
     def rows_sent(self) -> int:
-        return sum(b - a for a, b in self.send[1:])
+        return sum(b - a for runs in self.send[1:] for a, b in runs)
 
 
-def _reads(plan: RingPlan, i: int) -> tuple[int, int]:
-    """The kv rows [lo, hi) of the source that step i's blocks read ((0, 0): none)."""
-    blocks = plan.blocks[i]
-    if not blocks:
-        return 0, 0
-    return min(b.kv.start for b in blocks), max(b.kv.stop for b in blocks)
+def _runs_read(plan: RingPlan, i: int, need: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """The runs of the source's rows step i's blocks read: the rows some query sees (``need``, the exchange
+    plan's), within the blocks' ranges, runs closer than MERGE_GAP joined."""
+    runs = []
+    for block in plan.blocks[i]:
+        lo, hi = block.kv.start, block.kv.stop
+        if block.mode != "interval":  # full or causal: every row of the range is seen
+            runs.append((lo, hi))
+            continue
+        runs += [(max(a, lo), min(b, hi)) for a, b in need if min(b, hi) > max(a, lo)]
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(runs):
+        if merged and a - merged[-1][1] < MERGE_GAP:
+            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+        else:
+            merged.append((a, b))
+    return tuple(merged)
 
 
-def compact_ring_plan(plan: RingPlan) -> RingPlan:
-    """``plan`` with every block after step 0 reading from a buffer that starts at its step's first row."""
+def _split(block: Block, runs: tuple[tuple[int, int], ...], at: dict) -> list[Block]:
+    """``block``'s visible pairs within each run, as blocks reading the received buffer (``at``: the buffer
+    row of each run's first row)."""
+    lo, hi = block.kv.start, block.kv.stop
+    inside = [(a, b) for a, b in runs if a < hi and b > lo]
+    if not inside:
+        return []
+    if block.mode != "interval" or len(inside) == 1:
+        a, _ = inside[0]
+        start = at[a] + lo - a
+        return [Block(block.q, slice(start, start + hi - lo), block.mode, block.intervals)]
+    row_lo, row_hi = (x.to(torch.int64) for x in block.intervals[:2])
+    out = []
+    for a, b in inside:
+        c, w = max(a, lo) - lo, min(b, hi) - max(a, lo)
+        sub = _block((row_lo - c).clamp(0, w), (row_hi - c).clamp(0, w))
+        if sub is None:
+            continue
+        start = at[a] + max(a, lo) - a
+        out.append(Block(slice(block.q.start + sub.q.start, block.q.start + sub.q.stop),
+                         slice(start + sub.kv.start, start + sub.kv.stop), sub.mode, sub.intervals))
+    return out
+
+
+def _compact(plan: RingPlan, recv) -> RingPlan:
+    """``plan`` with every block after step 0 split at its runs and reading the received buffer."""
     steps = [plan.blocks[0]]
     for i in range(1, len(plan.steps)):
-        lo, _ = _reads(plan, i)
-        steps.append(tuple(Block(b.q, slice(b.kv.start - lo, b.kv.stop - lo), b.mode, b.intervals)
-                           for b in plan.blocks[i]))
+        at, row = {}, 0
+        for a, b in recv[i]:
+            at[a], row = row, row + b - a
+        steps.append(tuple(sub for block in plan.blocks[i] for sub in _split(block, recv[i], at)))
     return RingPlan(plan.steps, tuple(steps))
 
 
@@ -217,9 +258,12 @@ def sparse_ring(layout, vis: Visibility, ring_size: int, rank: int, local_len: i
     steps = plans[rank].steps
     if len(steps) == 1:
         return None
-    received = [sum(b - a for a, b in map(functools.partial(_reads, p), range(1, len(steps)))) for p in plans]
+    ex = exchange_plan(layout, vis, ring_size, local_len)
+    reads = [[_runs_read(p, i, ex.need[(r - t) % ring_size][r]) for i, t in enumerate(steps)]
+             for r, p in enumerate(plans)]
+    received = [sum(b - a for runs in rr[1:] for a, b in runs) for rr in reads]
     if max(received) >= SPARSE_BELOW * (len(steps) - 1) * local_len:
         return None
-    recv = tuple(_reads(plans[rank], i) for i in range(len(steps)))
-    send = tuple(_reads(plans[(rank + t) % ring_size], i) for i, t in enumerate(steps))
-    return SparseRing(compact_ring_plan(plans[rank]), recv, send, max(received) <= RING_KEEP_ROWS * local_len)
+    recv = tuple(reads[rank])
+    send = tuple(reads[(rank + t) % ring_size][i] for i, t in enumerate(steps))
+    return SparseRing(_compact(plans[rank], recv), recv, send, max(received) <= RING_KEEP_ROWS * local_len)

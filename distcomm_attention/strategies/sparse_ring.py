@@ -40,12 +40,46 @@ from distcomm_attention.strategies.ring import (_add_dq, _as_bytes, _dq_result, 
 
 __all__ = ["sparse_ring_attention", "ring_planner", "run_ring"]
 
+_INDEX: dict = {}  # (runs, device) -> the runs' rows as an index on that device
+
+
+def _index(runs, device: torch.device) -> torch.Tensor:
+    key = (runs, str(device))
+    if key not in _INDEX:
+        if len(_INDEX) > 4096:
+            _INDEX.clear()
+        rows = torch.cat([torch.arange(a, b) for a, b in runs])
+        _INDEX[key] = rows.to(device, non_blocking=True)
+    return _INDEX[key]
+
+
+def _rows(x: torch.Tensor, runs) -> torch.Tensor:
+    """The rows of ``x`` (dim 1) in ``runs``, concatenated: a view for one run."""
+    if len(runs) == 1:
+        a, b = runs[0]
+        return x[:, a:b]
+    if not runs:
+        return x[:, :0]
+    return x.index_select(1, _index(runs, x.device))
+
+
+def _add_rows(acc: torch.Tensor, runs, x: torch.Tensor) -> None:
+    """acc[:, runs] += x (x: the runs' rows concatenated)."""
+    if len(runs) == 1:
+        a, b = runs[0]
+        acc[:, a:b] += x
+    elif runs:
+        acc.index_add_(1, _index(runs, acc.device), x)
+
+
+def _count(runs) -> int:
+    return sum(b - a for a, b in runs)
+
+
 def _post_rows(t, k, v, km, sp: SparseRing, i: int):
-    """Post step i's rows: ours that rank + t reads out, the ones our block reads in."""
-    lo, hi = sp.send[i]
-    a, b = sp.recv[i]
-    send = (k[:, lo:hi], v[:, lo:hi], *_as_bytes(None if km is None else km[:, lo:hi]))
-    shapes = [(x.shape[0], b - a, *x.shape[2:]) for x in send]
+    """Post step i's rows: ours that rank + t reads out, the ones our blocks read in."""
+    send = (_rows(k, sp.send[i]), _rows(v, sp.send[i]), *_as_bytes(None if km is None else _rows(km, sp.send[i])))
+    shapes = [(x.shape[0], _count(sp.recv[i]), *x.shape[2:]) for x in send]
     return t.send_recv(send, sp.plan.steps[i], shapes)
 
 
@@ -125,13 +159,12 @@ def sparse_ring_backward(dout, q, k, v, out, lse, km, t, sp: SparseRing, kept, s
             kb, vb, mb = _received(handle, km is not None)
             handle = _post_rows(t, k, v, km, sp, i + 1) if i + 1 < len(steps) else None
         dk, dv = _backward_step(dout, q, kb, vb, out, lse, delta, mb, dq, plan, i, softcap, scale, bwd, acc_dtype)
-        lo, hi = sp.send[i]
-        back.append((i, t.send_recv((dk, dv), -steps[i], [(k.shape[0], hi - lo, *k.shape[2:])] * 2)))
+        shape = (k.shape[0], _count(sp.send[i]), *k.shape[2:])
+        back.append((i, t.send_recv((dk, dv), -steps[i], [shape, shape])))
     for i, h in back:
-        lo, hi = sp.send[i]
         dk_r, dv_r = h.wait()
-        dk_own[:, lo:hi] += dk_r
-        dv_own[:, lo:hi] += dv_r
+        _add_rows(dk_own, sp.send[i], dk_r)
+        _add_rows(dv_own, sp.send[i], dv_r)
     return _dq_result(dq, q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
 
 
