@@ -64,11 +64,20 @@ def _schedule_bytes(world, layout, causal, window, docs, masked, rank):
     return _schedule(world, layout, causal, window, docs, masked, rank)
 
 
+def _call(world, layout, causal, window, docs, masked):
+    """(planner's layout, mask description) of a case."""
+    concrete = balance.resolve(layout, world * N, world, docs) if layout == "balanced" else layout
+    return concrete, Visibility(causal, window, docs, masked)
+
+
+def _exchange(*case):
+    concrete, vis = _call(*case)
+    return exchange_plan(concrete, vis, case[0], N)
+
+
 def _schedule(world, layout, causal, window, docs, masked, rank):
     """The bytes the schedule sends from ``rank`` (k, v and the mask rows each time they move; dK, dV back)."""
-    seq_len = world * N
-    vis = Visibility(causal, window, docs, masked)
-    concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
+    concrete, vis = _call(world, layout, causal, window, docs, masked)
     sp = sparse_ring(concrete, vis, world, rank, N)
     if sp is None:  # no step but the rank's own: nothing moves on any ring
         assert ring_plan(concrete, vis, world, rank, N).steps == (0,)
@@ -82,10 +91,7 @@ def _schedule(world, layout, causal, window, docs, masked, rank):
 @pytest.mark.parametrize("world, layout, causal, window, docs, masked", CASES)
 def test_sparse_ring_is_exact_and_moves_the_blocks_reads(world, layout, causal, window, docs, masked):
     got = run_world(_rank, world, layout, causal, window, docs, masked, "context_parallel_attn", timeout=120)
-    seq_len = world * N
-    vis = Visibility(causal, window, docs, masked)
-    concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
-    ex = exchange_plan(concrete, vis, world, N)
+    ex = _exchange(world, layout, causal, window, docs, masked)
     for r, g in enumerate(got):
         assert max(g["errors"]) < 1e-10, (r, g["errors"])
         sp, expected = _schedule_bytes(world, layout, causal, window, docs, masked, r)
@@ -117,10 +123,7 @@ def test_split_blocks_are_exact_and_move_only_the_plan(world, layout, causal, wi
     exchange.sparse_ring.cache_clear()
     try:
         got = run_world(_rank, world, layout, causal, window, docs, masked, "context_parallel_attn", 0, timeout=120)
-        seq_len = world * N
-        vis = Visibility(causal, window, docs, masked)
-        concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
-        ex = exchange_plan(concrete, vis, world, N)
+        ex = _exchange(world, layout, causal, window, docs, masked)
         for r, g in enumerate(got):
             assert max(g["errors"]) < 1e-10, (r, g["errors"])
             sp, expected = _schedule(world, layout, causal, window, docs, masked, r)

@@ -29,6 +29,12 @@ Note [Cost model]
     0.30 ms per block call, 618 GB/s of fp32 state; mean error 3%, worst 18%. Links: NVLink on 2 H200s (ring
     pass 359 GB/s, all-gather 277, reduce-scatter 272 at 1 GB). ``Hardware`` holds
     them; pass your own (e.g. inter-node links of 50 GB/s per GPU) to ``which_strategy``.
+
+    Checked since on 737 per-rank times of packed mixes (scripts/fit_cost_model.py, docs/bench/cost_fit.txt):
+    mean error 8.9%, worst +85% (all-gather) and -35% (ring). A refit with the pairs of the kernel's 128 x 128
+    tiles per document piece and a per-piece term lowers the mean to 6.7% but not the worst (-58%, ring at
+    W = 32), and its lower per-call cost (0.115 ms) would widen the under-prediction of the real 2-GPU runs
+    (docs/bench/real.md): not adopted.
 """
 
 from __future__ import annotations

@@ -30,8 +30,8 @@ from distcomm_attention.planning.exchange import Exchange
 from distcomm_attention.planning.plans import gathered_in_natural_order, natural_order
 from distcomm_attention.planning.visibility import RingPlan
 from distcomm_attention.strategies.sparse_gather import SparseGather, split_local
-from distcomm_attention.strategies.ring import (_add_dq, _dq_result, _dq_sum, _no_autocast, _rows_of, packed,
-                                                ring_forward)
+from distcomm_attention.strategies.ring import (_add_dq, _dq_result, _no_autocast, _rows_of, backward_start,
+                                                packed, ring_forward)
 
 __all__ = ["AllGatherKV", "allgather_attention", "gather_kv", "local_backward"]
 
@@ -81,12 +81,7 @@ def reduce_scatter_kv(dk_all, dv_all, group, order):
 
 def local_backward(dout, q, k, v, out, lse, key_mask, plan: RingPlan, softcap: float, scale: float, bwd):
     """Gradients of a one-step plan: dq in q's dtype; dk, dv (shaped like k, v) in the accumulation dtype."""
-    dout = dout.contiguous()
-    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    delta = None
-    if getattr(bwd, "uses_delta", True):
-        delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1).transpose(1, 2).contiguous()
-    dq = _dq_sum(q, acc_dtype, bwd)
+    dout, acc_dtype, delta, dq = backward_start(dout, q, out, bwd)
     dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
     calls = packed(plan, 0, bwd, key_mask, q.device, backward=True)

@@ -132,6 +132,17 @@ def _add_dq(dq, rows: slice, dq_b: torch.Tensor) -> None:
         dq.add(start, stop, dq_b)
 
 
+def backward_start(dout, q, out, bwd):
+    """(dout contiguous, the accumulation dtype, D = rowsum(dout * out) as (B, H, n) or None for kernels that
+    compute it themselves, the dQ accumulator): what every backward loop starts from."""
+    dout = dout.contiguous()
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    delta = None
+    if getattr(bwd, "uses_delta", True):
+        delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1).transpose(1, 2).contiguous()
+    return dout, acc_dtype, delta, _dq_sum(q, acc_dtype, bwd)
+
+
 def _dq_result(dq, dtype: torch.dtype) -> torch.Tensor:
     return dq.result(dtype) if isinstance(dq, RowSum) else dq.to(dtype)
 

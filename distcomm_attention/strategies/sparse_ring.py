@@ -35,8 +35,8 @@ from distcomm.ring import RingComm
 from distcomm_attention import transport
 from distcomm_attention.planning.exchange import SparseRing, sparse_ring
 from distcomm_attention.planning.visibility import RingPlan, ring_plan
-from distcomm_attention.strategies.ring import (_add_dq, _as_bytes, _dq_result, _dq_sum, _no_autocast, _rows_of,
-                                                packed, ring_attention)
+from distcomm_attention.strategies.ring import (_add_dq, _as_bytes, _dq_result, _no_autocast, _rows_of,
+                                                backward_start, packed, ring_attention)
 
 __all__ = ["sparse_ring_attention", "ring_planner", "run_ring"]
 
@@ -142,12 +142,7 @@ def _backward_step(dout, q, k, v, out, lse, delta, km, dq, plan: RingPlan, i: in
 def sparse_ring_backward(dout, q, k, v, out, lse, km, t, sp: SparseRing, kept, softcap, scale, bwd):
     """The backward loop -> dq, dk, dv in the inputs' dtypes (Note [Sparse ring])."""
     plan = sp.plan
-    dout = dout.contiguous()
-    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    delta = None
-    if getattr(bwd, "uses_delta", True):
-        delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1).transpose(1, 2).contiguous()
-    dq = _dq_sum(q, acc_dtype, bwd)
+    dout, acc_dtype, delta, dq = backward_start(dout, q, out, bwd)
     steps = plan.steps
     handle = None if sp.keep else _post_rows(t, k, v, km, sp, 1)
     dk_own, dv_own = _backward_step(dout, q, k, v, out, lse, delta, km, dq, plan, 0, softcap, scale, bwd, acc_dtype)
