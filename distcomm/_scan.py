@@ -55,7 +55,8 @@ Note [Gradient of the affine scan]
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -239,8 +240,13 @@ def scan(
     exclusive: bool = False,
     identity: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
     group: dist.ProcessGroup | None = None,
+    positions: torch.Tensor | Sequence[int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Prefix scan over the ranks of ``group``, in group-rank order; differentiable with the exact gradient.
+
+    With ``positions`` each rank holds any number of pieces (a zigzag or balanced shard holds several runs of
+    one sequence) and the scan runs over every piece of every rank in the order of their positions
+    (Note [Scan of pieces]).
 
     Args:
         x: this rank's summary, the same shapes and dtypes on every rank (checked in check mode):
@@ -261,6 +267,9 @@ def scan(
             broadcastable to the matching tensor of ``x``); required when ``exclusive``.
         group: None (the default group, or a world of one without a process group), a ProcessGroup, a 1-D
             DeviceMesh or (mesh, dim).
+        positions: ``None``: one summary per rank, in rank order. Else this rank's P pieces' places in the
+            scan order (P >= 0 distinct ints, distinct across ranks too; P may differ between ranks), and
+            every tensor of ``x`` (and of the result) has a leading dim of P, one row per piece.
 
     Returns:
         Shaped like ``x``: a tensor for "sum", a pair (A, B) for "affine" (the composed map, so that
@@ -271,6 +280,8 @@ def scan(
     """
     parts = _parse(x, combine, exclusive, identity)
     group, n, rank = _groups.resolve(group)
+    if positions is not None:
+        return _scan_pieces(x, parts, positions, combine, exclusive, identity, group, n, rank)
     ident = _check.decide("scan", group, n, _identity_parts, combine, identity, parts)
     if n > 1 and _check.is_check_mode() and not torch.compiler.is_compiling():
         needs_grad = _needs_graph(*parts)
@@ -284,6 +295,114 @@ def scan(
     else:
         fold = combine
     out = local_scan(rows, rank, combine=fold, exclusive=exclusive, identity=ident)
+    if combine == "sum" or (callable(combine) and isinstance(x, torch.Tensor)):
+        return out[0]
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Several pieces per rank
+# ---------------------------------------------------------------------------------------------------------
+
+"""
+Note [Scan of pieces]
+    Rank r holds P_r pieces with places p (ints, distinct over the group). One all-gather of the places (it
+    also learns every P_r: a host sync) and one variable all-gather of the summaries give every rank every
+    piece; each rank sorts them by place, folds them in that order once (prefix of every piece), and keeps
+    its own pieces' prefixes. Differentiable like the one-piece scan: autograd through the fold, and the
+    variable all-gather's backward (a variable reduce-scatter) sums each piece's grad on its owner.
+    Duplicated places are seen alike by every rank after the exchange and raise the same ValueError there.
+
+        rank 0: pieces at places 0 and 3     gathered, sorted: x_0 x_1 x_2 x_3     rank 0 keeps P_0, P_3
+        rank 1: pieces at places 1 and 2     prefixes P_0 .. P_3 on every rank      rank 1 keeps P_1, P_2
+"""
+
+
+def _piece_places(positions, count: int, device: torch.device) -> torch.Tensor:
+    """``positions`` as a 1-D int64 tensor of ``count`` distinct places (this rank's data)."""
+    if isinstance(positions, torch.Tensor):
+        if positions.dim() != 1 or positions.dtype.is_floating_point or positions.dtype == torch.bool:
+            raise ValueError(f"`positions` must be a 1-D tensor of ints, got {positions.dtype} of shape "
+                             f"{tuple(positions.shape)}")
+        places = positions.to(device=device, dtype=torch.int64)
+    else:
+        try:
+            values = [int(p) for p in positions]
+        except (TypeError, ValueError):
+            raise TypeError(f"`positions` must be a sequence of ints or a 1-D int tensor, got {positions!r}") from None
+        if any(not isinstance(p, int) and not (isinstance(p, torch.Tensor) and p.dim() == 0) for p in positions):
+            raise TypeError(f"`positions` must hold ints, got {list(positions)!r}")
+        places = torch.tensor(values, dtype=torch.int64, device=device)
+    if places.numel() != count:
+        raise ValueError(f"`positions` holds {places.numel()} places; `x` has {count} pieces (its leading dim)")
+    if places.numel() and torch.unique(places).numel() != places.numel():
+        raise ValueError(f"`positions` must be distinct, got {places.tolist()}")
+    return places
+
+
+def _pieces_parts(combine, identity, parts: Parts, positions):
+    """This rank's checks of a scan of pieces: (identity of one piece, places)."""
+    count = parts[0].shape[0] if parts[0].dim() else None
+    if count is None or any(p.dim() == 0 or p.shape[0] != count for p in parts):
+        raise ValueError(f"with `positions`, every tensor of `x` has a leading dim of pieces; got shapes "
+                         f"{[tuple(p.shape) for p in parts]}")
+    one = tuple(p[0] if count else p.new_zeros(p.shape[1:]) for p in parts)
+    return _identity_parts(combine, identity, one), _piece_places(positions, count, parts[0].device)
+
+
+def _scan_pieces(x, parts: Parts, positions, combine, exclusive: bool, identity, group, n: int, rank: int):
+    from distcomm._all_gather import all_gather_variable
+
+    ident, places = _check.decide("scan", group, n, _pieces_parts, combine, identity, parts, positions)
+    count = places.numel()
+    if n > 1:
+        every, sizes = all_gather_variable(places, 0, None, group)
+    else:
+        every, sizes = places, [count]
+    every = every.tolist()
+    if len(set(every)) != len(every):
+        seen = sorted({p for p in every if every.count(p) > 1})
+        raise ValueError(f"scan: `positions` must be distinct across the group; places {seen} are given by more "
+                         "than one piece (every rank raises this error)")
+    flat = [p.reshape(p.shape[0], math.prod(p.shape[1:])) for p in parts]
+    widths = [f.shape[1] for f in flat]
+    same = all(p.dtype == parts[0].dtype and p.device == parts[0].device for p in parts)
+    if n == 1:
+        rows = flat
+    elif same:
+        joined = torch.cat(flat, dim=1) if len(flat) > 1 else flat[0]
+        rows = list(all_gather_variable(joined, 0, sizes, group)[0].split(widths, dim=1))
+    else:
+        rows = [all_gather_variable(f, 0, sizes, group)[0] for f in flat]
+    rows = [r.reshape(r.shape[0], *p.shape[1:]) for r, p in zip(rows, parts)]
+    order = sorted(range(len(every)), key=every.__getitem__)
+    if combine == "affine":
+        fold = compose_affine
+    elif callable(combine):
+        fold = _user_combine(combine, tuple(r[0] for r in rows) if rows[0].shape[0] else parts,
+                             isinstance(x, torch.Tensor))
+    else:
+        fold = None  # "sum"
+    prefix: dict[int, Parts] = {}
+    acc = None
+    for j in order:
+        piece = tuple(r[j] for r in rows)
+        if exclusive:
+            # the identity plus an empty sum over the gathered rows: in the graph, so every rank's backward
+            # reaches the all-gather's reduce-scatter (Note [Scan by gathered summaries])
+            prefix[j] = tuple(i + r[:0].sum(0) for i, r in zip(ident, rows)) if acc is None else acc
+        if fold is None:
+            acc = piece if acc is None else tuple(a + b for a, b in zip(acc, piece))
+        else:
+            acc = piece if acc is None else fold(acc, piece)
+        if not exclusive:
+            prefix[j] = acc
+    first = sum(sizes[:rank])
+    mine = [prefix[first + i] for i in range(count)]
+    if count:
+        out = tuple(torch.stack([m[k] for m in mine]) for k in range(len(parts)))
+    else:
+        out = tuple(p.new_zeros(p.shape) + r[:0].sum() for p, r in zip(parts, rows))
     if combine == "sum" or (callable(combine) and isinstance(x, torch.Tensor)):
         return out[0]
     return tuple(out)

@@ -363,3 +363,126 @@ def test_compiles_in_one_graph_like_eager():
     for rank, res in enumerate(results):
         for got, want in zip(res["compiled"][0] + res["compiled"][1], res["eager"][0] + res["eager"][1]):
             torch.testing.assert_close(got, want, **TOL, msg=f"rank {rank}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Several pieces per rank (Note [Scan of pieces])
+# ---------------------------------------------------------------------------------------------------------
+
+# Every rank's places: a zigzag-like interleave, a rank without pieces, uneven counts.
+PLACES = {
+    1: [[2, 0, 1]],
+    2: [[0, 3], [1, 2]],
+    3: [[5, 0], [], [1, 4, 2, 3]],
+    4: [[0, 7], [1, 6], [2, 5], [3, 4]],
+}
+
+
+def _piece_inputs(name: str, world: int, r: int):
+    """Rank r's pieces (leading dim P_r) built from the one-piece case's inputs of (r, i)."""
+    places = PLACES[world][r]
+    cases = [_case(name, 100 * r + i) for i in range(len(places))]
+    x0, kw, combine, ident = _case(name, 0)
+    if isinstance(x0, tuple):
+        x = tuple(torch.stack([c[0][k] for c in cases]) if cases else x0[k].new_zeros((0, *x0[k].shape))
+                  for k in range(len(x0)))
+    else:
+        x = torch.stack([c[0] for c in cases]) if cases else x0.new_zeros((0, *x0.shape))
+    return x, kw, combine, ident, places
+
+
+def _pieces_reference(name: str, world: int, exclusive: bool):
+    """Per rank: (outputs, grads of its pieces) from one float64 process folding every piece by place."""
+    per_rank = [_piece_inputs(name, world, r) for r in range(world)]
+    leaves = [tuple(t.clone().requires_grad_() for t in (x if isinstance(x, tuple) else (x,)))
+              for x, *_ in per_rank]
+    combine, ident = per_rank[0][2], per_rank[0][3]
+    pieces = []  # (place, rank, index, parts)
+    for r, (x, _, _, _, places) in enumerate(per_rank):
+        for i, p in enumerate(places):
+            pieces.append((p, r, i, tuple(t[i] for t in leaves[r])))
+    pieces.sort()
+    out = {}
+    acc = None
+    for place, r, i, parts in pieces:
+        value = parts if len(parts) > 1 else parts[0]
+        if exclusive:
+            out[(r, i)] = ident if acc is None else acc
+        acc = value if acc is None else combine(acc, value)
+        if not exclusive:
+            out[(r, i)] = acc
+    results = []
+    for r, (x, *_rest) in enumerate(per_rank):
+        count = len(PLACES[world][r])
+        rows = [out[(r, i)] for i in range(count)]
+        if isinstance(x, tuple):
+            y = tuple(torch.stack([torch.broadcast_to(row[k], x[k].shape[1:]) for row in rows]) if rows else x[k]
+                      for k in range(len(x)))
+        else:
+            y = torch.stack([torch.broadcast_to(row, x.shape[1:]) for row in rows]) if rows else x
+        results.append(y)
+    loss = sum(_loss(y, _weights(name, r, y)) for r, y in enumerate(results) if _flat(y))
+    grads = torch.autograd.grad(loss, [t for ls in leaves for t in ls], allow_unused=True)
+    it = iter(grads)
+    return [(tuple(t.detach() for t in (y if isinstance(y, tuple) else (y,))),
+             tuple(next(it) for _ in ls)) for y, ls in zip(results, leaves)]
+
+
+def _flat(y) -> int:
+    return sum(t.numel() for t in (y if isinstance(y, tuple) else (y,)))
+
+
+def _pieces_rank(rank: int, world: int, exclusive: bool):
+    out = {}
+    for name in CASES:
+        x, kw, _, _, places = _piece_inputs(name, world, rank)
+        leaves = tuple(t.clone().requires_grad_() for t in (x if isinstance(x, tuple) else (x,)))
+        arg = leaves if isinstance(x, tuple) else leaves[0]
+        y = F.scan(arg, exclusive=exclusive, positions=places, **kw)
+        _loss(y, _weights(name, rank, y)).backward()
+        out[name] = (tuple(t.detach() for t in (y if isinstance(y, tuple) else (y,))),
+                     tuple(t.grad for t in leaves))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("exclusive", [False, True])
+def test_pieces_scan_in_the_order_of_their_places(world, exclusive):
+    """Several pieces per rank (none on one rank): outputs and gradients equal a float64 fold of every piece
+    by place, for sum, affine and user combines."""
+    got = run_world(_pieces_rank, world, exclusive, timeout=120)
+    for name in CASES:
+        ref = _pieces_reference(name, world, exclusive)
+        for r in range(world):
+            (y, g), (y_ref, g_ref) = got[r][name], ref[r]
+            for a, b in zip(y, y_ref):
+                torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{name} rank {r} out: {m}")
+            for a, b in zip(g, g_ref):
+                if b is None:
+                    b = torch.zeros_like(a)
+                torch.testing.assert_close(a, b, **TOL, msg=lambda m: f"{name} rank {r} grad: {m}")
+
+
+def _duplicate_places_rank(rank: int, world: int):
+    try:
+        F.scan(torch.ones(1, 2, dtype=torch.float64), positions=[7])
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_duplicate_places_raise_the_same_error_on_every_rank():
+    messages = run_world(_duplicate_places_rank, 2, timeout=60)
+    assert messages[0] == messages[1] and "distinct across the group" in messages[0] and "[7]" in messages[0]
+
+
+def test_pieces_arguments_name_the_argument():
+    x = torch.ones(2, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="`positions` holds 3 places; `x` has 2 pieces"):
+        F.scan(x, positions=[0, 1, 2])
+    with pytest.raises(ValueError, match="`positions` must be distinct"):
+        F.scan(x, positions=[4, 4])
+    with pytest.raises(TypeError, match="`positions` must be a sequence of ints"):
+        F.scan(x, positions=["a", "b"])
+    with pytest.raises(ValueError, match="leading dim of pieces"):
+        F.scan(torch.ones((), dtype=torch.float64), positions=[])
