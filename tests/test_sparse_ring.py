@@ -171,3 +171,22 @@ def test_sparse_ring_traffic_is_the_plan_on_packed_documents(layout):
                 continue
             sent, received = ex.remote_rows(r)
             assert sent <= sp.rows_sent() <= 1.1 * sent + 1 and received <= sp.rows_received() <= 1.1 * received + 1
+
+
+def test_cost_model_counts_the_sparse_rows_for_the_ring_only():
+    """The ring's predicted communication falls with the sparse schedule; the hybrid's ring dimension, which
+    relays whole shards, is predicted as the relay."""
+    import functools
+
+    from distcomm_attention.planning import cost
+
+    world, n = 4, 4096
+    docs = (0, 3000, 5000, 9000, 12000, 16384)
+    vis = Visibility(True, cu_seqlens=docs)
+    assert sparse_ring("contiguous", vis, world, 0, n) is not None
+    c = cost.Call(1, n, 32, 8, 128, 2, "contiguous", vis, world)
+    hw = cost.Hardware(p2p_gbps=10.0)  # slow links: communication shows
+    sparse = cost._ring_s(c, world, n, 32, 8, hw)
+    relay = functools.partial(cost._ring_s, sparse_sends=False)(c, world, n, 32, 8, hw)
+    assert sum(sparse) < sum(relay)  # (compute, exposed communication) of each one's slowest rank
+    assert cost.predict(c, "ring", hw).seconds == pytest.approx(sum(sparse))

@@ -147,22 +147,25 @@ def _transfer_s(nbytes: float, gbps: float, hw: Hardware) -> float:
     return 0.0 if nbytes <= 0 else hw.latency_s + nbytes / (gbps * 1e9)
 
 
-def _ring_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: Hardware) -> tuple[float, float]:
+def _ring_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: Hardware,
+            sparse_sends: bool = True) -> tuple[float, float]:
     """(compute, exposed communication) of the slowest rank of a ring of ``ranks`` over ``local_len`` tokens:
-    whole shards relayed, or the sparse ring's rows (Note [Sparse ring]) where it runs."""
+    whole shards relayed, or the sparse ring's rows (Note [Sparse ring]) where it runs (``sparse_sends``:
+    the ring strategy; the hybrid's ring dimension relays)."""
     row = 2 * c.batch * kv_heads * c.head_dim  # k and v elements of one token
     worst = (0.0, 0.0)
     for r in range(ranks):
         plan = ring_plan(c.layout, c.vis, ranks, r, local_len)
-        sparse = sparse_ring(c.layout, c.vis, ranks, r, local_len) if ranks > 1 else None
+        sparse = sparse_ring(c.layout, c.vis, ranks, r, local_len) if ranks > 1 and sparse_sends else None
         if sparse is None:  # every hop a whole shard; dK, dV ride along and go home at the end
             rows = [local_len] * (len(plan.steps) + 1)  # a hop beside every step (the backward's accumulators)
-            bwd_bytes = c.itemsize + 4
-            home = _transfer_s(row * local_len * bwd_bytes, hw.p2p_gbps, hw)
-        else:  # each step the rows its block reads; dK, dV of them straight back (k, v again unless kept)
-            rows = [sum(b - a for a, b in runs) for runs in sparse.recv]
-            bwd_bytes = 4 if sparse.keep else c.itemsize + 4
-            home = _transfer_s(row * rows[-1] * 4, hw.p2p_gbps, hw)
+            kv_bytes, grad_rows = c.itemsize + 4, [0] * len(rows)
+            home = _transfer_s(row * local_len * (c.itemsize + 4), hw.p2p_gbps, hw)
+        else:  # the rows each step's blocks read; their dK, dV straight back beside the next step's compute
+            rows = [sum(b - a for a, b in runs) for runs in sparse.recv] + [0]
+            kv_bytes = 0 if sparse.keep else c.itemsize  # k, v again in the backward unless kept
+            grad_rows = [0] + rows[1:]
+            home = _transfer_s(row * rows[-2] * 4, hw.p2p_gbps, hw)  # the last step's dK, dV
         compute = total = 0.0
         hops = len(plan.steps) > 1
         for i, costs in enumerate(_step_costs(plan)):
@@ -171,10 +174,12 @@ def _ring_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: 
             if not hops:
                 total += step
                 continue
-            # forward: 1 / 3.5 of the work against the next step's k, v; backward: the rest against k, v, dK, dV
-            nxt = rows[i + 1] if i + 1 < len(rows) else 0
+            # forward: 1 / 3.5 of the work against the next step's k, v; backward: the rest against the next
+            # step's k, v (relay: with the accumulators) and the previous step's dK, dV (sparse)
+            nxt, prev = rows[i + 1], grad_rows[i - 1] if i > 0 else 0
             hop_fwd = _transfer_s(row * nxt * c.itemsize, hw.p2p_gbps, hw) if nxt else 0.0
-            hop_bwd = _transfer_s(row * nxt * bwd_bytes, hw.p2p_gbps, hw) if nxt else 0.0
+            moved = row * (nxt * kv_bytes + prev * 4)
+            hop_bwd = _transfer_s(moved, hw.p2p_gbps, hw) if moved else 0.0
             total += max(step / 3.5, hop_fwd) + max(step * 2.5 / 3.5, hop_bwd)
         total += home if hops else 0.0
         if total > sum(worst):
@@ -237,7 +242,7 @@ def predict(c: Call, strategy: str, hw: Hardware = Hardware()) -> Prediction | N
             mem = b * s * d * item * (2 * heads + 2 * kv_heads)
         else:
             rings = c.world // u
-            inner = _ring_s if strategy == "hybrid" else _gathered_s
+            inner = functools.partial(_ring_s, sparse_sends=False) if strategy == "hybrid" else _gathered_s
             compute, inner_comm = inner(c, rings, u * n, heads, kv_heads, hw)
             comm += inner_comm
             mem = b * u * n * d * item * (2 * heads + 2 * kv_heads)

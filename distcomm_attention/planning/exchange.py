@@ -194,18 +194,11 @@ class SparseRing:
         return sum(b - a for runs in self.send[1:] for a, b in runs)
 
 
-def _runs_read(plan: RingPlan, i: int, need: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
-    """The runs of the source's rows step i's blocks read: the rows some query sees (``need``, the exchange
-    plan's), within the blocks' ranges, runs closer than MERGE_GAP joined."""
-    runs = []
-    for block in plan.blocks[i]:
-        lo, hi = block.kv.start, block.kv.stop
-        if block.mode != "interval":  # full or causal: every row of the range is seen
-            runs.append((lo, hi))
-            continue
-        runs += [(max(a, lo), min(b, hi)) for a, b in need if min(b, hi) > max(a, lo)]
+def _merged(need: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+    """The rows some query sees (the exchange plan's ranges), runs closer than MERGE_GAP joined. A step's ring
+    block spans exactly these rows' hull (both come from the same query bounds), so these are what it reads."""
     merged: list[tuple[int, int]] = []
-    for a, b in sorted(runs):
+    for a, b in sorted(need):
         if merged and a - merged[-1][1] < MERGE_GAP:
             merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
         else:
@@ -254,16 +247,15 @@ def sparse_ring(layout, vis: Visibility, ring_size: int, rank: int, local_len: i
     busiest rank would receive at least SPARSE_BELOW of the relay's rows), or for a ring of one."""
     if ring_size == 1 or local_len == 0:
         return None
-    plans = [ring_plan(layout, vis, ring_size, r, local_len) for r in range(ring_size)]
-    steps = plans[rank].steps
+    plan = ring_plan(layout, vis, ring_size, rank, local_len)
+    steps = plan.steps
     if len(steps) == 1:
         return None
     ex = exchange_plan(layout, vis, ring_size, local_len)
-    reads = [[_runs_read(p, i, ex.need[(r - t) % ring_size][r]) for i, t in enumerate(steps)]
-             for r, p in enumerate(plans)]
-    received = [sum(b - a for runs in rr[1:] for a, b in runs) for rr in reads]
+    received = [sum(b - a for t in steps[1:] for a, b in _merged(ex.need[(d - t) % ring_size][d]))
+                for d in range(ring_size)]
     if max(received) >= SPARSE_BELOW * (len(steps) - 1) * local_len:
         return None
-    recv = tuple(reads[rank])
-    send = tuple(reads[(rank + t) % ring_size][i] for i, t in enumerate(steps))
-    return SparseRing(_compact(plans[rank], recv), recv, send, max(received) <= RING_KEEP_ROWS * local_len)
+    recv = tuple(_merged(ex.need[(rank - t) % ring_size][rank]) for t in steps)
+    send = tuple(_merged(ex.need[rank][(rank + t) % ring_size]) for t in steps)
+    return SparseRing(_compact(plan, recv), recv, send, max(received) <= RING_KEEP_ROWS * local_len)

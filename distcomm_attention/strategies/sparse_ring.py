@@ -7,22 +7,26 @@ Note [Sparse ring]
     block reads. With packed documents, windows or balanced layouts most blocks read a few rows or none, and
     the sparse ring sends them directly instead:
 
-        step t (every rank posts the same steps):  rank r sends rows [lo, hi) of its shard that rank r + t's
-                                                   block reads, straight to r + t (shift t), and receives the
-                                                   rows its own block reads from r - t; nothing when empty
-        block call:                                the plan's block with its kv slice re-based to the received
-                                                   rows (``compact_ring_plan``)
+        step t (every rank posts the same steps):  rank r sends the runs of its shard that rank r + t's block
+                                                   reads (the rows its queries see, runs closer than
+                                                   MERGE_GAP joined), straight to r + t (shift t), and
+                                                   receives the runs its own block reads from r - t; nothing
+                                                   when empty
+        block call:                                the plan's block split at the rows no query sees and re-based
+                                                   to the received runs (planning/exchange.py, ``sparse_ring``)
         backward:                                  the same sends (or the forward's buffers, kept when every
-                                                   rank's buffers total at most KEEP_ROWS shards), and each
+                                                   rank's buffers total at most RING_KEEP_ROWS shards), and each
                                                    step's dK, dV of the received rows straight back to src
-                                                   (shift -t, fp32), added into src's own accumulators
+                                                   (shift -t, fp32, at most two in flight), added into src's own
+                                                   accumulators
 
-    Every send's size is known to both ends from the plans alone (each rank builds every rank's ring plan, a
-    pure function of the layout and the mask), so nothing but the rows themselves is exchanged, and each
+    Every send's size is known to both ends from the exchange plan alone (Note [Exchange plan]: the rows of
+    src some query of the receiver sees, which is what its block reads), so nothing but the rows moves, and each
     step's transfer is posted before the step before it computes, as in the plain ring. The strategy picks
-    it when the busiest rank receives less than SPARSE_BELOW of what the relay moves it; then each rank holds
-    at most one source's rows at a time, as the ring does, not the union of all of them as the sparse
-    all-gather does (Note [Sparse gather]).
+    it when the busiest rank receives less than SPARSE_BELOW of what the relay moves it. In the forward each
+    rank holds one source's rows at a time, as the ring does, not the union of all of them as the sparse
+    all-gather does (Note [Sparse gather]); kept buffers add up to RING_KEEP_ROWS shards for the backward,
+    and at most two steps' dK, dV are in flight.
 """
 
 from __future__ import annotations
@@ -45,12 +49,13 @@ _INDEX: dict = {}  # (runs, device) -> the runs' rows as an index on that device
 
 def _index(runs, device: torch.device) -> torch.Tensor:
     key = (runs, str(device))
-    if key not in _INDEX:
+    index = _INDEX.get(key)
+    if index is None:
         if len(_INDEX) > 4096:
             _INDEX.clear()
-        rows = torch.cat([torch.arange(a, b) for a, b in runs])
-        _INDEX[key] = rows.to(device, non_blocking=True)
-    return _INDEX[key]
+        index = torch.cat([torch.arange(a, b) for a, b in runs]).to(device, non_blocking=True)
+        _INDEX[key] = index
+    return index
 
 
 def _rows(x: torch.Tensor, runs) -> torch.Tensor:
@@ -146,7 +151,13 @@ def sparse_ring_backward(dout, q, k, v, out, lse, km, t, sp: SparseRing, kept, s
     steps = plan.steps
     handle = None if sp.keep else _post_rows(t, k, v, km, sp, 1)
     dk_own, dv_own = _backward_step(dout, q, k, v, out, lse, delta, km, dq, plan, 0, softcap, scale, bwd, acc_dtype)
-    back = []  # (step, handle) of the dK, dV on their way to their sources
+    back = []  # (step, handle) of the dK, dV on their way to their sources, at most two in flight
+
+    def land(i, h):
+        dk_r, dv_r = h.wait()
+        _add_rows(dk_own, sp.send[i], dk_r)
+        _add_rows(dv_own, sp.send[i], dv_r)
+
     for i in range(1, len(steps)):
         if sp.keep:
             kb, vb, mb = kept[i - 1]
@@ -156,10 +167,10 @@ def sparse_ring_backward(dout, q, k, v, out, lse, km, t, sp: SparseRing, kept, s
         dk, dv = _backward_step(dout, q, kb, vb, out, lse, delta, mb, dq, plan, i, softcap, scale, bwd, acc_dtype)
         shape = (k.shape[0], _count(sp.send[i]), *k.shape[2:])
         back.append((i, t.send_recv((dk, dv), -steps[i], [shape, shape])))
+        if len(back) > 2:
+            land(*back.pop(0))
     for i, h in back:
-        dk_r, dv_r = h.wait()
-        _add_rows(dk_own, sp.send[i], dk_r)
-        _add_rows(dv_own, sp.send[i], dv_r)
+        land(i, h)
     return _dq_result(dq, q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
 
 
@@ -185,20 +196,23 @@ class _SparseRingAttn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, key_mask, comm: RingComm, sp: SparseRing, softcap: float, scale: float, fwd, bwd):
-        k, v = k.contiguous(), v.contiguous()
         t = _transport(comm)
-        out, lse, kept = sparse_ring_forward(q, k, v, key_mask, t, sp, softcap, scale, fwd)
-        flat = [x for step in kept for x in step[:2]]
-        masks = [step[2] for step in kept]
-        ctx.save_for_backward(q, k, v, out, lse, key_mask, *flat)
-        ctx.comm, ctx.sp, ctx.softcap, ctx.scale, ctx.bwd, ctx.masks = comm, sp, softcap, scale, bwd, masks
+        out, lse, kept = sparse_ring_forward(q, k.contiguous(), v.contiguous(), key_mask, t, sp, softcap, scale, fwd)
+        # k, v as given (no contiguous copies kept); the kept rows and masks as saved tensors too
+        ctx.save_for_backward(q, k, v, out, lse, key_mask, *(x for step in kept for x in step[:2]),
+                              *(step[2] for step in kept if step[2] is not None))
+        ctx.comm, ctx.sp, ctx.softcap, ctx.scale, ctx.bwd = comm, sp, softcap, scale, bwd
+        ctx.kept = len(kept)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse, km, *flat = ctx.saved_tensors
-        kept = [(flat[2 * j], flat[2 * j + 1], m) for j, m in enumerate(ctx.masks)]
+        q, k, v, out, lse, km, *rest = ctx.saved_tensors
+        k, v = k.contiguous(), v.contiguous()
+        n = ctx.kept
+        masks = rest[2 * n:] if km is not None else [None] * n
+        kept = [(rest[2 * j], rest[2 * j + 1], masks[j]) for j in range(n)]
         with _no_autocast(dout.device):
             dq, dk, dv = sparse_ring_backward(dout, q, k, v, out, lse, km, _transport(ctx.comm), ctx.sp,
                                               kept, ctx.softcap, ctx.scale, ctx.bwd)
