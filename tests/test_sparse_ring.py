@@ -190,3 +190,29 @@ def test_cost_model_counts_the_sparse_rows_for_the_ring_only():
     relay = functools.partial(cost._ring_s, sparse_sends=False)(c, world, n, 32, 8, hw)
     assert sum(sparse) < sum(relay)  # (compute, exposed communication) of each one's slowest rank
     assert cost.predict(c, "ring", hw).seconds == pytest.approx(sum(sparse))
+
+
+def _sub_ring_rank(rank, world):
+    import distcomm_attention as da
+    from distcomm_attention._reference import attention_reference
+
+    ring = rank // 2  # two rings of two, each with its own sequence
+    g = torch.Generator().manual_seed(50 + ring)
+    q, k, v, dout = (torch.randn(1, 16, h, 8, dtype=torch.float64, generator=g) for h in (2, 1, 1, 2))
+    local = [da.shard_sequence(t, "contiguous", ring_size=2).clone().requires_grad_() for t in (q, k, v)]
+    out = da.ring_flash_attn(*local, causal=True, window_size=(2, -1), layout="contiguous", ring_size=2)
+    out.backward(da.shard_sequence(dout, "contiguous", ring_size=2))
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = attention_reference(*ref_in, causal=True, window_size=(2, -1))
+    ref.backward(dout)
+    pos = slice((rank % 2) * 8, (rank % 2 + 1) * 8)
+    return max(float((a - b[:, pos]).abs().max().detach()) for a, b in
+               zip([out] + [t.grad for t in local], [ref] + [t.grad for t in ref_in]))
+
+
+def test_sparse_ring_on_rings_smaller_than_the_group():
+    """ring_size=2 in a world of 4: the sparse ring's sends stay inside each ring (a window of 2: the
+    neighbour's last 2 keys), and each ring computes its own sequence's reference."""
+    assert sparse_ring("contiguous", Visibility(True, (2, -1)), 2, 1, 8) is not None
+    errors = run_world(_sub_ring_rank, 4, timeout=120)
+    assert max(errors) < 1e-10, errors
