@@ -217,7 +217,9 @@ def context_parallel_attn(
 
     The same call, inputs and result as :func:`ring_flash_attn`; ``strategy`` decides who talks to whom:
 
-        "ring"              k, v travel around the group, overlapped with compute (``ring_flash_attn``)
+        "ring"              k, v travel around the group, overlapped with compute (``ring_flash_attn``); with
+                            documents or windows only the rows each step's block reads, straight to the
+                            rank that reads them (Note [Sparse ring])
         "ulysses"           all-to-all to head sharding, whole-sequence attention per head group, and back;
                             heads must divide by the group size (kv heads are split, or replicated when
                             there are fewer kv heads than ranks)

@@ -2,7 +2,8 @@
 
 Strategies (see each module's Note):
 
-    "ring"              k, v travel around the group (strategies/ring.py)
+    "ring"              k, v travel around the group (strategies/ring.py), or only the rows each step reads,
+                        sent directly (strategies/sparse_ring.py)
     "ulysses"           all-to-all to head sharding, whole-sequence attention (strategies/ulysses.py)
     "allgather"         k, v gathered once, dK/dV reduce-scattered (strategies/allgather.py)
     "hybrid"            Ulysses over a mesh dimension "ulysses" x ring over a dimension "ring"
