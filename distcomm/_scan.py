@@ -241,6 +241,7 @@ def scan(
     identity: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
     group: dist.ProcessGroup | None = None,
     positions: torch.Tensor | Sequence[int] | None = None,
+    algorithm: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Prefix scan over the ranks of ``group``, in group-rank order; differentiable with the exact gradient.
 
@@ -267,6 +268,10 @@ def scan(
             broadcastable to the matching tensor of ``x``); required when ``exclusive``.
         group: None (the default group, or a world of one without a process group), a ProcessGroup, a 1-D
             DeviceMesh or (mesh, dim).
+        algorithm: "gather" (one all-gather of every rank's summary, then a local fold: one round, each rank
+            moving W - 1 summaries), "log" (log-depth, Note [Log-depth scan]: ceil(log2 W) rounds of ring
+            passes, each rank moving one summary a round; with ``positions`` not available), or "auto":
+            "log" from 4 ranks when a summary is at least LOG_DEPTH_BYTES, else "gather".
         positions: ``None``: one summary per rank, in rank order. Else this rank's P pieces' places in the
             scan order (P >= 0 distinct ints, distinct across ranks too; P may differ between ranks), and
             every tensor of ``x`` (and of the result) has a leading dim of P, one row per piece.
@@ -280,24 +285,86 @@ def scan(
     """
     parts = _parse(x, combine, exclusive, identity)
     group, n, rank = _groups.resolve(group)
+    if algorithm not in ("auto", "gather", "log"):
+        raise ValueError(f"`algorithm`={algorithm!r} is not recognised; allowed: 'auto', 'gather' or 'log'")
     if positions is not None:
+        if algorithm == "log":
+            raise ValueError("`algorithm`='log' scans one summary per rank; with `positions` use 'gather' or 'auto'")
         return _scan_pieces(x, parts, positions, combine, exclusive, identity, group, n, rank)
     ident = _check.decide("scan", group, n, _identity_parts, combine, identity, parts)
     if n > 1 and _check.is_check_mode() and not torch.compiler.is_compiling():
         needs_grad = _needs_graph(*parts)
         for i, p in enumerate(parts):
             _check.check_same(f"scan (`x`[{i}])" if len(parts) > 1 else "scan", p, group, requires_grad=needs_grad)
-    rows = _gather_rows(parts, group, n)
     if combine == "affine":
         fold = compose_affine
     elif callable(combine):
         fold = _user_combine(combine, parts, isinstance(x, torch.Tensor))
     else:
         fold = combine
-    out = local_scan(rows, rank, combine=fold, exclusive=exclusive, identity=ident)
+    size = sum(p.numel() * p.element_size() for p in parts)
+    if algorithm == "log" or (algorithm == "auto" and n >= 4 and size >= LOG_DEPTH_BYTES):
+        out = _log_scan(parts, fold, exclusive, ident, group, n, rank)
+    else:
+        out = local_scan(_gather_rows(parts, group, n), rank, combine=fold, exclusive=exclusive, identity=ident)
     if combine == "sum" or (callable(combine) and isinstance(x, torch.Tensor)):
         return out[0]
     return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Log depth
+# ---------------------------------------------------------------------------------------------------------
+
+LOG_DEPTH_BYTES = 1 << 16  # "auto" scans summaries of at least this many bytes in log depth (from 4 ranks)
+
+"""
+Note [Log-depth scan]
+    Hillis and Steele's scan: every rank starts from its own summary y = x_r; in round d = 1, 2, 4, ... < W
+    each rank passes y to rank r + d (``ring_pass``, differentiable) and, when r >= d, combines what it
+    received in front of its own: y = recv ⊕ y, which then covers ranks max(0, r - 2d + 1) .. r. After
+    ceil(log2 W) rounds y is the inclusive prefix; the exclusive one is one more pass by 1 (rank 0: the
+    identity). Each rank moves one summary a round instead of W - 1 at once. The ranks r < d ignore what they
+    received, but add an empty sum of it, so that their backward still runs the pass's adjoint their
+    neighbours wait for (and no value of it, NaN or not, reaches their result). The backward is autograd
+    through the rounds: the passes' adjoints send the grads back the other way.
+
+        round 1:  y_r = x_{r-1} ⊕ x_r            round 2:  y_r = x_{r-3..r-2} ⊕ x_{r-1..r}     ...
+"""
+
+
+def _untouched(y: Parts, received: Parts) -> Parts:
+    """``y`` with an empty sum of ``received`` added: the same values, ``received`` kept in the graph."""
+    return tuple(p + q.reshape(-1)[:0].sum() for p, q in zip(y, received))
+
+
+def _pass(parts: Parts, shift: int, group) -> Parts:
+    from distcomm.ring import ring_pass
+
+    if len(parts) > 1 and all(p.dtype == parts[0].dtype for p in parts):
+        flat = torch.cat([p.reshape(-1) for p in parts])
+        got = ring_pass(flat, shift, group, recv_shape=tuple(flat.shape))
+        return tuple(g.reshape(p.shape) for g, p in zip(got.split([p.numel() for p in parts]), parts))
+    return tuple(ring_pass(p, shift, group, recv_shape=tuple(p.shape)) for p in parts)
+
+
+def _log_scan(parts: Parts, fold, exclusive: bool, ident: Parts, group, n: int, rank: int) -> Parts:
+    """Rank ``rank``'s prefix by Note [Log-depth scan]."""
+    y = parts
+    d = 1
+    while d < n:
+        got = _pass(y, d, group)
+        if rank >= d:
+            y = tuple(a + b for a, b in zip(got, y)) if fold == "sum" else fold(got, y)
+        else:
+            y = _untouched(y, got)
+        d *= 2
+    if not exclusive:
+        return y
+    got = _pass(y, 1, group) if n > 1 else y
+    if rank >= 1:
+        return got
+    return _untouched(tuple(i.expand_as(p).clone() for i, p in zip(ident, parts)), got)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -104,10 +104,10 @@ def _reference(name: str, world: int, exclusive: bool):
     return [detach(o) for o in outs], [tuple(grads[r * per : (r + 1) * per]) for r in range(world)]
 
 
-def _run_scan(name: str, r: int, exclusive: bool, group=None):
+def _run_scan(name: str, r: int, exclusive: bool, group=None, algorithm: str = "auto"):
     x, kwargs, _, _ = _case(name, r)
     x = tuple(t.clone().requires_grad_() for t in x) if isinstance(x, tuple) else x.clone().requires_grad_()
-    out = F.scan(x, exclusive=exclusive, group=group, **kwargs)
+    out = F.scan(x, exclusive=exclusive, group=group, algorithm=algorithm, **kwargs)
     _loss(out, _weights(name, r, out)).backward()
     inputs = x if isinstance(x, tuple) else (x,)
     detached = tuple(t.detach() for t in out) if isinstance(out, tuple) else out.detach()
@@ -242,15 +242,17 @@ def test_bad_arguments_name_the_argument(case):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _all_cases_rank(rank: int, world: int):
-    return {(name, ex): _run_scan(name, rank, ex) for name in CASES for ex in (False, True)}
+def _all_cases_rank(rank: int, world: int, algorithm: str = "auto"):
+    return {(name, ex): _run_scan(name, rank, ex, algorithm=algorithm) for name in CASES for ex in (False, True)}
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_scan_matches_the_single_process_reference(world):
-    """Every combine, inclusive and exclusive, outputs and gradients on every rank equal the float64 loop
-    over the ranks' inputs: the reverse scan of the grads arrives through the all-gather's reduce-scatter."""
-    results = run_world(_all_cases_rank, world, timeout=180)
+@pytest.mark.parametrize("world, algorithm", [(1, "auto"), (2, "auto"), (3, "auto"), (4, "auto"), (1, "log"),
+                                              (2, "log"), (3, "log"), (4, "log"), (5, "log"), (8, "log")])
+def test_scan_matches_the_single_process_reference(world, algorithm):
+    """Every combine, inclusive and exclusive, by the all-gather ("auto" on these small summaries) and in log
+    depth (Note [Log-depth scan], worlds that are and are not powers of two): outputs and gradients on every
+    rank equal the float64 loop over the ranks' inputs."""
+    results = run_world(_all_cases_rank, world, algorithm, timeout=180)
     for name in CASES:
         for ex in (False, True):
             outs, grads = _reference(name, world, ex)
@@ -486,3 +488,45 @@ def test_pieces_arguments_name_the_argument():
         F.scan(x, positions=["a", "b"])
     with pytest.raises(ValueError, match="leading dim of pieces"):
         F.scan(torch.ones((), dtype=torch.float64), positions=[])
+
+
+def _log_traffic_rank(rank: int, world: int):
+    """Bytes this rank sends in one forward of each algorithm (ring passes vs the all-gather), counted where
+    distcomm calls torch.distributed (its point-to-point sends and its all-gather into a tensor)."""
+    import distcomm._reduce_raw as ag
+
+    sent = {"log": 0, "gather": 0}
+    which = {"now": None}
+    original_isend, original_batch, original_flat = dist.isend, dist.batch_isend_irecv, ag._all_gather_into
+
+    def isend(tensor, *a, **k):
+        sent[which["now"]] += tensor.numel() * tensor.element_size()
+        return original_isend(tensor, *a, **k)
+
+    def batch_isend_irecv(ops):
+        for op in ops:
+            if op.op is isend or op.op is original_isend:
+                sent[which["now"]] += op.tensor.numel() * op.tensor.element_size()
+        return original_batch(ops)
+
+    def all_gather_flat(out, tensor, *a, **k):
+        sent[which["now"]] += tensor.numel() * tensor.element_size() * (world - 1)
+        return original_flat(out, tensor, *a, **k)
+
+    dist.isend, dist.batch_isend_irecv, ag._all_gather_into = isend, batch_isend_irecv, all_gather_flat
+    try:
+        x = torch.ones(1024, dtype=torch.float64)
+        for algorithm in ("log", "gather"):
+            which["now"] = algorithm
+            F.scan(x, algorithm=algorithm)
+    finally:
+        dist.isend, dist.batch_isend_irecv, ag._all_gather_into = original_isend, original_batch, original_flat
+    return sent
+
+
+def test_log_depth_moves_one_summary_a_round():
+    """W = 8: the log-depth scan sends 3 summaries per rank (one a round), the all-gather 7."""
+    got = run_world(_log_traffic_rank, 8, timeout=120)
+    summary = 1024 * 8
+    for sent in got:
+        assert sent == {"log": 3 * summary, "gather": 7 * summary}, sent
