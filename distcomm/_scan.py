@@ -271,7 +271,7 @@ def scan(
         algorithm: "gather" (one all-gather of every rank's summary, then a local fold: one round, each rank
             moving W - 1 summaries), "log" (log-depth, Note [Log-depth scan]: ceil(log2 W) rounds of ring
             passes, each rank moving one summary a round; with ``positions`` not available), or "auto":
-            "log" from 4 ranks when a summary is at least LOG_DEPTH_BYTES, else "gather".
+            "log" from 4 ranks when a summary is at least LOG_DEPTH_BYTES (eagerly), else "gather".
         positions: ``None``: one summary per rank, in rank order. Else this rank's P pieces' places in the
             scan order (P >= 0 distinct ints, distinct across ranks too; P may differ between ranks), and
             every tensor of ``x`` (and of the result) has a leading dim of P, one row per piece.
@@ -303,7 +303,8 @@ def scan(
     else:
         fold = combine
     size = sum(p.numel() * p.element_size() for p in parts)
-    if algorithm == "log" or (algorithm == "auto" and n >= 4 and size >= LOG_DEPTH_BYTES):
+    big = n >= 4 and size >= LOG_DEPTH_BYTES and not torch.compiler.is_compiling()  # compiled: the tested path
+    if algorithm == "log" or (algorithm == "auto" and big):
         out = _log_scan(parts, fold, exclusive, ident, group, n, rank)
     else:
         out = local_scan(_gather_rows(parts, group, n), rank, combine=fold, exclusive=exclusive, identity=ident)
