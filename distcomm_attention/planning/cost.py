@@ -190,10 +190,11 @@ def _ring_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: 
 def _gathered_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: Hardware):
     row = 2 * c.batch * kv_heads * c.head_dim  # k and v elements of one token
     ex = gathered_exchange(c.layout, c.vis, ranks, local_len)
-    if ex is None:  # all-gather twice (forward, backward), reduce-scatter of dK, dV in fp32
+    if ex is None:  # all-gather (again in the backward beyond 2 ranks), reduce-scatter of dK, dV in fp32
         kv = row * local_len * (ranks - 1)
-        comm = 2 * _transfer_s(kv * c.itemsize, hw.allgather_gbps, hw) + _transfer_s(kv * 4, hw.reduce_scatter_gbps,
-                                                                                     hw)
+        gathers = 1 if ranks <= 2 else 2
+        comm = gathers * _transfer_s(kv * c.itemsize, hw.allgather_gbps, hw) + _transfer_s(
+            kv * 4, hw.reduce_scatter_gbps, hw)
     else:  # the exchange plan's rows (Note [Sparse gather]): the busiest rank's link, k and v each an exchange
         comm = max(2 * 2 * _transfer_s(max(ex.remote_rows(r)) * row / 2 * c.itemsize, hw.a2a_gbps, hw)
                    + 2 * _transfer_s(max(ex.remote_rows(r)) * row / 2 * 4, hw.a2a_gbps, hw) for r in range(ranks))

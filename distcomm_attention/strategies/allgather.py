@@ -136,7 +136,8 @@ class AllGatherKV:
         self.sparse = None if exchange is None else SparseGather(transport.for_group(group), exchange, layout)
         if self.sparse is not None:  # decided from the plan, alike on every rank (the second exchange is collective)
             self.sparse.keep = max(map(exchange.buffer_len, range(world))) <= KEEP_ROWS * local_len
-        self._kept = None  # a sparse buffer small enough to keep for the backward (no second exchange)
+        self.keep_gathered = exchange is None and world <= KEEP_ROWS  # the whole sequence is at most KEEP_ROWS shards
+        self._kept = None  # a buffer small enough to keep for the backward (no second exchange)
 
     def _gather(self, k, v, key_mask):
         if self._kept is not None:
@@ -150,6 +151,8 @@ class AllGatherKV:
     def forward(self, q, k, v, key_mask):
         if self.sparse is None:
             k_all, v_all, km_all = self._gather(k, v, key_mask)
+            if self.keep_gathered:
+                self._kept = (k_all, v_all, km_all)
             return ring_forward(q, k_all, v_all, km_all, self.one, self.plan, self.softcap, self.scale, self.fwd)
         # the blocks on own keys run while the other ranks' keys arrive (Note [Sparse gather])
         with torch.no_grad():
