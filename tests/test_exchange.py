@@ -199,29 +199,13 @@ def test_sparse_gather_and_its_adjoint(layout, vis_args, world, local_len):
 
 
 def _allgather_rank(rank, world, layout, causal, window, docs, masked):
-    import distcomm_attention as da
-    from distcomm_attention._reference import attention_reference
-    from tests.counting import counted
+    import functools
 
-    n = 8
-    seq_len = world * n
-    g = torch.Generator().manual_seed(11)
-    q, k, v = (torch.randn(2, seq_len, h, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
-    dout = torch.randn(2, seq_len, 4, 8, dtype=torch.float64, generator=g)
-    mask = torch.rand(2, seq_len, generator=g) > 0.2 if masked else None
-    concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
-    pos = layouts.positions(concrete, seq_len, world, rank)
-    local = [t[:, pos].clone().requires_grad_() for t in (q, k, v)]
-    with counted() as made:
-        out = da.context_parallel_attn(*local, strategy="allgather", causal=causal, window_size=window,
-                                       cu_seqlens=docs, layout=layout, attention_mask=None if mask is None else mask[:, pos])
-        out.backward(dout[:, pos])
-    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = attention_reference(*ref_in, causal=causal, window_size=window, cu_seqlens=docs, attention_mask=mask)
-    ref.backward(dout)
-    errors = [float((a - b[:, pos]).abs().max()) for a, b in
-              zip([out] + [t.grad for t in local], [ref] + [t.grad for t in ref_in])]
-    return {"errors": errors, "sent": sum(c.total for c in made), "sparse": bool(made)}
+    import distcomm_attention as da
+    from tests.counting import counted_attention
+
+    return counted_attention(rank, world, 8, layout, causal, window, docs, masked, 11,
+                             functools.partial(da.context_parallel_attn, strategy="allgather"))
 
 
 ALLGATHER = [

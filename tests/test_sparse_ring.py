@@ -6,7 +6,7 @@ the visible keys; nothing moves when every document stays on one rank."""
 import pytest
 import torch
 
-from distcomm_attention.planning import balance, layouts
+from distcomm_attention.planning import balance
 from distcomm_attention.planning.exchange import exchange_plan
 from distcomm_attention.planning.visibility import Visibility, ring_plan
 from distcomm_attention.planning.exchange import sparse_ring
@@ -16,36 +16,17 @@ N = 8  # tokens per rank
 
 
 def _rank(rank, world, layout, causal, window, docs, masked, entry, merge_gap=None):
+    import functools
+
     import distcomm_attention as da
     from distcomm_attention.planning import exchange
+    from tests.counting import counted_attention
 
     if merge_gap is not None:  # split blocks at every gap (the tests' shards are smaller than MERGE_GAP)
         exchange.MERGE_GAP = merge_gap
-    from distcomm_attention._reference import attention_reference
-    from tests.counting import counted
-
-    seq_len = world * N
-    g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, seq_len, h, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
-    dout = torch.randn(2, seq_len, 4, 8, dtype=torch.float64, generator=g)
-    mask = torch.rand(2, seq_len, generator=g) > 0.2 if masked else None
-    concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
-    pos = layouts.positions(concrete, seq_len, world, rank)
-    local = [t[:, pos].clone().requires_grad_() for t in (q, k, v)]
-    kwargs = dict(causal=causal, window_size=window, cu_seqlens=docs, layout=layout,
-                  attention_mask=None if mask is None else mask[:, pos])
-    with counted() as made:
-        if entry == "ring_flash_attn":
-            out = da.ring_flash_attn(*local, **kwargs)
-        else:
-            out = da.context_parallel_attn(*local, strategy="ring", **kwargs)
-        out.backward(dout[:, pos])
-    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = attention_reference(*ref_in, causal=causal, window_size=window, cu_seqlens=docs, attention_mask=mask)
-    ref.backward(dout)
-    errors = [float((a - b[:, pos]).abs().max().detach()) for a, b in
-              zip([out] + [t.grad for t in local], [ref] + [t.grad for t in ref_in])]
-    return {"errors": errors, "sent": sum(c.total for c in made), "transports": len(made)}
+    call = (da.ring_flash_attn if entry == "ring_flash_attn"
+            else functools.partial(da.context_parallel_attn, strategy="ring"))
+    return counted_attention(rank, world, N, layout, causal, window, docs, masked, 3, call)
 
 
 CASES = [  # world, layout, causal, window, documents, key padding
