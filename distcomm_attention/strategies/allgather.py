@@ -30,8 +30,8 @@ from distcomm_attention.planning.exchange import Exchange
 from distcomm_attention.planning.plans import gathered_in_natural_order, natural_order
 from distcomm_attention.planning.visibility import RingPlan
 from distcomm_attention.strategies.sparse_gather import SparseGather, split_local
-from distcomm_attention.strategies.ring import (_add_dq, _dq_result, _no_autocast, _rows_of, backward_start,
-                                                packed, ring_forward)
+from distcomm_attention.strategies.ring import (_dq_result, _no_autocast, backward_start, ring_forward,
+                                                step_grads)
 
 __all__ = ["AllGatherKV", "allgather_attention", "gather_kv", "local_backward"]
 
@@ -82,26 +82,7 @@ def reduce_scatter_kv(dk_all, dv_all, group, order):
 def local_backward(dout, q, k, v, out, lse, key_mask, plan: RingPlan, softcap: float, scale: float, bwd):
     """Gradients of a one-step plan: dq in q's dtype; dk, dv (shaped like k, v) in the accumulation dtype."""
     dout, acc_dtype, delta, dq = backward_start(dout, q, out, bwd)
-    dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
-    dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
-    calls = packed(plan, 0, bwd, key_mask, q.device, backward=True)
-    if calls is not None:  # Note [Packed steps]
-        for kv, dk_b, dv_b in bwd.packed_step(dout, q, k, v, out, lse, calls, scale=scale, softcap=softcap,
-                                              dq_acc=dq):
-            dk[:, kv] += dk_b
-            dv[:, kv] += dv_b
-        return _dq_result(dq, q.dtype), dk, dv
-    for j, block in enumerate(plan.blocks[0]):
-        rows = block.q
-        dq_b, dk_b, dv_b = bwd.step(
-            dout[:, rows], q[:, rows], k[:, block.kv], v[:, block.kv], out[:, rows], lse[:, :, rows],
-            None if delta is None else delta[:, :, rows], mask=plan.mask(0, j, q.device), scale=scale,
-            softcap=softcap, key_mask=None if key_mask is None else key_mask[:, block.kv],
-            dq_acc=_rows_of(dq, rows), dkv_dtype=acc_dtype,
-        )
-        _add_dq(dq, rows, dq_b)
-        dk[:, block.kv] += dk_b
-        dv[:, block.kv] += dv_b
+    dk, dv = step_grads(dout, q, k, v, out, lse, delta, key_mask, dq, plan, 0, softcap, scale, bwd, acc_dtype)
     return _dq_result(dq, q.dtype), dk, dv
 
 

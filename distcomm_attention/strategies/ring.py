@@ -47,7 +47,8 @@ from distcomm.ring import RingComm
 from distcomm_attention.kernels.contract import RowSum, packed_calls
 from distcomm_attention.planning.visibility import RingPlan
 
-__all__ = ["ring_attention", "ring_forward", "ring_backward", "ring_all_gather", "ring_reduce_scatter", "packed"]
+__all__ = ["ring_attention", "ring_forward", "ring_backward", "ring_all_gather", "ring_reduce_scatter", "packed",
+           "forward_step", "block_grads", "step_grads", "backward_start"]
 
 
 def _whole(rows: slice, n: int) -> bool:
@@ -152,27 +153,68 @@ def _shifts(steps: tuple[int, ...], size: int) -> list[int]:
     return [b - a for a, b in zip(steps, steps[1:])] + [size - steps[-1]]
 
 
+def forward_step(state, q, k, v, km, plan: RingPlan, i: int, softcap: float, scale: float, fwd,
+                 last: bool = False) -> None:
+    """Step i's kernel calls on keys ``k``, ``v`` (and key mask ``km``) into the fp32 ``state``: one packed call
+    set, or one call per block. ``last``: the loop's last step, whose last call may normalise in place when
+    it covers every row (always so at W = 1)."""
+    calls = packed(plan, i, fwd, km, q.device, backward=False)
+    if calls is not None:
+        fwd.packed_step(state, q, k, v, calls, scale=scale, softcap=softcap)
+        return
+    blocks = plan.blocks[i]
+    for j, block in enumerate(blocks):
+        final = last and j + 1 == len(blocks) and _whole(block.q, q.shape[1])
+        fwd.step(
+            state, q, k[:, block.kv], v[:, block.kv],
+            mask=plan.mask(i, j, q.device), scale=scale, softcap=softcap,
+            key_mask=None if km is None else km[:, block.kv], q_slice=block.q, final=final,
+        )
+
+
+def block_grads(dout, q, k, v, out, lse, delta, km, dq, plan: RingPlan, i: int, softcap: float, scale: float, bwd,
+                acc_dtype: torch.dtype) -> list:
+    """Step i's backward calls: this rank's dQ added into ``dq``; returns (kv rows, dK, dV) of each call, in
+    ``acc_dtype``."""
+    calls = packed(plan, i, bwd, km, q.device, backward=True)
+    if calls is not None:  # Note [Packed steps]
+        return bwd.packed_step(dout, q, k, v, out, lse, calls, scale=scale, softcap=softcap, dq_acc=dq)
+    grads = []
+    for j, block in enumerate(plan.blocks[i]):
+        rows = block.q
+        dq_b, dk_b, dv_b = bwd.step(
+            dout[:, rows], q[:, rows], k[:, block.kv], v[:, block.kv], out[:, rows], lse[:, :, rows],
+            None if delta is None else delta[:, :, rows], mask=plan.mask(i, j, q.device), scale=scale,
+            softcap=softcap, key_mask=None if km is None else km[:, block.kv], dq_acc=_rows_of(dq, rows),
+            dkv_dtype=acc_dtype,
+        )
+        _add_dq(dq, rows, dq_b)
+        grads.append((block.kv, dk_b, dv_b))
+    return grads
+
+
+def step_grads(dout, q, k, v, out, lse, delta, km, dq, plan: RingPlan, i: int, softcap: float, scale: float, bwd,
+               acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block_grads`` summed into dK, dV shaped like ``k``, ``v`` (in ``acc_dtype``)."""
+    dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+    for kv, dk_b, dv_b in block_grads(dout, q, k, v, out, lse, delta, km, dq, plan, i, softcap, scale, bwd,
+                                      acc_dtype):
+        dk[:, kv] += dk_b
+        dv[:, kv] += dv_b
+    return dk, dv
+
+
 def ring_forward(q, k, v, key_mask, comm: RingComm, plan: RingPlan, softcap: float, scale: float, fwd):
     """The forward ring loop (see Note [Ring attention loop]) -> out (B, n, H, D), lse (B, H, n)."""
     k, v = k.contiguous(), v.contiguous()
     km = key_mask
     shifts = _shifts(plan.steps, comm.size)
     state = fwd.init_state(q)
-    for i, blocks in enumerate(plan.blocks):
+    for i in range(len(plan.steps)):
         more = i + 1 < len(plan.steps)
         handle = comm.send_recv(k, v, *_as_bytes(km), shift=shifts[i]) if more else None
-        calls = packed(plan, i, fwd, km, q.device, backward=False)
-        if calls is not None:
-            fwd.packed_step(state, q, k, v, calls, scale=scale, softcap=softcap)
-            blocks = ()
-        for j, block in enumerate(blocks):
-            # The very last call may normalise in place when it covers every row (always so at W = 1).
-            final = not more and j + 1 == len(blocks) and _whole(block.q, q.shape[1])
-            fwd.step(
-                state, q, k[:, block.kv], v[:, block.kv],
-                mask=plan.mask(i, j, q.device), scale=scale, softcap=softcap,
-                key_mask=None if km is None else km[:, block.kv], q_slice=block.q, final=final,
-            )
+        forward_step(state, q, k, v, km, plan, i, softcap, scale, fwd, last=not more)
         if handle is not None:
             received = handle.wait()
             k, v = received[0], received[1]
@@ -196,35 +238,20 @@ def ring_backward(dout, q, k, v, out, lse, km, comm: RingComm, plan: RingPlan, s
                               mask=plan.mask(0, 0, q.device), scale=scale, softcap=softcap, key_mask=km)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     # D = rowsum(dout * out) of the global output rows, once for every block: (B, H, n); block backends
-    # compute it in their own kernels and skip it here.
-    delta = None
-    if getattr(bwd, "uses_delta", True):
-        delta = (dout.to(acc_dtype) * out.to(acc_dtype)).sum(-1).transpose(1, 2).contiguous()
-    dq = _dq_sum(q, acc_dtype, bwd)  # this rank's dQ
+    # compute it in their own kernels and skip it here. dq: this rank's dQ.
+    dout, acc_dtype, delta, dq = backward_start(dout, q, out, bwd)
     k, v = k.contiguous(), v.contiguous()
     shifts = _shifts(plan.steps, size)
     dk_acc = dv_acc = None  # accumulators of the block computed at the previous step
-    for i, blocks in enumerate(plan.blocks):
+    for i in range(len(plan.steps)):
         last = i + 1 == len(plan.steps)
         handles = []
         if not last:
             handles.append(comm.send_recv(k, v, *_as_bytes(km), shift=shifts[i]))
         if i > 0:  # the previous block's partial sums go to the next rank that computes with it
             handles.append(comm.send_recv(dk_acc, dv_acc, shift=shifts[i - 1]))
-        grads = []  # (kv rows, dk, dv) of this step's blocks, added to the accumulators after the wait
-        calls = packed(plan, i, bwd, km, q.device, backward=True)
-        if calls is not None:
-            grads = bwd.packed_step(dout, q, k, v, out, lse, calls, scale=scale, softcap=softcap, dq_acc=dq)
-            blocks = ()
-        for j, block in enumerate(blocks):
-            rows = block.q
-            dq_b, dk_b, dv_b = bwd.step(
-                dout[:, rows], q[:, rows], k[:, block.kv], v[:, block.kv], out[:, rows], lse[:, :, rows],
-                None if delta is None else delta[:, :, rows], mask=plan.mask(i, j, q.device), scale=scale, softcap=softcap,
-                key_mask=None if km is None else km[:, block.kv], dq_acc=_rows_of(dq, rows), dkv_dtype=acc_dtype,
-            )
-            _add_dq(dq, rows, dq_b)
-            grads.append((block.kv, dk_b, dv_b))
+        # (kv rows, dk, dv) of this step's blocks, added to the accumulators after the wait
+        grads = block_grads(dout, q, k, v, out, lse, delta, km, dq, plan, i, softcap, scale, bwd, acc_dtype)
         received = [t for h in handles for t in h.wait()]
         if not last:
             k, v = received[0], received[1]

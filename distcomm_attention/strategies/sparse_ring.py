@@ -38,9 +38,9 @@ from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention import transport
 from distcomm_attention.planning.exchange import SparseRing, sparse_ring
-from distcomm_attention.planning.visibility import RingPlan, ring_plan
-from distcomm_attention.strategies.ring import (_add_dq, _as_bytes, _dq_result, _no_autocast, _rows_of,
-                                                backward_start, packed, ring_attention)
+from distcomm_attention.planning.visibility import ring_plan
+from distcomm_attention.strategies.ring import (_as_bytes, _dq_result, _no_autocast, backward_start, forward_step,
+                                                ring_attention, step_grads)
 
 __all__ = ["sparse_ring_attention", "ring_planner", "run_ring"]
 
@@ -99,49 +99,16 @@ def sparse_ring_forward(q, k, v, km, t, sp: SparseRing, softcap: float, scale: f
     state = fwd.init_state(q)
     kept = []
     handle = None
-    for i, blocks in enumerate(plan.blocks):
-        nxt = _post_rows(t, k, v, km, sp, i + 1) if i + 1 < len(plan.steps) else None
+    for i in range(len(plan.steps)):
+        more = i + 1 < len(plan.steps)
+        nxt = _post_rows(t, k, v, km, sp, i + 1) if more else None
         kb, vb, mb = (k, v, km) if i == 0 else _received(handle, km is not None)
         if i > 0 and sp.keep:
             kept.append((kb, vb, mb))
-        _forward_step(state, q, kb, vb, mb, plan, i, blocks, softcap, scale, fwd)
+        forward_step(state, q, kb, vb, mb, plan, i, softcap, scale, fwd, last=not more)
         handle = nxt
     out, lse = fwd.finalize(state, q.dtype)
     return out, lse, kept
-
-
-def _forward_step(state, q, k, v, km, plan: RingPlan, i: int, blocks, softcap, scale, fwd):
-    calls = packed(plan, i, fwd, km, q.device, backward=False)
-    if calls is not None:
-        fwd.packed_step(state, q, k, v, calls, scale=scale, softcap=softcap)
-        return
-    for j, block in enumerate(blocks):
-        fwd.step(state, q, k[:, block.kv], v[:, block.kv], mask=plan.mask(i, j, q.device), scale=scale,
-                 softcap=softcap, key_mask=None if km is None else km[:, block.kv], q_slice=block.q, final=False)
-
-
-def _backward_step(dout, q, k, v, out, lse, delta, km, dq, plan: RingPlan, i: int, softcap, scale, bwd, acc_dtype):
-    """This rank's dQ added into ``dq``; returns dK, dV of the step's kv rows (fp32, the buffer's shape)."""
-    dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
-    dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
-    calls = packed(plan, i, bwd, km, q.device, backward=True)
-    if calls is not None:
-        grads = bwd.packed_step(dout, q, k, v, out, lse, calls, scale=scale, softcap=softcap, dq_acc=dq)
-    else:
-        grads = []
-        for j, block in enumerate(plan.blocks[i]):
-            rows = block.q
-            dq_b, dk_b, dv_b = bwd.step(
-                dout[:, rows], q[:, rows], k[:, block.kv], v[:, block.kv], out[:, rows], lse[:, :, rows],
-                None if delta is None else delta[:, :, rows], mask=plan.mask(i, j, q.device), scale=scale,
-                softcap=softcap, key_mask=None if km is None else km[:, block.kv], dq_acc=_rows_of(dq, rows),
-                dkv_dtype=acc_dtype)
-            _add_dq(dq, rows, dq_b)
-            grads.append((block.kv, dk_b, dv_b))
-    for kv, dk_b, dv_b in grads:
-        dk[:, kv] += dk_b
-        dv[:, kv] += dv_b
-    return dk, dv
 
 
 def sparse_ring_backward(dout, q, k, v, out, lse, km, t, sp: SparseRing, kept, softcap, scale, bwd):
@@ -150,7 +117,7 @@ def sparse_ring_backward(dout, q, k, v, out, lse, km, t, sp: SparseRing, kept, s
     dout, acc_dtype, delta, dq = backward_start(dout, q, out, bwd)
     steps = plan.steps
     handle = None if sp.keep else _post_rows(t, k, v, km, sp, 1)
-    dk_own, dv_own = _backward_step(dout, q, k, v, out, lse, delta, km, dq, plan, 0, softcap, scale, bwd, acc_dtype)
+    dk_own, dv_own = step_grads(dout, q, k, v, out, lse, delta, km, dq, plan, 0, softcap, scale, bwd, acc_dtype)
     back = []  # (step, handle) of the dK, dV on their way to their sources, at most two in flight
 
     def land(i, h):
@@ -164,7 +131,7 @@ def sparse_ring_backward(dout, q, k, v, out, lse, km, t, sp: SparseRing, kept, s
         else:
             kb, vb, mb = _received(handle, km is not None)
             handle = _post_rows(t, k, v, km, sp, i + 1) if i + 1 < len(steps) else None
-        dk, dv = _backward_step(dout, q, kb, vb, out, lse, delta, mb, dq, plan, i, softcap, scale, bwd, acc_dtype)
+        dk, dv = step_grads(dout, q, kb, vb, out, lse, delta, mb, dq, plan, i, softcap, scale, bwd, acc_dtype)
         shape = (k.shape[0], _count(sp.send[i]), *k.shape[2:])
         back.append((i, t.send_recv((dk, dv), -steps[i], [shape, shape])))
         if len(back) > 2:
