@@ -58,6 +58,8 @@ class _Sent(CountingTransport):
     """The link, its bytes counted, with RingComm's ``send_recv`` signature for the ring loop."""
 
     def send_recv(self, *tensors, shift: int = 1, recv_like=None):
+        if len(tensors) == 3 and isinstance(tensors[0], (list, tuple)):  # the transport's own (tensors, shift, shapes)
+            return super().send_recv(*tensors)
         shapes = None if recv_like is None else [tuple(getattr(r, "shape", r)) for r in recv_like]
         return super().send_recv(tensors, shift, shapes)
 

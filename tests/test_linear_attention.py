@@ -91,6 +91,8 @@ def make_inputs(case: dict):
     g = -0.6 * torch.rand(b, case["seq"], hv, generator=gen, dtype=F64)
     beta = torch.rand(b, case["seq"], hv, generator=gen, dtype=F64)
     n = len(case["docs"]) - 1 if case["docs"] else b
+    if case.get("dtype", F64) != F64:  # the reference sees the inputs the ranks get, rounded
+        q, k, v, g, beta = (t.to(case["dtype"]).to(F64) for t in (q, k, v, g, beta))
     h0 = r(n, hv, dk, dv)
     weights = (r(b, case["seq"], hv, dv), r(n, hv, dk, dv))
     return (q, k, v, g, beta, h0), weights
@@ -117,14 +119,15 @@ def _cp_rank(rank: int, world: int, cases: list[dict]):
     for case in cases:
         (q, k, v, g, beta, h0), (wo, wf) = make_inputs(case)
         sharding = Sharding(case["layout"])
-        local = [sharding.shard(t, cu_seqlens=case["docs"]).clone().requires_grad_() for t in (q, k, v, g, beta)]
+        local = [sharding.shard(t, cu_seqlens=case["docs"]).to(case.get("dtype", F64)).requires_grad_()
+                 for t in (q, k, v, g, beta)]
         h0 = h0.clone().requires_grad_()
         options = dict(initial_state=h0, output_final_state=True, cu_seqlens=case["docs"], sharding=sharding)
         if case["kind"] == "gdn":
             o, final = chunk_gated_delta_rule_cp(*local, **options)
         else:
             o, final = chunk_simple_gla_cp(*local[:4], **options)
-        loss = (o * sharding.shard(wo, cu_seqlens=case["docs"])).sum()
+        loss = (o.to(F64) * sharding.shard(wo, cu_seqlens=case["docs"])).sum()
         if rank == 0:  # final_state is returned on every rank: one rank's loss counts it
             loss = loss + (final * wf).sum()
         loss.backward()
@@ -133,25 +136,33 @@ def _cp_rank(rank: int, world: int, cases: list[dict]):
     return results
 
 
+# bfloat16 inputs: outputs and gradients come back in bfloat16 (states in float32), so each is compared with
+# the float64 reference on the same rounded inputs at bfloat16's resolution
+HALF_TOL = dict(rtol=2e-2, atol=2e-2)
+
+
 def _check_world(world: int, cases: list[dict]):
     results = run_world(_cp_rank, world, cases)
     for i, case in enumerate(cases):
         o, final, grads = reference(case)
+        tol = TOL if case.get("dtype", F64) == F64 else HALF_TOL
         shard = lambda t: shard_sequence(t, case["layout"], ring_size=world, rank=r, cu_seqlens=case["docs"])  # noqa: E731
         for r in range(world):
             got_o, got_final, got_grads = results[r][i]
-            torch.testing.assert_close(got_o, shard(o), **TOL, msg=lambda m: f"{case} rank {r} o: {m}")
-            torch.testing.assert_close(got_final, final, **TOL, msg=lambda m: f"{case} rank {r} final: {m}")
+            assert got_o.dtype == case.get("dtype", F64), (case, got_o.dtype)
+            torch.testing.assert_close(got_o.to(F64), shard(o), **tol, msg=lambda m: f"{case} rank {r} o: {m}")
+            torch.testing.assert_close(got_final.to(F64), final, **tol, msg=lambda m: f"{case} rank {r} final: {m}")
             for name, got in zip(NAMES[:5], got_grads[:5]):
                 if name == "beta" and case["kind"] != "gdn":
                     continue
-                torch.testing.assert_close(got, shard(grads[name]), **TOL, msg=lambda m: f"{case} rank {r} d{name}: {m}")
+                torch.testing.assert_close(got.to(F64), shard(grads[name]), **tol,
+                                           msg=lambda m: f"{case} rank {r} d{name}: {m}")
         total = sum(results[r][i][2][5] for r in range(world))  # initial_state: summed over the ranks
-        torch.testing.assert_close(total, grads["initial_state"], **TOL, msg=lambda m: f"{case} dh0: {m}")
+        torch.testing.assert_close(total, grads["initial_state"], **tol, msg=lambda m: f"{case} dh0: {m}")
 
 
-def _case(kind, layout, seq, docs=None, heads=(2, 4)):
-    return dict(kind=kind, layout=layout, seq=seq, docs=docs, heads=heads)
+def _case(kind, layout, seq, docs=None, heads=(2, 4), dtype=F64):
+    return dict(kind=kind, layout=layout, seq=seq, docs=docs, heads=heads, dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -245,6 +256,15 @@ def test_world_4():
     every = [0, 3, 4, 15, 16]
     _check_world(4, [_case("gdn", "zigzag", 16, every), _case("scalar", "zigzag", 16, every),
                      _case("gdn", "contiguous", 32, [0, 1, 31, 32]), _case("gdn", "balanced", 32, [0, 3, 4, 15, 16, 32])])
+
+
+def test_bfloat16_inputs():
+    """bfloat16 q, k, v, gates (the GPU kernels' dtype) on the PyTorch kernel: outputs in bfloat16, the open
+    segments' correction in float32, against the float64 recurrence on the same rounded inputs."""
+    docs = [0, 5, 20, 21, 40]
+    bf16 = torch.bfloat16
+    _check_world(2, [_case("gdn", "zigzag", 40, docs, dtype=bf16), _case("scalar", "zigzag", 40, docs, dtype=bf16),
+                     _case("gdn", "contiguous", 40, dtype=bf16)])
 
 
 def test_world_8():

@@ -81,8 +81,9 @@ def _segment(q, k, v, g, beta, scale: float, h0, chunk: int):
 
 
 def torch_chunk(q, k, v, g, beta, *, scale: float, initial_state=None, cu_seqlens=None, chunk: int = CHUNK):
-    """The kernel contract in PyTorch (Note [Chunked delta rule]); any device, float32/float64 compute."""
-    dtype = _state_dtype(q)
+    """The kernel contract in PyTorch (Note [Chunked delta rule]); any device, float32/float64 compute. Like
+    fla's kernels, o comes back in q's dtype and the final states in float32 (float64 for float64 input)."""
+    dtype, out_dtype = _state_dtype(q), q.dtype
     groups = v.shape[2] // q.shape[2]
     q, k = (x.repeat_interleave(groups, dim=2) if groups > 1 else x for x in (q, k))
     heads_first = lambda x: x.transpose(1, 2).to(dtype)  # noqa: E731
@@ -91,7 +92,7 @@ def torch_chunk(q, k, v, g, beta, *, scale: float, initial_state=None, cu_seqlen
     h0 = None if initial_state is None else initial_state.to(dtype)
     if cu_seqlens is None:
         o, state = _segment(q, k, v, g, beta, scale, h0, chunk)
-        return o.transpose(1, 2), state
+        return o.transpose(1, 2).to(out_dtype), state
     bounds = [int(x) for x in cu_seqlens.tolist()]
     outs, states = [], []
     for i, (a, e) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -101,7 +102,7 @@ def torch_chunk(q, k, v, g, beta, *, scale: float, initial_state=None, cu_seqlen
                             None if h0 is None else h0[i : i + 1], chunk)
         outs.append(o)
         states.append(state)
-    return torch.cat(outs, dim=2).transpose(1, 2), torch.cat(states, dim=0)
+    return torch.cat(outs, dim=2).transpose(1, 2).to(out_dtype), torch.cat(states, dim=0)
 
 
 def fla_available() -> bool:

@@ -212,7 +212,7 @@ class _Call:
             eye = torch.eye(self.dk, dtype=self.sdtype, device=v.device).expand(self.rows, self.hv, -1, -1)
             h0 = torch.cat([eye.new_zeros(self.b_shape), eye], dim=-1)
             o, state = self.run(q, k, torch.cat([v, zeros], dim=-1), g, beta, scale=self.scale, initial_state=h0)
-            return o[..., : self.dv], o[..., self.dv :], state[..., self.dv :], state[..., : self.dv]
+            return o[..., : self.dv], o[..., self.dv :].to(self.sdtype), state[..., self.dv :], state[..., : self.dv]
         o, state = self.run(q, k, v, g, None, scale=self.scale, initial_state=None)
         groups = self.hv // q.shape[2]
         qe = q.repeat_interleave(groups, dim=2) if groups > 1 else q
