@@ -304,13 +304,19 @@ def which_strategy(
     window_size: tuple[int, int] = (-1, -1),
     cu_seqlens: torch.Tensor | list[int] | None = None,
     hardware=None,
+    backend: str = "auto",
+    softcap: float = 0.0,
 ):
     """Which strategy ``context_parallel_attn(strategy="auto")`` would run for this call, and why (no
     communication, nothing computed).
 
     Args:
         q: (batch, local_seq, heads, head_dim); k: (batch, local_seq, kv_heads, head_dim) (shapes are read).
-        group, layout, causal, attention_mask, window_size, cu_seqlens: as in ``context_parallel_attn``.
+        group, layout, causal, attention_mask, window_size, cu_seqlens, softcap: as in ``context_parallel_attn``.
+        backend: the block kernels the call would use, as in ``context_parallel_attn`` ("auto": the one it
+            picks for ``q``'s device and dtype). Name one (e.g. ``"fa4"``) to ask about a GPU run from CPU
+            tensors of the same shapes: flash-attn-4 runs a step's packed documents in a few varlen calls,
+            which the model counts instead of one call per block.
         hardware: a ``distcomm_attention.planning.cost.Hardware`` (kernel throughput, link bandwidths);
             ``None``: the measured defaults (one H100 / H200 node with NVLink). Pass your own for other
             machines, e.g. ``Hardware(p2p_gbps=50, a2a_gbps=50, allgather_gbps=50, reduce_scatter_gbps=50)``
@@ -326,4 +332,5 @@ def which_strategy(
         layouts.check_layout(layout)
     window = _validation.check_window(window_size)
     return strategies.choose(q, k, group=group, layout=layout, causal=causal, window=window,
-                             attention_mask=attention_mask, cu_seqlens=cu_seqlens, hardware=hardware)
+                             attention_mask=attention_mask, cu_seqlens=cu_seqlens, hardware=hardware,
+                             backend=backend, softcap=softcap)

@@ -6,7 +6,7 @@ Reported per strategy:
 
 - ``gpu_s``: the step's time on the GPU (CUDA events, median of ``--iters`` back-to-back calls);
 - ``host_s``: the host's wall time per step when it never waits for the GPU (``torch.cuda._sleep`` queued
-  ahead): host-bound where host_s >= gpu_s;
+  ahead of each step): host-bound where host_s >= gpu_s;
 - ``kernels``: the CUDA kernels of a few profiled steps (torch.profiler), summed by name per step, split
   into attention kernels (flash-attn-4 / cuDNN / Triton attention) and the rest (copies, index, merge);
 - Ulysses only, ``raw_s``: one flash-attn-4 varlen fwd+bwd over the whole pack with H/W query heads and
@@ -67,14 +67,17 @@ def _kernel_table(step, calls: int) -> dict:
 
 
 def _host_s(step, iters: int) -> float:
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(3e9))  # ~1.5 s of queued GPU work: the host does not wait below
-    t0 = time.perf_counter()
+    """Median host seconds per step while the GPU is busy with a queued sleep (~100 ms, queued before each
+    step, so that neither the GPU nor a full launch queue makes the host wait)."""
+    times = []
     for _ in range(iters):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(2e8))
+        t0 = time.perf_counter()
         step()
-    host = (time.perf_counter() - t0) / iters
+        times.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
-    return host
+    return sorted(times)[len(times) // 2]
 
 
 def _cprofile(step, calls: int, top: int) -> str:

@@ -240,6 +240,47 @@ CALLS = [
 ]
 
 
+class _PackingKernel:
+    packs = True  # a block kernel that packs a step's pieces (flash-attn-4's contract)
+
+
+def test_cost_counts_the_packed_calls_the_loop_issues():
+    """With a packing backend (flash-attn-4) the model counts per step the varlen calls the ring loop issues
+    for it (forward and backward averaged), not one per block: several blocks of packed documents become
+    one or two calls. Plans without documents or windows are unchanged, and so is a backend that does not
+    pack."""
+    from distcomm_attention.strategies.ring import packed
+
+    docs = (0, 100, 700, 720, 1500, 1501, 2048)  # crossing rank boundaries, one of one token
+    vis = Visibility(causal=True, cu_seqlens=docs)
+    fewer = 0
+    for layout in ("contiguous", "zigzag"):
+        for r in range(4):
+            for plan in (ring_plan(layout, vis, 4, r, 512), gathered_plan(layout, vis, 4, r, 512)):
+                for i, (pairs, calls, rows, keys) in enumerate(cost._step_costs(plan, packs=True)):
+                    blocks = plan.blocks[i]
+                    issued = [packed(plan, i, _PackingKernel(), None, torch.device("cpu"), backward)
+                              for backward in (False, True)]
+                    expect = len(blocks) if issued[0] is None else (len(issued[0]) + len(issued[1])) / 2
+                    assert calls == expect, (layout, r, i, calls, expect)
+                    assert cost._step_costs(plan, packs=False)[i] == (pairs, len(blocks), rows, keys)
+                    fewer += calls < len(blocks)
+    assert fewer > 0  # the case has steps whose blocks pack into fewer calls
+    for strategy in ("ring", "allgather", "ulysses"):
+        packed_call = _call(world=4, layout="zigzag", vis=vis, local_len=512)
+        assert cost.predict(cost.Call(**{**packed_call.__dict__, "packs": True}), strategy).seconds <= \
+            cost.predict(packed_call, strategy).seconds
+        dense = _call(world=4, layout="zigzag", local_len=512)
+        assert cost.predict(cost.Call(**{**dense.__dict__, "packs": True}), strategy) == cost.predict(dense, strategy)
+
+
+def test_which_strategy_names_a_bad_backend():
+    q = torch.zeros(1, 16, 4, 8)
+    with pytest.raises(ValueError, match=r"Invalid backend 'fa5'. Must be one of: 'auto', 'torch'"):
+        which_strategy(q, q, causal=True, backend="fa5")
+    assert which_strategy(q, q, causal=True, backend="fa4", cu_seqlens=[0, 5, 16]).strategy in dispatch.STRATEGIES
+
+
 def test_predictions_are_positive_and_choose_takes_the_minimum():
     """Every applicable prediction is positive and consistent, and ``choose`` returns its argmin."""
     for c in CALLS:

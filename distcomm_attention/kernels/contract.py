@@ -73,6 +73,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from distcomm_attention.planning.calls import PackedCall, fits, packed_calls
 from distcomm_attention.planning.visibility import BlockMask, Piece, Visibility, pieces_of
 
 __all__ = ["BlockForward", "BlockBackward", "MergeState", "RowSum", "merge_block", "call_features",
@@ -123,43 +124,6 @@ class Varlen(NamedTuple):
     max_k: int
     used_q: Tensor | None = None
     used_k: Tensor | None = None
-
-
-class PackedCall(NamedTuple):
-    """Pieces of one step run as one varlen call (Note [Packed steps]): rows of the rank's queries and keys of
-    the step's key buffer (absolute), in increasing row order; ``window`` the call's (left, right)."""
-
-    pieces: tuple[Piece, ...]
-    window: tuple[int | None, int | None]
-
-
-def _step_pieces(blocks, masks) -> list[Piece]:
-    """Every block's visible pairs as band pieces with absolute rows and keys (a full block: one unbounded
-    piece; a causal one, square: right edge 0)."""
-    out = []
-    for block, mask in zip(blocks, masks):
-        r0, k0 = block.q.start or 0, block.kv.start or 0
-        if mask.mode == "interval":
-            out.extend(Piece(p.q0 + r0, p.q1 + r0, p.k0 + k0, p.k1 + k0, p.left, p.right) for p in pieces_of(mask))
-        else:
-            out.append(Piece(r0, block.q.stop, k0, block.kv.stop, None, 0 if mask.mode == "causal" else None))
-    return out
-
-
-def packed_calls(blocks, masks, disjoint_keys: bool) -> tuple[PackedCall, ...]:
-    """Group a step's pieces into varlen calls (Note [Packed steps]); ``disjoint_keys`` for the backward."""
-    groups: list[list[Piece]] = []
-    for p in sorted(_step_pieces(blocks, masks), key=lambda p: (p.q0, p.k0)):
-        if p.q1 <= p.q0 or p.k1 <= p.k0:
-            continue
-        for g in groups:
-            last = g[-1]
-            if p.q0 >= last.q1 and p.k0 >= (last.k1 if disjoint_keys else last.k0) and _fits(g + [p])[0]:
-                g.append(p)
-                break
-        else:
-            groups.append([p])
-    return tuple(PackedCall(tuple(g), _fits(g)[1]) for g in groups)
 
 
 def _runs(spans) -> tuple[tuple[int, int], ...]:
@@ -232,30 +196,18 @@ def _packed_varlen(call: PackedCall, batch: int, n: int, nk: int, device: torch.
     return _Packed(varlen, rows, keys, (r_lo, r_hi), (lo, hi), index, key_at)
 
 
-def _joint_bound(bounds: list[tuple[int | None, int]]) -> tuple[bool, int | None]:
-    """One window side for several pieces: each gives (bound or None, the least value that clips nothing
-    for it). -> (possible, bound)."""
-    finite = {b for b, _ in bounds if b is not None}
-    if not finite:
-        return True, None
-    if len(finite) > 1:
-        return False, None
-    (bound,) = finite
-    return all(b is not None or bound >= least for b, least in bounds), bound
-
-
 def window_calls(pieces: tuple[Piece, ...]) -> tuple[WindowCall, ...]:
     """Group band pieces into kernel calls (Note [Window calls])."""
     calls: list[list[Piece]] = []
     for p in pieces:
         group = calls[-1] if calls else None
-        if group is not None and p.q0 == group[-1].q1 and p.k0 == group[-1].k1 and _fits(group + [p])[0]:
+        if group is not None and p.q0 == group[-1].q1 and p.k0 == group[-1].k1 and fits(group + [p])[0]:
             group.append(p)
         else:
             calls.append([p])
     out = []
     for group in calls:
-        _, window = _fits(group)
+        _, window = fits(group)
         first, last = group[0], group[-1]
         if len(group) == 1:
             out.append(WindowCall(first.q0, first.q1, first.k0, first.k1, window))
@@ -264,13 +216,6 @@ def window_calls(pieces: tuple[Piece, ...]) -> tuple[WindowCall, ...]:
             cu_k = tuple(p.k0 - first.k0 for p in group) + (last.k1 - first.k0,)
             out.append(WindowCall(first.q0, last.q1, first.k0, last.k1, window, cu_q, cu_k))
     return tuple(out)
-
-
-def _fits(group: list[Piece]) -> tuple[bool, tuple[int | None, int | None]]:
-    """Whether pieces can share one window, and that window."""
-    ok_l, left = _joint_bound([(p.left, p.k1 - p.k0 - 1) for p in group])
-    ok_r, right = _joint_bound([(p.right, p.q1 - p.q0 - 1) for p in group])
-    return ok_l and ok_r, (left, right)
 
 
 @functools.lru_cache(maxsize=256)

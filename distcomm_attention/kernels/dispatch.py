@@ -47,7 +47,7 @@ from distcomm_attention.planning.visibility import BlockMask, Visibility
 
 __all__ = [
     "BACKENDS", "AUTO_PREFERENCE", "ForwardKernel", "BackwardKernel", "KernelChoice", "backend_problem",
-    "check_backend", "check_flash_backward", "resolve_backend", "select_kernels", "unsupported_feature",
+    "check_backend", "check_flash_backward", "packs", "resolve_backend", "select_kernels", "unsupported_feature",
 ]
 
 BACKENDS = ("auto", "torch", "triton", "flash2", "flash_attn", "cudnn", "fa4")
@@ -331,6 +331,12 @@ def choose(backend: str, q: torch.Tensor, vis: Visibility, softcap: float) -> Ke
         name, reason = resolve_backend(backend, q.device, q.dtype, vis, softcap, head_dim=q.shape[-1],
                                        batch=q.shape[0])
     return KernelChoice(name, *_KERNEL_NAMES[name], reason)
+
+
+def packs(name: str) -> bool:
+    """Whether backend ``name``'s kernels run a step's pieces as packed varlen calls (Note [Packed steps] in
+    distcomm_attention/kernels/contract.py): the cost model then counts those calls, not the blocks."""
+    return name == "fa4" and fa4.FA4Forward.packs and fa4.FA4Backward.packs
 
 
 def select_kernels(backend: str, q: torch.Tensor, vis: Visibility = Visibility(), softcap: float = 0.0):

@@ -5,6 +5,9 @@ Note [Cost model]
     so every rank predicts the same and picks the same strategy). For one forward + backward:
 
         compute   max over ranks of  sum over the rank's kernel calls of
+                  (where the backend packs a step's pieces into varlen calls, flash-attn-4, those calls,
+                  forward and backward averaged, by the rules the ring loop runs them with (Note [Packed
+                  steps]); else one per block)
                       3.5 * 4 * B * heads * D * visible_pairs / tflops          (the kernel's work)
                     + call_overhead                                           (launch, small-block losses)
                     + 4 B D (rows * heads + 2 keys * kv_heads) / state_gbps    (fp32 out / lse / dQ / dK /
@@ -35,6 +38,13 @@ Note [Cost model]
     tiles per document piece and a per-piece term lowers the mean to 6.7% but not the worst (-58%, ring at
     W = 32), and its lower per-call cost (0.115 ms) would widen the under-prediction of the real 2-GPU runs
     (docs/bench/real.md): not adopted.
+
+    Against emulated links (scripts/check_cost_model.py over docs/bench/emulated_run2.json, dense, and
+    emulated_run4.json, packed, one H100, W = 8): counting packed calls instead of blocks took the all-gather
+    on the log-normal and heavy-tailed packs from +52% / +54% to -12% / -17% and its pick from 1.55x the
+    fastest to the fastest; the ring on those packs stays under-predicted (-31% / -15%: its many small steps
+    are host-bound, which the model does not count), Ulysses -22% / -13% (its whole-sequence copies);
+    dense rows within 12% (docs/bench/emulated.md).
 """
 
 from __future__ import annotations
@@ -43,11 +53,17 @@ import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
+
+from distcomm_attention.planning.calls import packed_calls
 from distcomm_attention.planning.exchange import gathered_exchange, sparse_ring
 from distcomm_attention.planning.plans import gathered_plan, local_plan
 from distcomm_attention.planning.visibility import RingPlan, Visibility, ring_plan
 
 __all__ = ["Hardware", "Prediction", "StrategyChoice", "Call", "predict", "choose", "lower_bound"]
+
+
+_HOST = torch.device("cpu")  # where the model builds the masks it counts pieces of
 
 
 @dataclass(frozen=True)
@@ -104,6 +120,7 @@ class Call:
     vis: Visibility
     world: int
     ulysses: int = 1  # the hybrids' Ulysses degree (world = ulysses * ring)
+    packs: bool = False  # the block kernels run a step's pieces as packed varlen calls (Note [Packed steps])
 
 
 def _pairs(block) -> int:
@@ -117,11 +134,21 @@ def _pairs(block) -> int:
     return int((row_hi - row_lo).clamp(min=0).sum())
 
 
-def _step_costs(plan: RingPlan) -> tuple[tuple[int, int, int, int], ...]:
+def _calls(plan: RingPlan, i: int, packs: bool) -> float:
+    """Kernel calls of step i, forward and backward averaged: one per block, or the packed varlen calls of a
+    step with documents or windows where the kernels pack (the rules the ring loop runs them by)."""
+    blocks = plan.blocks[i]
+    if not packs or all(b.mode != "interval" for b in blocks):
+        return len(blocks)
+    masks = [plan.mask(i, j, _HOST) for j in range(len(blocks))]
+    return (len(packed_calls(blocks, masks, False)) + len(packed_calls(blocks, masks, True))) / 2
+
+
+def _step_costs(plan: RingPlan, packs: bool = False) -> tuple[tuple[int, float, int, int], ...]:
     """(visible pairs, kernel calls, query rows, key rows) of each step of a plan."""
     out = []
-    for blocks in plan.blocks:
-        out.append((sum(_pairs(b) for b in blocks), len(blocks), sum(b.q.stop - b.q.start for b in blocks),
+    for i, blocks in enumerate(plan.blocks):
+        out.append((sum(_pairs(b) for b in blocks), _calls(plan, i, packs), sum(b.q.stop - b.q.start for b in blocks),
                     sum(b.kv.stop - b.kv.start for b in blocks)))
     return tuple(out)
 
@@ -168,7 +195,7 @@ def _ring_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: 
             home = _transfer_s(row * rows[-2] * 4, hw.p2p_gbps, hw)  # the last step's dK, dV
         compute = total = 0.0
         hops = len(plan.steps) > 1
-        for i, costs in enumerate(_step_costs(plan)):
+        for i, costs in enumerate(_step_costs(plan, c.packs)):
             step = _compute_s(*costs, c, heads, kv_heads, hw)
             compute += step
             if not hops:
@@ -199,7 +226,8 @@ def _gathered_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, 
         comm = max(2 * 2 * _transfer_s(max(ex.remote_rows(r)) * row / 2 * c.itemsize, hw.a2a_gbps, hw)
                    + 2 * _transfer_s(max(ex.remote_rows(r)) * row / 2 * 4, hw.a2a_gbps, hw) for r in range(ranks))
     compute = max(
-        _compute_s(*_step_costs(gathered_plan(c.layout, c.vis, ranks, r, local_len))[0], c, heads, kv_heads, hw)
+        _compute_s(*_step_costs(gathered_plan(c.layout, c.vis, ranks, r, local_len), c.packs)[0], c, heads,
+                   kv_heads, hw)
         for r in range(ranks)
     )
     return compute, comm if ranks > 1 else 0.0
@@ -239,7 +267,7 @@ def predict(c: Call, strategy: str, hw: Hardware = Hardware()) -> Prediction | N
         heads, kv_heads = c.heads // u, kv_sent // u
         comm = _a2a_s(c, u, c.heads, kv_sent, hw)
         if strategy == "ulysses":
-            compute = _compute_s(*_step_costs(local_plan(c.vis, s))[0], c, heads, kv_heads, hw)
+            compute = _compute_s(*_step_costs(local_plan(c.vis, s), c.packs)[0], c, heads, kv_heads, hw)
             mem = b * s * d * item * (2 * heads + 2 * kv_heads)
         else:
             rings = c.world // u

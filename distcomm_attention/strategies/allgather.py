@@ -129,6 +129,13 @@ class AllGatherKV:
                 return self.sparse.gather(k, v, key_mask)
         return gather_kv(k, v, key_mask, self.group, self.order)
 
+    @staticmethod
+    def natural(*ts):
+        """As Ulysses' inner (the hybrid's all-gather dimension) rows stay in source order."""
+        return ts
+
+    source = natural
+
     def forward(self, q, k, v, key_mask):
         if self.sparse is None:
             k_all, v_all, km_all = self._gather(k, v, key_mask)

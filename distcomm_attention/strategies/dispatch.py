@@ -22,6 +22,7 @@ import torch
 from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention import _validation
+from distcomm_attention.kernels import dispatch as kernel_dispatch
 from distcomm_attention.planning import cost, layouts
 from distcomm_attention.planning.layouts import hybrid_positions
 from distcomm_attention.planning.exchange import compact_gathered_plan, gathered_exchange
@@ -69,7 +70,11 @@ def resolve_mesh(group):
 
 class _Ring:
     """A ring over ``comm`` as Ulysses' inner computation (the hybrid's ring dimension, or a ring of one for
-    plain Ulysses, whose rows are put into natural order and back: Note [Ulysses])."""
+    plain Ulysses, whose rows are put into natural order and back: Note [Ulysses]).
+
+    ``natural`` / ``source`` move rows (dim 1) between the all-to-all's source order and the order the plan
+    computes in; ``forward`` and ``backward`` take and return rows in the plan's order, so Ulysses reorders
+    each tensor once and saves the reordered ones for the backward."""
 
     def __init__(self, comm: RingComm, plan, softcap: float, scale: float, fwd, bwd, order=None):
         self.comm, self.plan, self.softcap, self.scale, self.fwd, self.bwd = comm, plan, softcap, scale, fwd, bwd
@@ -84,26 +89,22 @@ class _Ring:
             self._on_device[key] = which.to(device, non_blocking=True)
         return self._on_device[key]
 
-    def _natural(self, *ts):
+    def natural(self, *ts):
         if self.order is None:
             return ts
         return tuple(None if t is None else t.index_select(1, self._index(self.order, t.device)) for t in ts)
 
-    def _source(self, *ts):
+    def source(self, *ts):
         if self.inverse is None:
             return ts
         return tuple(t.index_select(1, self._index(self.inverse, t.device)) for t in ts)
 
     def forward(self, q, k, v, key_mask):
-        q, k, v, key_mask = self._natural(q, k, v, key_mask)
-        out, lse = ring_forward(q, k, v, key_mask, self.comm, self.plan, self.softcap, self.scale, self.fwd)
-        return self._source(out)[0], lse
+        return ring_forward(q, k, v, key_mask, self.comm, self.plan, self.softcap, self.scale, self.fwd)
 
     def backward(self, dout, q, k, v, out, lse, key_mask):
-        dout, q, k, v, out, key_mask = self._natural(dout, q, k, v, out, key_mask)
-        grads = ring_backward(dout, q, k, v, out, lse, key_mask, self.comm, self.plan, self.softcap, self.scale,
-                              self.bwd)
-        return self._source(*grads)
+        return ring_backward(dout, q, k, v, out, lse, key_mask, self.comm, self.plan, self.softcap, self.scale,
+                             self.bwd)
 
 
 def _verification_comm(group) -> RingComm:
@@ -118,10 +119,12 @@ def _local_layout(layout: str | None, group) -> str:
 
 
 def choose(q, k, *, group, layout: str, causal: bool, window, attention_mask, cu_seqlens,
-           hardware: cost.Hardware | None = None) -> cost.StrategyChoice:
+           hardware: cost.Hardware | None = None, backend: str = "auto", softcap: float = 0.0) -> cost.StrategyChoice:
     """The strategy "auto" runs for this call, with every applicable strategy's prediction (Note [Cost model]).
 
     Per-rank input checks come first (the same errors as the call itself); nothing is communicated.
+    ``backend``: the block kernels' backend (a name, or "auto": the one the call would run), whose packed
+    calls the model counts where it packs a step's pieces.
     """
     _validation.check_qkv(q, k, k)
     layout = _local_layout(layout, group)
@@ -137,8 +140,12 @@ def choose(q, k, *, group, layout: str, causal: bool, window, attention_mask, cu
     layouts.check_local_length(layout, q.shape[1] * u, world // u)
     concrete = concrete_layout(layout, _verification_comm(group), q.shape[1] * world, world // u, docs,
                                "which_strategy")
+    kernel_dispatch.check_backend(backend)
+    if backend == "auto":
+        backend = kernel_dispatch.choose(backend, q, vis, softcap).backend
+    packs = attention_mask is None and kernel_dispatch.packs(backend)
     call = cost.Call(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.element_size(), concrete, vis,
-                     world, u)
+                     world, u, packs)
     return cost.choose(call, candidates, hardware or cost.Hardware())
 
 
@@ -178,7 +185,8 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
     if error is None and strategy == "auto":
         # Input errors make choose fail; ``prepare`` then raises them on every rank after the exchange.
         picked, _ = _validation.verdict(choose, q, k, group=group, layout=layout, causal=causal, window=window,
-                                        attention_mask=attention_mask, cu_seqlens=cu_seqlens)
+                                        attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
+                                        softcap=softcap)
         strategy = "ring" if picked is None else picked.strategy
     if error is None:
         error = _group_error(strategy, group)

@@ -9,9 +9,12 @@ Note [Ulysses]
         attention over the whole sequence for those heads: ONE kernel call per block of the local plan
         out (B, W n, H / W, D)  --a2a-->  (B, n, H, D)
 
-    The rows arrive in source order; for the zigzag and striped layouts they are put into natural order
-    (one index_select) so that packed documents and windows keep their global positions and the local plan
-    is the plain one (a packed batch is a single varlen call). The key padding mask is all-gathered.
+    The rows arrive in source order; for the zigzag, striped and balanced layouts they are put into natural
+    order (one index_select per tensor, ``inner.natural``) so that packed documents and windows keep their
+    global positions and the local plan is the plain one (a packed batch is a single varlen call). The
+    reordered q, k, v and out are what the backward keeps, so each tensor is reordered once per direction:
+    q, k, v and the output back in the forward, dout in and dq, dk, dv back in the backward. The key padding
+    mask is all-gathered.
 
     GQA, with G = H / Hkv query heads per kv head and h = H / W query heads per rank:
         Hkv % W == 0         kv heads split like the query heads: Hkv / W per rank, traffic at kv size
@@ -143,7 +146,8 @@ class _UlyssesAttn(torch.autograd.Function):
 
     Adjoint: all_to_all <-> all_to_all in the other direction; the kv heads' selection <-> a sum over the
     copies of each kv head (in fp32). ``inner`` computes the head-sharded attention: ``inner.forward(q, k,
-    v, key_mask) -> (out, lse)`` and ``inner.backward(dout, q, k, v, out, lse, key_mask) -> (dq, dk, dv)``.
+    v, key_mask) -> (out, lse)`` and ``inner.backward(dout, q, k, v, out, lse, key_mask) -> (dq, dk, dv)`` on
+    rows in its own order; ``inner.natural(*ts)`` / ``inner.source(*ts)`` reorder rows into it and back.
     """
 
     @staticmethod
@@ -159,16 +163,16 @@ class _UlyssesAttn(torch.autograd.Function):
         size = h // groups
         pending_q = _post(t, q, degree, 0, groups)
         pending_kv = [_post(t, x, degree, 0, 1) for x in (k, v)]
-        km = gather_key_mask(key_mask, group, degree)
-        kh, vh = (_heads(p) for p in pending_kv)
+        (km,) = inner.natural(gather_key_mask(key_mask, group, degree))
+        kh, vh = inner.natural(*(_heads(p) for p in pending_kv))
         qs, outs, lses, back = [], [], [], []
         for g in range(groups):  # the next group's all-to-all in flight while this group's kernels run
-            qg = _heads(pending_q)
+            (qg,) = inner.natural(_heads(pending_q))
             if g + 1 < groups:
                 pending_q = _post(t, q, degree, g + 1, groups)
             kv = _kv_of(g, size, h // hk)
             out, lse = inner.forward(qg, kh[:, :, kv], vh[:, :, kv], km)
-            back.append(_post_back(t, out, degree))
+            back.append(_post_back(t, inner.source(out)[0], degree))
             qs.append(qg), outs.append(out), lses.append(lse)
         qh, out, lse = torch.cat(qs, 2), torch.cat(outs, 2), torch.cat(lses, 1)
         ctx.save_for_backward(qh, kh, vh, out, lse, km, ids)
@@ -191,15 +195,15 @@ class _UlyssesAttn(torch.autograd.Function):
         pending = _post(t, dout, degree, 0, groups)
         back = []
         for g in range(groups):
-            dg = _heads(pending)
+            (dg,) = inner.natural(_heads(pending))
             if g + 1 < groups:
                 pending = _post(t, dout, degree, g + 1, groups)
             rows, kv = slice(g * size, (g + 1) * size), _kv_of(g, size, h // hk)
             dq_g, dk[:, :, kv], dv[:, :, kv] = inner.backward(
                 dg, qh[:, :, rows], kh[:, :, kv], vh[:, :, kv], out[:, :, rows], lse[:, rows].contiguous(), km)
-            back.append(_post_back(t, dq_g, degree))
+            back.append(_post_back(t, inner.source(dq_g)[0], degree))
         b, n, heads, d = dout.shape
-        kv_back = [_post_back(t, x, degree) for x in (dk, dv)]
+        kv_back = [_post_back(t, x, degree) for x in inner.source(dk, dv)]
         dq = _place(back, b, n, heads, d, degree, dout.dtype, dout.device)
         dk, dv = (_place([p], b, n, hk * degree, d, degree, x.dtype, x.device) for p, x in zip(kv_back, (dk, dv)))
         if ids is not None:  # the copies of each kv head sum to its gradient

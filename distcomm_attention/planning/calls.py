@@ -1,0 +1,70 @@
+"""How a step's pieces become kernel calls (Note [Packed steps] in distcomm_attention/kernels/contract.py).
+
+A backend whose varlen calls take each segment's offset and length apart runs every piece of a ring step
+(or of a gathered plan) in as few calls as the rules allow; the grouping is pure arithmetic on the plan's
+pieces, so the kernels (which run the calls) and the cost model (which counts them) share it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from distcomm_attention.planning.visibility import Piece, pieces_of
+
+__all__ = ["PackedCall", "fits", "packed_calls", "step_pieces"]
+
+
+class PackedCall(NamedTuple):
+    """Pieces of one step run as one varlen call (Note [Packed steps]): rows of the rank's queries and keys of
+    the step's key buffer (absolute), in increasing row order; ``window`` the call's (left, right)."""
+
+    pieces: tuple[Piece, ...]
+    window: tuple[int | None, int | None]
+
+
+def step_pieces(blocks, masks) -> list[Piece]:
+    """Every block's visible pairs as band pieces with absolute rows and keys (a full block: one unbounded
+    piece; a causal one, square: right edge 0)."""
+    out = []
+    for block, mask in zip(blocks, masks):
+        r0, k0 = block.q.start or 0, block.kv.start or 0
+        if mask.mode == "interval":
+            out.extend(Piece(p.q0 + r0, p.q1 + r0, p.k0 + k0, p.k1 + k0, p.left, p.right) for p in pieces_of(mask))
+        else:
+            out.append(Piece(r0, block.q.stop, k0, block.kv.stop, None, 0 if mask.mode == "causal" else None))
+    return out
+
+
+def packed_calls(blocks, masks, disjoint_keys: bool) -> tuple[PackedCall, ...]:
+    """Group a step's pieces into varlen calls (Note [Packed steps]); ``disjoint_keys`` for the backward."""
+    groups: list[list[Piece]] = []
+    for p in sorted(step_pieces(blocks, masks), key=lambda p: (p.q0, p.k0)):
+        if p.q1 <= p.q0 or p.k1 <= p.k0:
+            continue
+        for g in groups:
+            last = g[-1]
+            if p.q0 >= last.q1 and p.k0 >= (last.k1 if disjoint_keys else last.k0) and fits(g + [p])[0]:
+                g.append(p)
+                break
+        else:
+            groups.append([p])
+    return tuple(PackedCall(tuple(g), fits(g)[1]) for g in groups)
+
+
+def _joint_bound(bounds: list[tuple[int | None, int]]) -> tuple[bool, int | None]:
+    """One window side for several pieces: each gives (bound or None, the least value that clips nothing
+    for it). -> (possible, bound)."""
+    finite = {b for b, _ in bounds if b is not None}
+    if not finite:
+        return True, None
+    if len(finite) > 1:
+        return False, None
+    (bound,) = finite
+    return all(b is not None or bound >= least for b, least in bounds), bound
+
+
+def fits(group: list[Piece]) -> tuple[bool, tuple[int | None, int | None]]:
+    """Whether pieces can share one window, and that window."""
+    ok_l, left = _joint_bound([(p.left, p.k1 - p.k0 - 1) for p in group])
+    ok_r, right = _joint_bound([(p.right, p.q1 - p.q0 - 1) for p in group])
+    return ok_l and ok_r, (left, right)

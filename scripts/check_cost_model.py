@@ -1,0 +1,100 @@
+"""The cost model against recorded emulated-link measurements (no GPU needed).
+
+Reads the JSON of scripts/bench_emulated.py (one H100, simulated ranks, emulated links), rebuilds each row's
+call (its document mix, layout and links) and prints, per (row, link, strategy), the measured seconds of the
+slowest timed rank beside ``cost.predict`` for the same call and link, and per (row, link) whether the
+model's pick is the measured fastest or within 5% of it (issue targets: every prediction within 15%, every
+pick within 5%).
+
+    python scripts/check_cost_model.py docs/bench/emulated_run2.json docs/bench/emulated_run4.json \
+        --exclude emulated_run2.json:lognormal
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import bench_strategies as bs  # noqa: E402
+
+from distcomm_attention.planning import cost  # noqa: E402
+from distcomm_attention.planning.visibility import Visibility  # noqa: E402
+from distcomm_attention.transport.emulated import INTER_NODE, NVLINK  # noqa: E402
+
+LINKS = {"nvlink": NVLINK, "internode": INTER_NODE}
+STRATEGIES = ("ring", "allgather", "ulysses")
+
+
+def hardware(link) -> cost.Hardware:
+    return cost.Hardware(p2p_gbps=link.p2p_gbps, a2a_gbps=link.a2a_gbps, allgather_gbps=link.allgather_gbps,
+                         reduce_scatter_gbps=link.reduce_scatter_gbps)
+
+
+def call_of(row: dict, head_dim: int = 128) -> cost.Call:
+    seq, world = row["seq"], row["world"]
+    docs = None if row["documents"] == "one" else bs.documents(row["documents"], seq)
+    name = row["layout"]
+    concrete = bs.plan_layout(name if name in ("contiguous", "zigzag", "striped") else "auto", seq, world, docs,
+                              True)["concrete"]
+    if bs.layout_name(concrete) != name:
+        raise SystemExit(f"row {row['documents']} S={seq} W={world}: layout {name!r} is not rebuilt "
+                         f"(got {bs.layout_name(concrete)!r})")
+    vis = Visibility(True, cu_seqlens=None if docs is None else tuple(docs))
+    return cost.Call(1, seq // world, row["heads"], row["kv_heads"], head_dim, 2, concrete, vis, world,
+                     packs=True)
+
+
+def check(paths: list[str], exclude: tuple[str, ...] = ()) -> list[dict]:
+    out = []
+    for path in paths:
+        for row in json.loads(Path(path).read_text())["rows"]:
+            if f"{Path(path).name}:{row['documents']}" in exclude:
+                continue
+            call = None
+            for link_name, per in row["links"].items():
+                if link_name not in LINKS:
+                    continue
+                call = call or call_of(row)
+                hw = hardware(LINKS[link_name])
+                measured = {s: per[s]["max_s"] for s in STRATEGIES if s in per}
+                predicted = {s: cost.predict(call, s, hw).seconds for s in measured}
+                pick = cost.choose(call, tuple(measured), hw).strategy
+                fastest = min(measured, key=measured.get)
+                out.append(dict(file=Path(path).name, documents=row["documents"], seq=row["seq"], world=row["world"],
+                                layout=row["layout"], link=link_name, measured=measured, predicted=predicted,
+                                pick=pick, fastest=fastest, pick_vs_fastest=measured[pick] / measured[fastest]))
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("paths", nargs="+")
+    p.add_argument("--exclude", default="", help="FILE:MIX,... rows to leave out (measured with older code)")
+    p.add_argument("--out", default=None, help="write the comparison here (JSON)")
+    args = p.parse_args()
+    rows = check(args.paths, tuple(x for x in args.exclude.split(",") if x))
+    errors = []
+    for r in rows:
+        parts = []
+        for s, m in r["measured"].items():
+            e = r["predicted"][s] / m - 1
+            errors.append(abs(e))
+            parts.append(f"{s} {m * 1e3:6.2f} ms pred {r['predicted'][s] * 1e3:6.2f} ({e:+.0%})")
+        print(f"{r['file']:22s} {r['documents']:9s} S={r['seq']:>6} W={r['world']:<2} {r['layout']:10s} "
+              f"{r['link']:9s} " + " | ".join(parts)
+              + f" || pick {r['pick']}, fastest {r['fastest']}, pick/fastest {r['pick_vs_fastest']:.2f}")
+    within = sum(e <= 0.15 for e in errors)
+    picks = sum(r["pick_vs_fastest"] <= 1.05 for r in rows)
+    print(f"predictions within 15%: {within} of {len(errors)} (mean |error| {sum(errors) / len(errors):.1%}, "
+          f"worst {max(errors):.0%}); picks within 5% of the fastest: {picks} of {len(rows)}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
