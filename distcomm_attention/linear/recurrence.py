@@ -214,11 +214,19 @@ class _Call:
             o, state = self.run(q, k, torch.cat([v, zeros], dim=-1), g, beta, scale=self.scale, initial_state=h0)
             return o[..., : self.dv], o[..., self.dv :].to(self.sdtype), state[..., self.dv :], state[..., : self.dv]
         o, state = self.run(q, k, v, g, None, scale=self.scale, initial_state=None)
-        groups = self.hv // q.shape[2]
-        qe = q.repeat_interleave(groups, dim=2) if groups > 1 else q
         cum = g.to(self.sdtype).cumsum(1)
-        factor = self.scale * cum.exp()[..., None] * qe.to(self.sdtype)
-        return o, factor, cum[:, -1].exp(), state
+        # scalar decay: o_t += scale * exp(cum_t) * q_t H_in, kept factored (q per key head, one weight per
+        # token and value head) rather than expanded to every value head's K-wide factor
+        return o, (q.to(self.sdtype), self.scale * cum.exp()), cum[:, -1].exp(), state
+
+    def _corrected(self, o0, factor, h):
+        """o0 plus the incoming state's contribution (phase 3): factor . H_in per token and value head."""
+        if self.delta:
+            return o0 + torch.einsum("bthk,bhkv->bthv", factor, h).to(o0.dtype)
+        q, weight = factor
+        b, t, heads, _ = q.shape
+        qh = torch.einsum("bthk,bhgkv->bthgv", q, h.reshape(h.shape[0], heads, -1, *h.shape[2:]))
+        return o0 + (qh.reshape(b, t, self.hv, self.dv) * weight[..., None]).to(o0.dtype)
 
     def forward(self, finals: bool):
         plan, rank = self.plan, self.comm.rank
@@ -247,7 +255,7 @@ class _Call:
         gathered = self.gather(table)
         states = self._fold(gathered, finals)
         for order, (s, o0, factor) in opened.items():
-            pieces[s.local] = o0 + torch.einsum("bthk,bhkv->bthv", factor, states[order]).to(o0.dtype)
+            pieces[s.local] = self._corrected(o0, factor, states[order])
         out = torch.cat([pieces[key] for key in sorted(pieces)], dim=1).to(self.q.dtype)
         if gathered.requires_grad:  # every rank joins the gather's backward (Note [Scan by gathered summaries])
             out = out + gathered.reshape(-1)[:0].sum().to(out.dtype)
