@@ -113,7 +113,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--profile-calls", type=int, default=3)
     parser.add_argument("--top", type=int, default=30, help="host functions listed per strategy")
-    parser.add_argument("--backend", default="fa4")
+    parser.add_argument("--backend", default="fa4", help="the strategies' block kernels (the baselines are "
+                                                            "flash-attn-4 calls whatever this says)")
     parser.add_argument("--sync-debug", action="store_true",
                         help="run one step per strategy under torch.cuda.set_sync_debug_mode('error') and print "
                              "where it synchronises with the host (nothing else is measured)")
@@ -129,7 +130,7 @@ def main():
     concrete = bs.plan_layout(args.layout, seq, world, docs, True)["concrete"]
     g = torch.Generator(device=dev).manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, device=dev, dtype=dt, generator=g)  # noqa: E731
-    _, fwd, bwd = dispatch.select_kernels(args.backend, rnd(1, 128, heads, d), Visibility(True), 0.0)
+    _, fwd, bwd = dispatch.select_kernels(args.backend, rnd(1, 128, heads, d), vis, 0.0)
     q, k, v, dout = rnd(1, n, heads, d), rnd(1, n, kv_heads, d), rnd(1, n, kv_heads, d), rnd(1, n, heads, d)
     single = bs._timed(bs._fa4_single(rnd(1, seq, heads, d), rnd(1, seq, kv_heads, d), rnd(1, seq, kv_heads, d),
                                       True, docs), args.iters, args.warmup)

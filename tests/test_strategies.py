@@ -274,11 +274,56 @@ def test_cost_counts_the_packed_calls_the_loop_issues():
         assert cost.predict(cost.Call(**{**dense.__dict__, "packs": True}), strategy) == cost.predict(dense, strategy)
 
 
-def test_which_strategy_names_a_bad_backend():
+def _which_backend_rank(rank, world):
+    """which_strategy on a packed-documents call of 2 ranks, per backend; then an "auto" call whose ranks
+    count kernel calls differently (rank 0's "torch" taken for a packing backend)."""
+    docs = [0, 100, 130, 300, 512]  # documents crossing zigzag's boundaries (two blocks a rank, packed in one call)
+    q = torch.zeros(1, 256, 8, 16)
+    out = {}
+    for backend in ("fa4", "torch", "auto"):
+        choice = which_strategy(q, q[:, :, :2], causal=True, layout="zigzag", cu_seqlens=docs, backend=backend)
+        out[backend] = {s: p.compute_s for s, p in choice.predictions.items()}
+    with pytest.raises(ValueError, match=r"backend='fa4'|key padding|attention_mask"):
+        which_strategy(q, q[:, :, :2], causal=True, cu_seqlens=docs, backend="fa4",
+                       attention_mask=torch.ones(1, 256, dtype=torch.bool))
+    from distcomm_attention.kernels import dispatch as kernel_dispatch
+
+    real = kernel_dispatch.packs
+    if rank == 0:
+        kernel_dispatch.packs = lambda name: name == "torch" or real(name)
+    try:
+        x = torch.randn(1, 256, 8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+        context_parallel_attn(x, x[:, :, :2], x[:, :, :2], strategy="auto", causal=True, layout="zigzag",
+                              cu_seqlens=docs)
+        err = None
+    except ValueError as e:
+        err = str(e)
+    finally:
+        kernel_dispatch.packs = real
+    return out, err
+
+
+def test_which_strategy_counts_the_named_backend_calls():
+    """which_strategy(backend=): flash-attn-4 (packing) predicts the all-gather's packed calls, below one call
+    per block ("torch", and "auto" on CPU, which resolves to it); the predictions equal the cost model's for
+    the same call; a backend that cannot do the call's features says so. An "auto" call whose ranks count
+    kernel calls differently raises the same error on both, naming the field."""
+    got = run_world(_which_backend_rank, 2)
+    docs = (0, 100, 130, 300, 512)
+    vis = Visibility(causal=True, cu_seqlens=docs)
+    for rank in range(2):
+        out, err = got[rank]
+        assert out["auto"] == out["torch"]
+        assert out["fa4"]["allgather"] < out["torch"]["allgather"]
+        for backend, packs in (("fa4", True), ("torch", False)):
+            call = cost.Call(1, 256, 8, 2, 16, 4, "zigzag", vis, 2, 1, packs)
+            for strategy, seconds in out[backend].items():
+                assert seconds == pytest.approx(cost.predict(call, strategy).compute_s), (backend, strategy)
+        assert err is not None and "kernel calls auto counted" in err, err
+    assert got[0][1] == got[1][1]
     q = torch.zeros(1, 16, 4, 8)
     with pytest.raises(ValueError, match=r"Invalid backend 'fa5'. Must be one of: 'auto', 'torch'"):
         which_strategy(q, q, causal=True, backend="fa5")
-    assert which_strategy(q, q, causal=True, backend="fa4", cu_seqlens=[0, 5, 16]).strategy in dispatch.STRATEGIES
 
 
 def test_predictions_are_positive_and_choose_takes_the_minimum():

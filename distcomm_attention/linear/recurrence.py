@@ -222,11 +222,13 @@ class _Call:
     def _corrected(self, o0, factor, h):
         """o0 plus the incoming state's contribution (phase 3): factor . H_in per token and value head."""
         if self.delta:
-            return o0 + torch.einsum("bthk,bhkv->bthv", factor, h).to(o0.dtype)
-        q, weight = factor
-        b, t, heads, _ = q.shape
-        qh = torch.einsum("bthk,bhgkv->bthgv", q, h.reshape(h.shape[0], heads, -1, *h.shape[2:]))
-        return o0 + (qh.reshape(b, t, self.hv, self.dv) * weight[..., None]).to(o0.dtype)
+            correction = torch.einsum("bthk,bhkv->bthv", factor, h)
+        else:
+            q, weight = factor
+            b, t, heads, _ = q.shape
+            qh = torch.einsum("bthk,bhgkv->bthgv", q, h.reshape(h.shape[0], heads, -1, *h.shape[2:]))
+            correction = qh.reshape(b, t, self.hv, self.dv) * weight[..., None]
+        return (o0.to(correction.dtype) + correction).to(o0.dtype)  # one rounding of the sum
 
     def forward(self, finals: bool):
         plan, rank = self.plan, self.comm.rank

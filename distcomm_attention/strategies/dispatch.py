@@ -140,13 +140,26 @@ def choose(q, k, *, group, layout: str, causal: bool, window, attention_mask, cu
     layouts.check_local_length(layout, q.shape[1] * u, world // u)
     concrete = concrete_layout(layout, _verification_comm(group), q.shape[1] * world, world // u, docs,
                                "which_strategy")
-    kernel_dispatch.check_backend(backend)
-    if backend == "auto":
-        backend = kernel_dispatch.choose(backend, q, vis, softcap).backend
-    packs = attention_mask is None and kernel_dispatch.packs(backend)
     call = cost.Call(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.element_size(), concrete, vis,
-                     world, u, packs)
+                     world, u, _packs(backend, q, vis, softcap) and attention_mask is None)
     return cost.choose(call, candidates, hardware or cost.Hardware())
+
+
+def _packs(backend: str, q, vis: Visibility, softcap: float) -> bool:
+    """Whether the call's block kernels pack a step's pieces (the cost model then counts their calls). A named
+    backend is asked whether it can do the call's features (not its device or dtype: ``which_strategy`` may
+    ask about a GPU run from CPU tensors); "auto" resolves the backend the call would use, and where none
+    can run it (the call itself raises that) the model counts one call per block."""
+    kernel_dispatch.check_backend(backend)
+    if backend != "auto":
+        problem = kernel_dispatch.unsupported_feature(backend, vis, softcap)
+        if problem is not None:
+            raise ValueError(problem)
+        return kernel_dispatch.packs(backend)
+    try:
+        return kernel_dispatch.packs(kernel_dispatch.choose(backend, q, vis, softcap).backend)
+    except (ImportError, ValueError, TypeError):
+        return False
 
 
 def _gathered(layout, vis, world: int, rank: int, n: int):
@@ -188,6 +201,9 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
                                         attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
                                         softcap=softcap)
         strategy = "ring" if picked is None else picked.strategy
+        auto = {"auto": True}
+    else:
+        auto = {}
     if error is None:
         error = _group_error(strategy, group)
     if error is not None:
@@ -198,7 +214,7 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
         wu, wr = _groups.group_size(ulysses_group), _groups.group_size(ring_group)
         ring_rank = _groups.group_rank(ring_group)
         n = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
-        extra = {"strategy": _CODES[strategy], "ulysses": wu, "ring": wr}
+        extra = {"strategy": _CODES[strategy], "ulysses": wu, "ring": wr, **auto}
 
         def planner(vis, concrete):
             if strategy == "hybrid":
@@ -217,7 +233,7 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
 
     comm = RingComm(group)
     world, rank = comm.size, comm.rank
-    extra = {"strategy": _CODES[strategy]}
+    extra = {"strategy": _CODES[strategy], **auto}
     n = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
     if strategy == "ring":
         planned, scale, fwd, bwd, _ = prepare(q, k, v, comm, extra=extra, **common, planner=ring_planner(comm, q))

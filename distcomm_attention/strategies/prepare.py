@@ -54,7 +54,9 @@ def prepare(
     record raises after the exchange, on every rank alike.
 
     Strategies other than the ring pass ``extra``: more verified fields (the strategy, by name or by its index
-    in ``strategies.dispatch.STRATEGIES``, and its degrees); ``shards``: (ranks, tokens per rank) the layout
+    in ``strategies.dispatch.STRATEGIES``, and its degrees; ``"auto": True`` for a strategy the cost model
+    picked, which then verifies the kernel calls it counted: a rank whose backend packs them and a rank whose
+    backend does not may pick differently); ``shards``: (ranks, tokens per rank) the layout
     splits the sequence into, when not (comm.size, local length) (the hybrid's layout runs over its ring
     dimension); ``planner(vis, layout)``: the strategy's plan instead of this rank's ring plan (``layout``: the
     planner's layout, a static name or the ``Assignment`` of "balanced" / "auto").
@@ -109,6 +111,10 @@ def prepare(
         "ring": 0,
         **(extra or {}),
     }
+    if fields.pop("auto", False):  # the pick counted the backend's packed calls: the ranks must agree on them
+        packs = checked is not None and attention_mask is None and dispatch.packs(_name)
+        fields["kernel calls auto counted"] = _validation.Shown(
+            packs, f"{'packed' if packs else 'one per block'} (backend {_name!r})")
     if isinstance(fields["strategy"], int):  # an index into STRATEGIES: shown by name
         from distcomm_attention.strategies.dispatch import STRATEGIES  # (dispatch imports this module)
 
