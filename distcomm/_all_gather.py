@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from distcomm import _check
+from distcomm import _check, _groups
 from distcomm._all_to_all import _raw_all_to_all
 from distcomm._dispatch import compiled_path
 from distcomm._movement_args import _needs_graph, _require_tensor, _require_writable, _setup, _written
@@ -119,7 +119,7 @@ class _AllGather(Function):
 
     @staticmethod
     def forward(ctx, group, n, rank, tensor):
-        ctx.group, ctx.n, ctx.rank = group, n, rank
+        ctx.group, ctx.n, ctx.rank = _groups.hold(group), n, rank
         x = tensor.contiguous()
         outs = [torch.empty_like(x) for _ in range(n)]
         if n == 1:
@@ -130,7 +130,7 @@ class _AllGather(Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        group, n = ctx.group, ctx.n
+        group, n = _groups.unhold(ctx.group), ctx.n
         if not torch.is_grad_enabled():
             return None, None, None, _sum_entries(grads, group, n)
         stacked = torch.stack(grads)
@@ -184,12 +184,12 @@ class _AllGatherVariable(Function):
 
     @staticmethod
     def forward(ctx, tensor, dim, sizes, group, rank):
-        ctx.dim, ctx.sizes, ctx.group, ctx.rank = dim, sizes, group, rank
+        ctx.dim, ctx.sizes, ctx.group, ctx.rank = dim, sizes, _groups.hold(group), rank
         return _gather_concat(tensor, dim, sizes, group)
 
     @staticmethod
     def backward(ctx, grad):
-        args = (grad, ctx.dim, ctx.sizes, ctx.group, ctx.rank)
+        args = (grad, ctx.dim, ctx.sizes, _groups.unhold(ctx.group), ctx.rank)
         return _adjoint(_ReduceScatterVariable, _reduce_scatter_concat, *args), None, None, None, None
 
 
@@ -198,15 +198,16 @@ class _ReduceScatterVariable(Function):
 
     @staticmethod
     def forward(ctx, grad, dim, sizes, group, rank):
-        ctx.dim, ctx.sizes, ctx.group, ctx.rank = dim, sizes, group, rank
+        ctx.dim, ctx.sizes, ctx.group, ctx.rank = dim, sizes, _groups.hold(group), rank
         return _reduce_scatter_concat(grad, dim, sizes, group, rank)
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
         if torch.is_grad_enabled():
-            return _AllGatherVariable.apply(grad, ctx.dim, ctx.sizes, ctx.group, ctx.rank), None, None, None, None
-        return _gather_concat(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None, None
+            return (_AllGatherVariable.apply(grad, ctx.dim, ctx.sizes, _groups.unhold(ctx.group), ctx.rank), None, None,
+                    None, None)
+        return _gather_concat(grad, ctx.dim, ctx.sizes, _groups.unhold(ctx.group)), None, None, None, None
 
 
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, ...]:
@@ -361,7 +362,7 @@ class _AllGatherBaseWrite(Function):
 
     @staticmethod
     def forward(ctx, output, tensor, group, n, rank, direct):
-        ctx.group, ctx.n, ctx.rank, ctx.shape = group, n, rank, tensor.shape
+        ctx.group, ctx.n, ctx.rank, ctx.shape = _groups.hold(group), n, rank, tensor.shape
         _raw_all_gather_into(output, tensor, group, n)
         return _written(ctx, [output], direct)[0]
 
@@ -369,7 +370,8 @@ class _AllGatherBaseWrite(Function):
     def backward(ctx, grad):
         n = ctx.n
         rows = grad.reshape(n, math.prod(ctx.shape))
-        chunk = _adjoint(_ReduceScatterVariable, _reduce_scatter_concat, rows, 0, (1,) * n, ctx.group, ctx.rank)
+        chunk = _adjoint(_ReduceScatterVariable, _reduce_scatter_concat, rows, 0, (1,) * n, _groups.unhold(ctx.group),
+                         ctx.rank)
         return None, chunk.reshape(ctx.shape), None, None, None, None
 
 

@@ -120,12 +120,13 @@ class _AllToAllSingle(Function):
 
     @staticmethod
     def forward(ctx, group, n, out_shape, out_splits, in_splits, tensor):
-        ctx.group, ctx.n, ctx.in_shape, ctx.out_splits, ctx.in_splits = group, n, tensor.shape, out_splits, in_splits
+        ctx.group, ctx.n, ctx.in_shape = _groups.hold(group), n, tensor.shape
+        ctx.out_splits, ctx.in_splits = out_splits, in_splits
         return _all_to_all_single_fresh(group, n, out_shape, out_splits, in_splits, tensor)
 
     @staticmethod
     def backward(ctx, grad):
-        args = (ctx.group, ctx.n, ctx.in_shape, ctx.in_splits, ctx.out_splits, grad.contiguous())
+        args = (_groups.unhold(ctx.group), ctx.n, ctx.in_shape, ctx.in_splits, ctx.out_splits, grad.contiguous())
         return None, None, None, None, None, _adjoint(_AllToAllSingle, _all_to_all_single_fresh, *args)
 
 
@@ -134,7 +135,8 @@ class _AllToAllSingleWrite(Function):
 
     @staticmethod
     def forward(ctx, output, tensor, group, n, out_splits, in_splits, direct):
-        ctx.group, ctx.n, ctx.in_shape, ctx.out_splits, ctx.in_splits = group, n, tensor.shape, out_splits, in_splits
+        ctx.group, ctx.n, ctx.in_shape = _groups.hold(group), n, tensor.shape
+        ctx.out_splits, ctx.in_splits = out_splits, in_splits
         _raw_all_to_all_single(output, tensor, out_splits, in_splits, group, n)
         if direct:
             ctx.mark_dirty(output)
@@ -143,7 +145,7 @@ class _AllToAllSingleWrite(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        args = (ctx.group, ctx.n, ctx.in_shape, ctx.in_splits, ctx.out_splits, grad.contiguous())
+        args = (_groups.unhold(ctx.group), ctx.n, ctx.in_shape, ctx.in_splits, ctx.out_splits, grad.contiguous())
         return None, _adjoint(_AllToAllSingle, _all_to_all_single_fresh, *args), None, None, None, None, None
 
 
@@ -158,12 +160,13 @@ class _AllToAll(Function):
 
     @staticmethod
     def forward(ctx, group, n, out_likes, *tensors):
-        ctx.group, ctx.n, ctx.in_likes = group, n, [(t.shape, t.dtype, t.device) for t in tensors]
+        ctx.group, ctx.n, ctx.in_likes = _groups.hold(group), n, [(t.shape, t.dtype, t.device) for t in tensors]
         return _all_to_all_fresh(group, n, out_likes, *tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        back = _adjoint(_AllToAll, _all_to_all_fresh, ctx.group, ctx.n, ctx.in_likes, *[g.contiguous() for g in grads])
+        back = _adjoint(_AllToAll, _all_to_all_fresh, _groups.unhold(ctx.group), ctx.n, ctx.in_likes,
+                        *[g.contiguous() for g in grads])
         return (None, None, None, *back)
 
 
@@ -173,13 +176,14 @@ class _AllToAllWrite(Function):
     @staticmethod
     def forward(ctx, group, direct, n, *tensors):
         outputs, inputs = list(tensors[:n]), list(tensors[n:])
-        ctx.group, ctx.n, ctx.in_likes = group, n, [(t.shape, t.dtype, t.device) for t in inputs]
+        ctx.group, ctx.n, ctx.in_likes = _groups.hold(group), n, [(t.shape, t.dtype, t.device) for t in inputs]
         _raw_all_to_all(outputs, inputs, group, n)
         return _written(ctx, outputs, direct)
 
     @staticmethod
     def backward(ctx, *grads):
-        back = _adjoint(_AllToAll, _all_to_all_fresh, ctx.group, ctx.n, ctx.in_likes, *[g.contiguous() for g in grads])
+        back = _adjoint(_AllToAll, _all_to_all_fresh, _groups.unhold(ctx.group), ctx.n, ctx.in_likes,
+                        *[g.contiguous() for g in grads])
         return (None, None, None) + (None,) * ctx.n + tuple(back)
 
 

@@ -59,13 +59,13 @@ class _Gather(Function):
 
     @staticmethod
     def forward(ctx, dst, group, n, rank, tensor):
-        ctx.dst, ctx.group, ctx.n, ctx.rank = dst, group, n, rank
+        ctx.dst, ctx.group, ctx.n, ctx.rank = dst, _groups.hold(group), n, rank
         ctx.like = (tensor.shape, tensor.dtype, tensor.device)
         return _raw_gather(dst, group, n, rank, tensor)
 
     @staticmethod
     def backward(ctx, *grads):
-        args = (ctx.dst, ctx.group, ctx.n, ctx.rank, ctx.like)
+        args = (ctx.dst, _groups.unhold(ctx.group), ctx.n, ctx.rank, ctx.like)
         if torch.is_grad_enabled():
             return None, None, None, None, _Scatter.apply(*args, True, *grads)
         return None, None, None, None, _raw_scatter(*args, *grads)
@@ -80,7 +80,7 @@ class _Scatter(Function):
 
     @staticmethod
     def forward(ctx, src, group, n, rank, like, differentiable, *tensors):
-        ctx.src, ctx.group, ctx.n, ctx.rank = src, group, n, rank
+        ctx.src, ctx.group, ctx.n, ctx.rank = src, _groups.hold(group), n, rank
         ctx.n_inputs, ctx.is_src = len(tensors), rank == src
         ctx.placeholder_likes = [(t.shape, t.dtype, t.device) for t in tensors[:n]]
         out = _raw_scatter(src, group, n, rank, like, *tensors)
@@ -90,7 +90,7 @@ class _Scatter(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grads = _adjoint(_Gather, _raw_gather, ctx.src, ctx.group, ctx.n, ctx.rank, grad.contiguous())
+        grads = _adjoint(_Gather, _raw_gather, ctx.src, _groups.unhold(ctx.group), ctx.n, ctx.rank, grad.contiguous())
         head = (None,) * 6
         if ctx.is_src:
             return (*head, *grads)

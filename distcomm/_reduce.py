@@ -148,13 +148,13 @@ class _AllReduce(Function):
     @staticmethod
     def forward(ctx, tensor, op, group, size):
         y = _raw_all_reduce(tensor, op, group, size)
-        ctx.op, ctx.group, ctx.size = op, group, size
+        ctx.op, ctx.group, ctx.size = op, _groups.hold(group), size
         _save_for_vjp(ctx, op, tensor, y)
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        op, group, size = ctx.op, ctx.group, ctx.size
+        op, group, size = ctx.op, _groups.unhold(ctx.group), ctx.size
         if op.kind is _AVG:  # self-adjoint: the forward's own op (native on NCCL), no separate division
             return _adjoint(_AllReduce, _raw_all_reduce, grad.contiguous(), op, group, size), None, None, None
         total = _adjoint(_AllReduce, _raw_all_reduce, grad.contiguous(), _SUM_OP, group, size)
@@ -170,13 +170,13 @@ class _Reduce(Function):
     @staticmethod
     def forward(ctx, tensor, dst, op, group, size, is_dst):
         y = _raw_reduce(tensor, dst, op, group, size, is_dst)
-        ctx.op, ctx.dst, ctx.group, ctx.size, ctx.is_dst = op, dst, group, size, is_dst
+        ctx.op, ctx.dst, ctx.group, ctx.size, ctx.is_dst = op, dst, _groups.hold(group), size, is_dst
         _save_for_vjp(ctx, op, tensor, y)
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        op, dst, group, size, is_dst = ctx.op, ctx.dst, ctx.group, ctx.size, ctx.is_dst
+        op, dst, group, size, is_dst = ctx.op, ctx.dst, _groups.unhold(ctx.group), ctx.size, ctx.is_dst
         total = _adjoint(_Broadcast, _raw_broadcast, grad.contiguous(), dst, group, size, is_dst)
         if op.linear:
             return _local_vjp(op, total, group, size, "reduce"), None, None, None, None, None
@@ -191,13 +191,13 @@ class _Broadcast(Function):
 
     @staticmethod
     def forward(ctx, tensor, src, group, size, is_src):
-        ctx.src, ctx.group, ctx.size, ctx.is_src = src, group, size, is_src
+        ctx.src, ctx.group, ctx.size, ctx.is_src = src, _groups.hold(group), size, is_src
         return _raw_broadcast(tensor, src, group, size, is_src)
 
     @staticmethod
     def backward(ctx, grad):
         total = _adjoint(
-            _Reduce, _raw_reduce, grad.contiguous(), ctx.src, _SUM_OP, ctx.group, ctx.size, ctx.is_src
+            _Reduce, _raw_reduce, grad.contiguous(), ctx.src, _SUM_OP, _groups.unhold(ctx.group), ctx.size, ctx.is_src
         )
         return total, None, None, None, None
 

@@ -66,13 +66,14 @@ class _AllGatherList(Function):
 
     @staticmethod
     def forward(ctx, group, shapes, tensor):
-        ctx.group, ctx.size, ctx.rank = group, len(shapes), _groups.group_rank(group)
+        ctx.group, ctx.size, ctx.rank = _groups.hold(group), len(shapes), _groups.group_rank(group)
         return _all_gather_list(group, shapes, tensor)
 
     @staticmethod
     def backward(ctx, *grads):
         grads = [g.contiguous() for g in grads]
-        total = _adjoint(_ReduceScatter, _reduce_scatter_list, None, _SUM_OP, ctx.group, ctx.size, ctx.rank, *grads)
+        total = _adjoint(_ReduceScatter, _reduce_scatter_list, None, _SUM_OP, _groups.unhold(ctx.group), ctx.size,
+                         ctx.rank, *grads)
         return None, None, total
 
 
@@ -98,7 +99,7 @@ class _ReduceScatter(Function):
         y = _reduce_scatter_list(output, op, group, size, rank, *inputs)
         if output is not None:
             ctx.mark_dirty(output)
-        ctx.op, ctx.group, ctx.size, ctx.rank = op, group, size, rank
+        ctx.op, ctx.group, ctx.size, ctx.rank = op, _groups.hold(group), size, rank
         ctx.shapes = [tuple(t.shape) for t in inputs]
         if op.extrema:
             ctx.save_for_backward(*inputs, y)
@@ -108,7 +109,7 @@ class _ReduceScatter(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        op, group, size, shapes = ctx.op, ctx.group, ctx.size, ctx.shapes
+        op, group, size, shapes = ctx.op, _groups.unhold(ctx.group), ctx.size, ctx.shapes
         grad = grad.contiguous()
         if op.kind is _AVG:  # the same 1/N for every slice: divide this rank's slice, 1/N of the elements
             grads = _adjoint(_AllGatherList, _all_gather_list, group, shapes, grad / size)
@@ -145,13 +146,13 @@ class _ReduceScatterTensor(Function):
     @staticmethod
     def forward(ctx, tensor, dim, op, group, size):
         y = _raw_reduce_scatter_dim(tensor, dim, op, group, size)
-        ctx.op, ctx.dim, ctx.group, ctx.size = op, dim, group, size
+        ctx.op, ctx.dim, ctx.group, ctx.size = op, dim, _groups.hold(group), size
         _save_for_vjp(ctx, op, tensor, y)
         return y
 
     @staticmethod
     def backward(ctx, grad):
-        op, dim, group, size = ctx.op, ctx.dim, ctx.group, ctx.size
+        op, dim, group, size = ctx.op, ctx.dim, _groups.unhold(ctx.group), ctx.size
         grad = grad.contiguous()
         if op.kind is _AVG:  # divide the chunk before gathering: 1/N of the elements of the full grad
             return _all_gather_tensor(grad / size, dim, group, size), None, None, None, None
@@ -178,12 +179,12 @@ class _AllGatherTensor(Function):
 
     @staticmethod
     def forward(ctx, tensor, dim, group, n):
-        ctx.dim, ctx.group, ctx.n = dim, group, n
+        ctx.dim, ctx.group, ctx.n = dim, _groups.hold(group), n
         return _raw_all_gather_dim(tensor, dim, group, n)
 
     @staticmethod
     def backward(ctx, grad):
-        args = (grad, ctx.dim, _SUM_OP, ctx.group, ctx.n)
+        args = (grad, ctx.dim, _SUM_OP, _groups.unhold(ctx.group), ctx.n)
         return _adjoint(_ReduceScatterTensor, _raw_reduce_scatter_dim, *args), None, None, None
 
 

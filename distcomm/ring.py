@@ -89,16 +89,23 @@ class RingComm:
     """
 
     def __init__(self, group=None, ring_size: int | None = None):
-        self.group = _groups.resolve_group(group)
-        group_size = _groups.group_size(self.group)
-        group_rank = _groups.group_rank(self.group)
+        group = _groups.resolve_group(group)
+        self._group = _groups.hold(group)  # not kept alive by the autograd graphs that keep this ring
+        group_size = _groups.group_size(group)
+        group_rank = _groups.group_rank(group)
         ring_size = _ring_size(ring_size, group_size)
         self.size = ring_size
         self.rank = group_rank % ring_size
         first = group_rank - self.rank
         self._positions = list(range(first, first + ring_size))  # group ranks: what the transfers address
-        self.ranks = [_groups.to_global_rank(self.group, r) for r in self._positions]
+        self.ranks = [_groups.to_global_rank(group, r) for r in self._positions]
         self._batch: bool | None = None  # whether CUDA transfers go in one NCCL batch (looked up on first use)
+
+    @property
+    def group(self):
+        """The ring's process group (None: no group, a world of one); held weakly (Note [Groups held weakly]
+        in distcomm/_groups.py)."""
+        return _groups.unhold(self._group)
 
     def peer(self, offset: int) -> int:
         """Global rank of the ring member ``offset`` positions to the right (negative: to the left)."""

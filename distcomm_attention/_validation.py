@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -354,7 +355,10 @@ def _disagreement(op, whole, device, ring_size, rings, sizes_differ, rows, spans
     return " | ".join(parts)
 
 
-_HOST_GROUPS: dict[tuple[int, ...], object] = {}  # global ranks -> a gloo group over them (NCCL groups' twins)
+# global ranks -> a gloo group over them (NCCL groups' twins), registered with torch.distributed, which keeps
+# it until destroy_process_group(); held weakly here so that it is not destroyed later, at the interpreter's
+# exit (Note [Groups held weakly] in distcomm/_groups.py)
+_HOST_GROUPS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def _exchange_comm(comm: RingComm) -> tuple[RingComm, torch.device]:
@@ -373,9 +377,10 @@ def _exchange_comm(comm: RingComm) -> tuple[RingComm, torch.device]:
     if not dist.is_initialized():  # a group made without a default group: exchange on its own device
         return whole, torch.device("cuda", torch.cuda.current_device())
     key = tuple(whole.ranks)
-    if key not in _HOST_GROUPS:
-        _HOST_GROUPS[key] = dist.new_group(list(key), backend="gloo", use_local_synchronization=True)
-    return RingComm(_HOST_GROUPS[key]), torch.device("cpu")
+    twin = _HOST_GROUPS.get(key)
+    if twin is None:
+        twin = _HOST_GROUPS[key] = dist.new_group(list(key), backend="gloo", use_local_synchronization=True)
+    return RingComm(twin), torch.device("cpu")
 
 
 def check_window(window_size) -> tuple[int, int]:

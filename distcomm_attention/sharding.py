@@ -58,6 +58,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+import distcomm.functional as dfunc
+from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention import _validation
 from distcomm_attention.planning import balance, layouts
@@ -489,8 +491,8 @@ def gather_sequence(
 ) -> torch.Tensor:
     """The full sequence, on every rank of the ring, from each rank's shard (inverse of ``shard_sequence``).
 
-    Only the ring's members communicate (a ring all-gather of W - 1 hops), so with ``ring_size`` smaller
-    than the group each ring gathers its own sequence.
+    One all-gather over the group; with ``ring_size`` smaller than the group only the ring's members
+    communicate (W - 1 ring hops), so each ring gathers its own sequence.
 
     Args:
         x_local: this rank's shard, the sequence along ``dim``; same shape and dtype on every rank of the
@@ -553,7 +555,10 @@ def gather_sequence(
                                    extra={**facts, "requires_grad": requires_grad}, error=local_error)
     resolved, seq_len, concrete = checked
     resolved.raise_if_ambiguous("gather_sequence")
-    cat = ring_all_gather(x_local, comm, dim)
+    if comm.size == _groups.group_size(comm.group):  # one all-gather (a ring inside a larger group: W - 1 hops)
+        cat = dfunc.all_gather_tensor(x_local.contiguous(), dim, comm.group)
+    else:
+        cat = ring_all_gather(x_local, comm, dim)
     if mesh is not None:  # the hybrids' shards, in the default group's rank order
         order = _mesh_order(group, concrete, seq_len).to(cat.device)
         return cat.index_select(dim, torch.argsort(order))

@@ -375,3 +375,53 @@ def test_check_mode_keeps_agreeing_calls_exact(world):
         torch.testing.assert_close(out["a2a"], torch.cat([_a2a_piece(i, r) for i in range(world)]))
         torch.testing.assert_close(out["ring"], _var((r - 1) % world))
     torch.testing.assert_close(sum(out["clip"] for out in res), world * _clip_reference(world))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Graphs do not keep process groups alive (Note [Groups held weakly])
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _graphs_release_group_rank(rank, world):
+    """Outputs of every differentiable collective and attention strategy over a subgroup, kept alive (and in a
+    reference cycle) while the subgroup is destroyed: the subgroup must be freed then, not at the interpreter's
+    exit; a backward afterwards says the group is gone."""
+    import weakref
+
+    import distcomm_attention as da
+
+    pg = dist.new_group([0, 1])
+    ref = weakref.ref(pg)
+    x = torch.randn(2, 8, 4, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(1, 8, 4, 8, dtype=torch.float64, requires_grad=True)
+    outs = [
+        F.all_gather_tensor(x, 1, group=pg), F.all_reduce(x, group=pg), F.broadcast(x, 0, group=pg),
+        F.reduce_scatter_tensor(x, 0, group=pg), F.all_to_all_single(torch.empty_like(x), x, group=pg),
+        F.ring_pass(x, group=pg),
+        *F.all_gather(x, group=pg),
+    ]
+    for strategy in ("ring", "allgather", "ulysses"):
+        outs.append(da.context_parallel_attn(q, q, q, strategy=strategy, group=pg, causal=True, layout="zigzag"))
+    cycle = [outs]
+    cycle.append(cycle)
+    del x, q
+    gc.collect()
+    dist.destroy_process_group(pg)
+    del pg
+    alive = ref() is not None
+    try:
+        outs[0].sum().backward()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    return alive, error
+
+
+def test_graphs_do_not_keep_process_groups_alive():
+    """An autograd graph that kept its collective's ProcessGroup strongly kept the group past
+    ``destroy_process_group()``; a graph in cyclic garbage then freed it during the interpreter's exit, which
+    aborted the process ("terminate called without an active exception", 2-6 of 16 two-rank gloo runs). Every
+    collective's and strategy's graph now holds its group weakly."""
+    for alive, error in run_world(_graphs_release_group_rank, 2):
+        assert not alive
+        assert error is not None and "destroyed before its backward ran" in error, error

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from distcomm import _groups
 from distcomm_attention import transport
 
 __all__ = ["all_gather_rows"]
@@ -18,14 +19,14 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group):
-        ctx.group = group
+        ctx.group = _groups.hold(group)
         (out,) = transport.for_group(group).all_gather(x.contiguous()).wait()
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         """Adjoint: all_gather <-> reduce_scatter(sum); rank j receives sum_r grad_r[rows of j]."""
-        return _ReduceScatter.apply(grad.contiguous(), ctx.group), None
+        return _ReduceScatter.apply(grad.contiguous(), _groups.unhold(ctx.group)), None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -33,14 +34,14 @@ class _ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group):
-        ctx.group = group
+        ctx.group = _groups.hold(group)
         (out,) = transport.for_group(group).reduce_scatter(x.contiguous()).wait()
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         """Adjoint: reduce_scatter(sum) <-> all_gather."""
-        return _AllGather.apply(grad.contiguous(), ctx.group), None
+        return _AllGather.apply(grad.contiguous(), _groups.unhold(ctx.group)), None
 
 
 def all_gather_rows(x: torch.Tensor, group, world: int) -> torch.Tensor:

@@ -109,7 +109,8 @@ class AllGatherKV:
 
     def __init__(self, group, layout: str, local_len: int, plan: RingPlan, softcap: float, scale: float, fwd, bwd,
                  exchange: Exchange | None = None):
-        self.group, self.plan, self.softcap, self.scale, self.fwd, self.bwd = group, plan, softcap, scale, fwd, bwd
+        self._group = _groups.hold(group)  # kept by the autograd graph: not keeping the group alive
+        self.plan, self.softcap, self.scale, self.fwd, self.bwd = plan, softcap, scale, fwd, bwd
         world = _groups.group_size(group) if exchange is None else exchange.ring_size
         self.order = natural_order(layout, world, local_len) if gathered_in_natural_order(layout) else None
         self.one = RingComm(group, 1) if world > 1 else RingComm(None)
@@ -128,6 +129,10 @@ class AllGatherKV:
             with torch.no_grad():
                 return self.sparse.gather(k, v, key_mask)
         return gather_kv(k, v, key_mask, self.group, self.order)
+
+    @property
+    def group(self):
+        return _groups.unhold(self._group)
 
     @staticmethod
     def natural(*ts):

@@ -53,6 +53,7 @@ import torch
 
 from torch.autograd.function import once_differentiable
 
+from distcomm import _groups
 from distcomm_attention import transport
 from distcomm_attention.strategies.ring import _no_autocast
 
@@ -176,7 +177,8 @@ class _UlyssesAttn(torch.autograd.Function):
             qs.append(qg), outs.append(out), lses.append(lse)
         qh, out, lse = torch.cat(qs, 2), torch.cat(outs, 2), torch.cat(lses, 1)
         ctx.save_for_backward(qh, kh, vh, out, lse, km, ids)
-        ctx.group, ctx.degree, ctx.inner, ctx.kv_heads, ctx.pipelined = group, degree, inner, kv_heads, pipelined
+        ctx.group, ctx.degree, ctx.inner = _groups.hold(group), degree, inner
+        ctx.kv_heads, ctx.pipelined = kv_heads, pipelined
         b, n, heads, d = q.shape
         return _place(back, b, n, heads, d, degree, out.dtype, out.device)
 
@@ -185,7 +187,7 @@ class _UlyssesAttn(torch.autograd.Function):
     def backward(ctx, dout):
         qh, kh, vh, out, lse, km, ids = ctx.saved_tensors
         degree, inner = ctx.degree, ctx.inner
-        t = transport.for_group(ctx.group)
+        t = transport.for_group(_groups.unhold(ctx.group))
         dout = dout.contiguous()
         h, hk = qh.shape[2], kh.shape[2]
         groups = head_groups(h, hk, backward=True) if ctx.pipelined else 1

@@ -34,10 +34,15 @@ class TorchTransport:
     one without a process group)."""
 
     def __init__(self, group=None):
-        self.group = _groups.resolve_group(group)
-        self.size = _groups.group_size(self.group)
-        self.rank = _groups.group_rank(self.group)
-        self._ring = RingComm(self.group) if self.size > 1 else None
+        group = _groups.resolve_group(group)
+        self._group = _groups.hold(group)  # graphs that keep this transport do not keep the group alive
+        self.size = _groups.group_size(group)
+        self.rank = _groups.group_rank(group)
+        self._ring = RingComm(group) if self.size > 1 else None
+
+    @property
+    def group(self):
+        return _groups.unhold(self._group)
 
     def send_recv(self, tensors: Sequence[torch.Tensor], shift: int, recv_shapes=None):
         if self._ring is None or shift % self.size == 0:
