@@ -44,7 +44,11 @@ Note [Cost model]
     on the log-normal and heavy-tailed packs from +52% / +54% to -12% / -17% and its pick from 1.55x the
     fastest to the fastest; the ring on those packs stays under-predicted (-31% / -15%: its many small steps
     are host-bound, which the model does not count), Ulysses -22% / -13% (its whole-sequence copies);
-    dense rows within 12% (docs/bench/emulated.md).
+    dense rows within 12% (docs/bench/emulated.md). Against the real 2 x H100 runs (docs/bench/real.md,
+    recorded before this change, re-predicted): the packed rows' all-gather goes from -12% / -25% to -25% /
+    -23%, and on the heavy-tailed pack the pick moves from the ring (measured fastest) to the all-gather
+    (1.08x): the all-gather's index and scatter kernels over its compacted buffer (2.1-3.6 ms at W = 8,
+    about 90 ns per buffer row, docs/bench/profile.md) are not modelled, and at W = 2 its buffer is 3x larger.
 """
 
 from __future__ import annotations
