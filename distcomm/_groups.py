@@ -197,8 +197,9 @@ class _Held:
         group = self._ref()
         if group is None:
             raise RuntimeError(
-                "the process group of this collective was destroyed before its backward ran; run the backward "
-                "before destroy_process_group()"
+                "the process group of this collective was destroyed, or no longer referenced, before its backward "
+                "ran: run the backward before destroy_process_group(), and keep a ProcessGroup built by hand "
+                "referenced until then"
             )
         return group
 
@@ -213,7 +214,11 @@ def hold(group):
         the interpreter's exit, and the group's destructor running during the interpreter's finalization
         aborted the process ("terminate called without an active exception", 2-6 of 16 two-rank gloo runs
         of an all-gather's output left in a cycle; none with the group held weakly). A backward after the
-        group is gone raises a RuntimeError saying so.
+        group is gone raises a RuntimeError saying so. Groups registered with torch.distributed (the default
+        group, ``new_group``, a DeviceMesh's) stay referenced by its group table until
+        ``destroy_process_group()``; a ProcessGroup built by hand is the caller's to keep until the backward.
+        A group the program itself keeps to its end (a DeviceMesh in a global, the group of a registered
+        Hugging Face attention) is still freed at the interpreter's exit.
     """
     return _Held(group) if isinstance(group, dist.ProcessGroup) else group
 
