@@ -4,24 +4,16 @@ imbalance, the --ranks selection) and one tiny row on CPU with the exact torch k
 
 import argparse
 import json
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "bench_strategies.py"
+from tests.scripts import import_script
 
 
 def _bench_module():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import bench_strategies
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return bench_strategies
+    return import_script("bench_strategies")
 
 
 @pytest.mark.parametrize("seq", [131072, 524288])

@@ -8,18 +8,15 @@ from pathlib import Path
 
 from distcomm_attention.planning import cost
 
+from tests.scripts import import_script
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "check_cost_model.py"
 RUNS = [ROOT / "docs" / "bench" / "emulated_run2.json", ROOT / "docs" / "bench" / "emulated_run4.json"]
 
 
 def _module():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import check_cost_model
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return check_cost_model
+    return import_script("check_cost_model")
 
 
 def test_rows_are_the_recorded_ones_and_predictions_the_models():

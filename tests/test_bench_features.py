@@ -7,17 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.scripts import import_script
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "bench_ring_features.py"
 
 
 def _bench_module():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import bench_ring_features
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return bench_ring_features
+    return import_script("bench_ring_features")
 
 
 def test_packed_documents_and_useful_pairs():

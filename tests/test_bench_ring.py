@@ -10,17 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.scripts import import_script
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "bench_ring_attention.py"
 
 
 def _bench_module():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import bench_ring_attention
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return bench_ring_attention
+    return import_script("bench_ring_attention")
 
 
 def test_methods_and_aliases():

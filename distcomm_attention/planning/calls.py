@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from distcomm_attention.planning.visibility import Piece, pieces_of
 
-__all__ = ["PackedCall", "fits", "packed_calls", "step_pieces"]
+__all__ = ["PackedCall", "fits", "packed_calls", "step_calls", "step_pieces"]
 
 
 class PackedCall(NamedTuple):
@@ -49,6 +49,16 @@ def packed_calls(blocks, masks, disjoint_keys: bool) -> tuple[PackedCall, ...]:
         else:
             groups.append([p])
     return tuple(PackedCall(tuple(g), fits(g)[1]) for g in groups)
+
+
+def step_calls(plan, i: int, device, backward: bool) -> tuple[PackedCall, ...] | None:
+    """Step i of ``plan`` as packed calls (masks on ``device``, made once per plan), or None where the step has
+    nothing to pack (no "interval" block: no documents, no window): one call per block then."""
+    blocks = plan.blocks[i]
+    if all(b.mode != "interval" for b in blocks):
+        return None
+    return plan.cached(("packed", i, backward, str(device)), lambda: packed_calls(
+        blocks, [plan.mask(i, j, device) for j in range(len(blocks))], disjoint_keys=backward))
 
 
 def _joint_bound(bounds: list[tuple[int | None, int]]) -> tuple[bool, int | None]:

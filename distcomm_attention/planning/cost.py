@@ -59,7 +59,7 @@ from typing import NamedTuple
 
 import torch
 
-from distcomm_attention.planning.calls import packed_calls
+from distcomm_attention.planning.calls import step_calls
 from distcomm_attention.planning.exchange import gathered_exchange, sparse_ring
 from distcomm_attention.planning.plans import gathered_plan, local_plan
 from distcomm_attention.planning.visibility import RingPlan, Visibility, ring_plan
@@ -141,11 +141,10 @@ def _pairs(block) -> int:
 def _calls(plan: RingPlan, i: int, packs: bool) -> float:
     """Kernel calls of step i, forward and backward averaged: one per block, or the packed varlen calls of a
     step with documents or windows where the kernels pack (the rules the ring loop runs them by)."""
-    blocks = plan.blocks[i]
-    if not packs or all(b.mode != "interval" for b in blocks):
-        return len(blocks)
-    masks = [plan.mask(i, j, _HOST) for j in range(len(blocks))]
-    return (len(packed_calls(blocks, masks, False)) + len(packed_calls(blocks, masks, True))) / 2
+    calls = [step_calls(plan, i, _HOST, backward) for backward in (False, True)] if packs else [None]
+    if calls[0] is None:
+        return len(plan.blocks[i])
+    return (len(calls[0]) + len(calls[1])) / 2
 
 
 def _step_costs(plan: RingPlan, packs: bool = False) -> tuple[tuple[int, float, int, int], ...]:

@@ -44,7 +44,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from distcomm.ring import RingComm
-from distcomm_attention.kernels.contract import RowSum, packed_calls
+from distcomm_attention.kernels.contract import RowSum
+from distcomm_attention.planning.calls import step_calls
 from distcomm_attention.planning.visibility import RingPlan
 
 __all__ = ["ring_attention", "ring_forward", "ring_backward", "ring_all_gather", "ring_reduce_scatter", "packed",
@@ -105,11 +106,9 @@ def _as_bytes(key_mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
 def packed(plan: RingPlan, i: int, kernel, key_mask, device: torch.device, backward: bool):
     """Step i's packed calls when ``kernel`` packs and the step has pieces to pack (an "interval" block: packed
     documents or a window), else None: the per-block calls (Note [Packed steps] in kernels/contract.py)."""
-    blocks = plan.blocks[i]
-    if key_mask is not None or not getattr(kernel, "packs", False) or all(b.mode != "interval" for b in blocks):
+    if key_mask is not None or not getattr(kernel, "packs", False):
         return None
-    return plan.cached(("packed", i, backward, str(device)), lambda: packed_calls(
-        blocks, [plan.mask(i, j, device) for j in range(len(blocks))], disjoint_keys=backward))
+    return step_calls(plan, i, device, backward)
 
 
 def _dq_sum(q: torch.Tensor, acc_dtype: torch.dtype, bwd) -> torch.Tensor | RowSum:
