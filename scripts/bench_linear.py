@@ -72,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, no fla: check the arguments, plans and bytes, run one tiny step per simulated rank")
+    p.add_argument("--profile", action="store_true",
+                   help="GPU: per kernel, the CUDA time of the busiest rank's step and of one call over n tokens")
     p.add_argument("--check", action="store_true",
                    help="GPU: fla's split (simulated ranks, maps gathered) vs a float64 reference, fwd and bwd")
     args = p.parse_args(argv)
@@ -168,6 +170,21 @@ def timed(fn, iters: int, warmup: int, device) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def kernel_times(fn, top: int = 14) -> list[tuple[str, float]]:
+    """(kernel name, CUDA milliseconds) of one call of ``fn``, the largest first (torch.profiler)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            totals[e.name[:70]] = totals.get(e.name[:70], 0.0) + e.time_range.elapsed_us() / 1e3
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])
+    return [(name, round(ms, 4)) for name, ms in ranked[:top]] + [("total", round(sum(totals.values()), 4))]
+
+
 def shard_of(tensors, plan, rank):
     index = torch.cat([torch.arange(r.start, r.start + r.length) for r in plan.runs[rank]])
     return [None if t is None else t.detach().index_select(1, index.to(t.device)).requires_grad_() for t in tensors]
@@ -199,6 +216,13 @@ def run_case(args, kind, layout, n, world, device, dtype, run) -> dict:
     # is compared with to see the cost of the summaries and corrections apart from the kernel's own scaling)
     row.update(rank_ms=rank_ms, max_rank_ms=max(rank_ms), baseline_ms=base, local_call_ms=local,
                efficiency=base / (world * max(rank_ms)))
+    if args.profile:
+        busiest = max(range(world), key=rank_ms.__getitem__)
+        local_tensors = shard_of(full, plan, busiest)
+        row["profile_rank"] = busiest
+        row["profile_rank_kernels"] = kernel_times(
+            lambda: rank_step(kind, plan, busiest, world, local_tensors, run, args.backward))
+        row["profile_local_call_kernels"] = kernel_times(lambda: full_call(kind, part, run, args.backward))
     del full
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -260,7 +260,8 @@ def test_world_4():
 
 def test_bfloat16_inputs():
     """bfloat16 q, k, v, gates (the GPU kernels' dtype) on the PyTorch kernel: outputs in bfloat16, the open
-    segments' correction in float32, against the float64 recurrence on the same rounded inputs."""
+    segments' correction in bfloat16 with float32 accumulation and one rounding of the sum, against the float64
+    recurrence on the same rounded inputs."""
     docs = [0, 5, 20, 21, 40]
     bf16 = torch.bfloat16
     _check_world(2, [_case("gdn", "zigzag", 40, docs, dtype=bf16), _case("scalar", "zigzag", 40, docs, dtype=bf16),

@@ -7,12 +7,16 @@ Note [Linear attention across ranks]
     phases (the pieces of Note [Runs and segments] in plan.py):
 
         1. local   every closed segment: outputs and end state, final (it depends on no other rank);
-                   every open segment: one kernel call from the extended state [0 | I] with values [v | 0],
-                   giving its outputs from a zero state o0, its map's B and A, and q_t^T P_t (P_t: the
-                   transition from the run's start to token t) as the extra output columns
+                   every open segment: from the extended state [0 | I] with values [v | 0], giving its
+                   outputs from a zero state o0, its map's B and A, and q_t^T P_t (P_t: the transition from
+                   the run's start to token t) as the extra output columns. One kernel call for the closed
+                   segments and one for the open ones (their segments as its sequences); the scalar decay
+                   needs no extra columns (A = exp(sum g), q_t^T P_t = exp(cum g_t) q_t^T): one call for all
         2. gather  one all-gather of every rank's maps (per run, and per document end for final states),
                    then every rank folds all runs in global order: S_in(next) = A S_in + B
-        3. correct each open segment: o_t = o0_t + (q_t^T P_t) S_in (scalar decay: scale exp(cum g_t) q_t^T S_in)
+        3. correct each open segment: o_t = o0_t + (q_t^T P_t) S_in (scalar decay: scale exp(cum g_t) q_t^T S_in);
+                   with 16-bit inputs the product runs in their dtype (float32 accumulation, S_in rounded to
+                   it, as fla rounds its chunk states for the output product) and the sum is rounded once
 
         rank 0  [run a: closed ]------.                 .-> S_in(b) -> o(b) = o0 + qP S_in(b)
         rank 1  [run b: open   ]------+-- all-gather ---+-> S_in(c) = A_b S_in(b) + B_b -> o(c) ...
@@ -179,56 +183,98 @@ class _Call:
         self.a_shape = (self.rows, self.hv, self.dk, self.dk) if self.delta else (self.rows, self.hv)
         self.b_shape = (self.rows, self.hv, self.dk, self.dv)
 
-    def _slice(self, x, seg):
-        return None if x is None else x[:, seg.local : seg.local + seg.length]
+    def _pick(self, segs):
+        """A function taking q, k, v, g or beta to the tokens of ``segs`` in order: a view where they are
+        adjacent, else one gather."""
+        first, last = segs[0], segs[-1]
+        if all(a.local + a.length == b.local for a, b in zip(segs[:-1], segs[1:])):
+            return lambda x: None if x is None else x[:, first.local : last.local + last.length]
+        idx = torch.cat([torch.arange(s.local, s.local + s.length) for s in segs]).to(self.q.device, non_blocking=True)
+        return lambda x: None if x is None else x.index_select(1, idx)
 
     def _doc_state(self, doc: int):
         if self.h0 is None:
             return None
         return self.h0 if len(self.plan.docs) == 2 else self.h0[doc : doc + 1]
 
-    def _closed(self, segs):
-        """Outputs and end states of the closed segments (one kernel call, the segments as its sequences)."""
-        if not segs:
-            return [], []
-        idx = torch.cat([torch.arange(s.local, s.local + s.length) for s in segs]).to(self.q.device)
-        pick = lambda x: None if x is None else x.index_select(1, idx)  # noqa: E731
-        cu = None
-        if len(segs) > 1:
-            cu = torch.tensor([0] + [s.length for s in segs]).cumsum(0)
-        h0 = None
-        if self.h0 is not None:
-            h0 = torch.cat([self._doc_state(s.doc) for s in segs]) if cu is not None else self._doc_state(segs[0].doc)
-        o, ends = self.run(pick(self.q), pick(self.k), pick(self.v), pick(self.g), pick(self.beta), scale=self.scale,
-                           initial_state=h0, cu_seqlens=cu)
-        outs = list(o.split([s.length for s in segs], dim=1))
-        return outs, [e.unsqueeze(0) for e in ends.unbind(0)] if cu is not None else [ends]
+    def _states_of(self, segs):
+        """(N, HV, K, V) initial states of one kernel call over ``segs``: each closed segment's document's,
+        zeros for an open one (its incoming state enters in phase 3); None when every one would be zero."""
+        if self.h0 is None:
+            return None
+        zero = self.h0.new_zeros(self.b_shape)
+        states = [self._doc_state(s.doc) if s.opens else zero for s in segs]
+        return states[0] if len(segs) == 1 else torch.cat(states)
 
-    def _open(self, seg):
-        """(o0, the correction's factor, A, B) of an open segment (phase 1)."""
-        q, k, v, g, beta = (self._slice(x, seg) for x in (self.q, self.k, self.v, self.g, self.beta))
-        if self.delta:
-            zeros = v.new_zeros(v.shape[:3] + (self.dk,))
-            eye = torch.eye(self.dk, dtype=self.sdtype, device=v.device).expand(self.rows, self.hv, -1, -1)
-            h0 = torch.cat([eye.new_zeros(self.b_shape), eye], dim=-1)
-            o, state = self.run(q, k, torch.cat([v, zeros], dim=-1), g, beta, scale=self.scale, initial_state=h0)
-            return o[..., : self.dv], o[..., self.dv :].to(self.sdtype), state[..., self.dv :], state[..., : self.dv]
-        o, state = self.run(q, k, v, g, None, scale=self.scale, initial_state=None)
-        cum = g.to(self.sdtype).cumsum(1)
+    def _call(self, segs, v=None, h0=None):
+        """One kernel call over ``segs``, each batch row's segments its sequences (row-major): per segment
+        outputs (B, length, ...) and end states (B, ...). ``h0``: (segments x B, ...) segment-major."""
+        pick = self._pick(segs)
+        x = [pick(self.q), pick(self.k), pick(self.v) if v is None else v(pick), pick(self.g), pick(self.beta)]
+        if len(segs) == 1:
+            o, ends = self.run(*x, scale=self.scale, initial_state=h0, cu_seqlens=None)
+            return (o,), [ends]
+        b, n = x[0].shape[0], len(segs)
+        x = [None if t is None else t.reshape((1, -1) + t.shape[2:]) for t in x]
+        cu = torch.tensor([0] + [s.length for _ in range(b) for s in segs]).cumsum(0)
+        if h0 is not None and b > 1:
+            h0 = h0.reshape((n, b) + h0.shape[1:]).transpose(0, 1).reshape(h0.shape)
+        o, ends = self.run(*x, scale=self.scale, initial_state=h0, cu_seqlens=cu)
+        ends = ends.reshape((b, n) + ends.shape[1:])
+        return o.reshape((b, -1) + o.shape[2:]).split([s.length for s in segs], dim=1), list(ends.unbind(1))
+
+    def _phase1(self, closed, opening):
+        """Phase 1: ((o, end state) per closed segment, (o0, factor, A, B) per open one). The scalar decay
+        runs every segment in one kernel call (an open one from a zero state); the delta rule runs the
+        closed ones in one call and the open ones in another, with values [v | 0] from the state [0 | I]:
+        outputs [o0 | q^T P], end states [B | A]."""
+        if not self.delta:
+            segs = sorted(closed + opening, key=lambda s: s.local)
+            results = dict(zip((s.local for s in segs), zip(*self._call(segs, h0=self._states_of(segs))))) \
+                if segs else {}
+            return ([results[s.local] for s in closed],
+                    [self._scalar_open(s, *results[s.local]) for s in opening])
+        done = list(zip(*self._call(closed, h0=self._states_of(closed)))) if closed else []
+        if not opening:
+            return done, []
+        n = len(opening)
+        eye = torch.eye(self.dk, dtype=self.sdtype, device=self.q.device).expand(n * self.rows, self.hv, -1, -1)
+        h0 = torch.cat([eye.new_zeros((n * self.rows,) + self.b_shape[1:]), eye], dim=-1)
+
+        def wide(pick):
+            v = pick(self.v)
+            return torch.cat([v, v.new_zeros(v.shape[:3] + (self.dk,))], dim=-1)
+
+        outs, ends = self._call(opening, v=wide, h0=h0)
+        return done, [(o[..., : self.dv], o[..., self.dv :], e[..., self.dv :], e[..., : self.dv])
+                      for o, e in zip(outs, ends)]
+
+    def _scalar_open(self, seg, o, end):
+        cum = self.g[:, seg.local : seg.local + seg.length].to(self.sdtype).cumsum(1)
+        q = self.q[:, seg.local : seg.local + seg.length]
         # scalar decay: o_t += scale * exp(cum_t) * q_t H_in, kept factored (q per key head, one weight per
         # token and value head) rather than expanded to every value head's K-wide factor
-        return o, (q.to(self.sdtype), self.scale * cum.exp()), cum[:, -1].exp(), state
+        return o, (q, self.scale * cum.exp()), cum[:, -1].exp(), end
 
     def _corrected(self, o0, factor, h):
-        """o0 plus the incoming state's contribution (phase 3): factor . H_in per token and value head."""
-        if self.delta:
-            correction = torch.einsum("bthk,bhkv->bthv", factor, h)
-        else:
-            q, weight = factor
-            b, t, heads, _ = q.shape
-            qh = torch.einsum("bthk,bhgkv->bthgv", q, h.reshape(h.shape[0], heads, -1, *h.shape[2:]))
-            correction = qh.reshape(b, t, self.hv, self.dv) * weight[..., None]
-        return (o0.to(correction.dtype) + correction).to(o0.dtype)  # one rounding of the sum
+        """o0 plus the incoming state's contribution (phase 3): factor . H_in per token and value head.
+
+        For 16-bit inputs the product runs in their dtype with float32 accumulation, H_in rounded to it, as
+        fla's kernels round their chunk states before the output product; one rounding of the sum."""
+        low = o0.dtype in (torch.float16, torch.bfloat16)
+        if self.delta:  # per value head: (T, K) @ (K, V), strided views, no copies
+            b, t, heads, _ = factor.shape
+            corr = torch.matmul(factor.transpose(1, 2), h.to(factor.dtype))  # (b, HV, T, V)
+            return (o0 + corr.transpose(1, 2)) if low else (o0.to(corr.dtype) + corr.transpose(1, 2)).to(o0.dtype)
+        q, weight = factor
+        b, t, heads, _ = q.shape
+        groups = self.hv // heads
+        hk = h.reshape(b, heads, groups, self.dk, self.dv).transpose(2, 3).reshape(b, heads, self.dk, groups * self.dv)
+        qh = torch.matmul(q.transpose(1, 2).to(o0.dtype if low else h.dtype), hk.to(o0.dtype if low else h.dtype))
+        qh = qh.reshape(b, heads, t, groups, self.dv).permute(0, 2, 1, 3, 4).reshape(b, t, self.hv, self.dv)
+        if low:
+            return torch.addcmul(o0, qh, weight.to(o0.dtype)[..., None])
+        return torch.addcmul(o0.to(qh.dtype), qh, weight[..., None]).to(o0.dtype)
 
     def forward(self, finals: bool):
         plan, rank = self.plan, self.comm.rank
@@ -236,18 +282,17 @@ class _Call:
         pieces: dict[int, torch.Tensor] = {}  # local start -> outputs
         zero_a = torch.zeros(self.a_shape, dtype=self.sdtype, device=self.q.device)
         closed = [s for r in mine for s in r.segments if s.opens]
-        outs, ends = self._closed(closed)
+        runs = [r for r in mine if r.is_open]
+        done, started = self._phase1(closed, [r.segments[0] for r in runs])
         end_of = {}
-        for s, o, e in zip(closed, outs, ends):
+        for s, (o, e) in zip(closed, done):
             pieces[s.local] = o
             end_of[s.local] = (zero_a, e)
         opened = {}
-        for r in mine:
-            if r.is_open:
-                s = r.segments[0]
-                o0, factor, a, b = self._open(s)
-                opened[r.order] = (s, o0, factor)
-                end_of[s.local] = (a, b)
+        for r, (o0, factor, a, b) in zip(runs, started):
+            s = r.segments[0]
+            opened[r.order] = (s, o0, factor)
+            end_of[s.local] = (a, b)
         slots = [end_of[r.segments[-1].local] for r in mine]
         if finals:
             slots += [end_of[s.local] for r in mine for s in r.segments if s.ends]
@@ -258,7 +303,8 @@ class _Call:
         states = self._fold(gathered, finals)
         for order, (s, o0, factor) in opened.items():
             pieces[s.local] = self._corrected(o0, factor, states[order])
-        out = torch.cat([pieces[key] for key in sorted(pieces)], dim=1).to(self.q.dtype)
+        ordered = [pieces[key] for key in sorted(pieces)]
+        out = (ordered[0] if len(ordered) == 1 else torch.cat(ordered, dim=1)).to(self.q.dtype)
         if gathered.requires_grad:  # every rank joins the gather's backward (Note [Scan by gathered summaries])
             out = out + gathered.reshape(-1)[:0].sum().to(out.dtype)
         final = None
