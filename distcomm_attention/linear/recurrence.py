@@ -242,15 +242,16 @@ class _Call:
         h0 = torch.cat([eye.new_zeros((n * self.rows,) + self.b_shape[1:]), eye], dim=-1)
 
         def wide(pick):
-            v = pick(self.v)
-            return torch.cat([v, v.new_zeros(v.shape[:3] + (self.dk,))], dim=-1)
+            return torch.nn.functional.pad(pick(self.v), (0, self.dk))
 
         outs, ends = self._call(opening, v=wide, h0=h0)
         return done, [(o[..., : self.dv], o[..., self.dv :], e[..., self.dv :], e[..., : self.dv])
                       for o, e in zip(outs, ends)]
 
     def _scalar_open(self, seg, o, end):
-        cum = self.g[:, seg.local : seg.local + seg.length].to(self.sdtype).cumsum(1)
+        # the sum along the tokens as the last dim: along the strided middle dim it took 5.9 ms on an H100
+        # for 16k tokens x 80 heads, more than the kernel call
+        cum = self.g[:, seg.local : seg.local + seg.length].to(self.sdtype).transpose(1, 2).cumsum(-1).transpose(1, 2)
         q = self.q[:, seg.local : seg.local + seg.length]
         # scalar decay: o_t += scale * exp(cum_t) * q_t H_in, kept factored (q per key head, one weight per
         # token and value head) rather than expanded to every value head's K-wide factor
