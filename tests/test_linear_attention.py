@@ -524,3 +524,16 @@ def test_fla_backward_problem_names_the_versions():
     assert fla_backward_problem(cuda, "3.6.0+git1234", (10, 0), tilelang=False) is None  # Blackwell
     assert fla_backward_problem(cuda, "3.6.0", (9, 0), tilelang=True) is None
     assert fla_backward_problem(torch.device("cpu")) is None
+
+
+def test_fla_boundaries_are_reused():
+    """The boundaries handed to fla are the same tensor objects for the same documents (fla caches what it
+    derives from them by identity: a new tensor per call would recompute them with host-device copies)."""
+    from distcomm_attention.linear import kernels
+
+    first = kernels._bounds(torch.tensor([0, 3, 7]), torch.device("cpu"))
+    again = kernels._bounds(torch.tensor([0, 3, 7]), torch.device("cpu"))  # another tensor, the same values
+    other = kernels._bounds(torch.tensor([0, 4, 7]), torch.device("cpu"))
+    assert first[0] is again[0] and first[1] is again[1]
+    assert other[1] is not first[1] and other[1].tolist() == [0, 4, 7]
+    assert first[0].tolist() == first[1].tolist() == [0, 3, 7] and first[1].dtype == torch.long

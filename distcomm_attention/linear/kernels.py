@@ -30,6 +30,7 @@ Note [Chunked delta rule]
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -144,6 +145,26 @@ def fla_backward_problem(device: torch.device, triton_version: str | None = None
     return None
 
 
+_BOUNDS: "OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]]" = OrderedDict()
+
+
+def _bounds(cu_seqlens: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(host, device) copies of the boundaries, the same tensor objects for the same boundaries: fla caches
+    what it derives from them by identity (chunk indices, offsets), so a repeated call neither recomputes them
+    nor copies between host and device; the device copy is made without blocking the host."""
+    key = (tuple(int(x) for x in cu_seqlens.tolist()), str(device))
+    hit = _BOUNDS.get(key)
+    if hit is None:
+        host = torch.tensor(key[0], dtype=torch.long)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        hit = _BOUNDS[key] = (host, host.to(device, non_blocking=True))
+        while len(_BOUNDS) > 64:
+            _BOUNDS.popitem(last=False)
+    _BOUNDS.move_to_end(key)
+    return hit
+
+
 def fla_chunk(q, k, v, g, beta, *, scale: float, initial_state=None, cu_seqlens=None):
     """The kernel contract by fla-core's Triton kernels (CUDA tensors). Scalar decay with HV > H expands the
     key heads first (fla's ``chunk_simple_gla`` takes as many key heads as value heads)."""
@@ -153,15 +174,15 @@ def fla_chunk(q, k, v, g, beta, *, scale: float, initial_state=None, cu_seqlens=
     except ImportError as e:
         raise ImportError("kernel='fla' needs flash-linear-attention: pip install fla-core") from e
     h0 = None if initial_state is None else initial_state.float()
-    cu = None if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.long)
+    host, cu = (None, None) if cu_seqlens is None else _bounds(cu_seqlens, q.device)
     if beta is None:
         groups = v.shape[2] // q.shape[2]
         q, k = (x.repeat_interleave(groups, dim=2) if groups > 1 else x for x in (q, k))
         o, state = chunk_simple_gla(q, k, v, g=g, scale=scale, initial_state=h0, output_final_state=True,
-                                    cu_seqlens=cu)
+                                    cu_seqlens=cu, cu_seqlens_cpu=host)
     else:
         o, state = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
-                                          cu_seqlens=cu)
+                                          cu_seqlens=cu, cu_seqlens_cpu=host)
     return o, state
 
 
