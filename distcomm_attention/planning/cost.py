@@ -19,7 +19,9 @@ Note [Cost model]
         ulysses   compute + four all-to-alls forward (q, k, v, out) and four backward (dout, dq, dk, dv),
                   (U - 1) / U of each tensor leaves the rank, at a2a_bw, not overlapped
         allgather compute + k, v gathered twice (forward, backward) at allgather_bw + fp32 dK, dV
-                  reduce-scattered at reduce_scatter_bw, not overlapped
+                  reduce-scattered at reduce_scatter_bw, less the backward of the blocks on the rank's own
+                  keys, which runs while it is in flight (Note [All-gather KV]: "others first"; 2.5 / 3.5 of
+                  their step's cost); the backward's calls those of its two steps (own keys, the rest)
         hybrids   Ulysses over the "ulysses" dimension around a ring / all-gather over "ring"
 
         memory    the strategy's extra buffers per rank: ring 2 k/v blocks in flight + fp32 dK/dV
@@ -49,6 +51,9 @@ Note [Cost model]
     -23%, and on the heavy-tailed pack the pick moves from the ring (measured fastest) to the all-gather
     (1.08x): the all-gather's index and scatter kernels over its compacted buffer (2.1-3.6 ms at W = 8,
     about 90 ns per buffer row, docs/bench/profile.md) are not modelled, and at W = 2 its buffer is 3x larger.
+
+    Every figure above predates the all-gather's overlapped reduction (Note [All-gather KV]): the model's
+    term for that overlap, and for the backward's calls of two steps, is not measured yet.
 """
 
 from __future__ import annotations
@@ -59,9 +64,10 @@ from typing import NamedTuple
 
 import torch
 
+from distcomm_attention.planning import layouts
 from distcomm_attention.planning.calls import step_calls
 from distcomm_attention.planning.exchange import gathered_exchange, sparse_ring
-from distcomm_attention.planning.plans import gathered_plan, local_plan
+from distcomm_attention.planning.plans import gathered_in_natural_order, gathered_plan, local_plan
 from distcomm_attention.planning.visibility import RingPlan, Visibility, ring_plan
 
 __all__ = ["Hardware", "Prediction", "StrategyChoice", "Call", "predict", "choose", "lower_bound"]
@@ -217,23 +223,61 @@ def _ring_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: 
     return worst
 
 
+def _own_keys_first(plan: RingPlan, own: torch.Tensor) -> RingPlan:
+    """A one-step gathered plan as the two steps the all-gather's backward runs (``split_local`` in
+    strategies/sparse_gather.py): the blocks reading only rows where ``own`` (buffer rows,) is set, then the
+    rest."""
+    steps: tuple[list, list] = ([], [])
+    for block in plan.blocks[0]:
+        steps[not bool(own[block.kv].all())].append(block)
+    return RingPlan((0, 1), (tuple(steps[0]), tuple(steps[1])))
+
+
+def _own_rows(layout, ranks: int, rank: int, local_len: int) -> torch.Tensor:
+    """(ranks * local_len,) bool: the rows of the whole gathered buffer holding ``rank``'s keys (in natural
+    order the buffer's rows are global positions, else the shards in source order; Note [Gathered plans])."""
+    seq_len = ranks * local_len
+    own = torch.zeros(seq_len, dtype=torch.bool)
+    if gathered_in_natural_order(layout):
+        own[layouts.positions(layout, seq_len, ranks, rank)] = True
+    else:
+        own[rank * local_len:(rank + 1) * local_len] = True
+    return own
+
+
+def _issued(plan: RingPlan, i: int, packs: bool, backward: bool) -> int:
+    """Kernel calls of step i in one direction: its blocks, or its packed varlen calls where the kernels pack."""
+    calls = step_calls(plan, i, _HOST, backward) if packs else None
+    return len(plan.blocks[i]) if calls is None else len(calls)
+
+
+def _gathered_rank_s(c: Call, ranks: int, rank: int, local_len: int, heads: int, kv_heads: int, hw: Hardware):
+    """(compute, backward of the blocks on own keys only) seconds of one rank's gathered plan: the forward's
+    calls those of the one step, the backward's those of its two (Note [All-gather KV])."""
+    plan = gathered_plan(c.layout, c.vis, ranks, rank, local_len)
+    split = _own_keys_first(plan, _own_rows(c.layout, ranks, rank, local_len))
+    pairs, _, rows, keys = _step_costs(plan)[0]
+    calls = (_issued(plan, 0, c.packs, False) + sum(_issued(split, i, c.packs, True) for i in (0, 1))) / 2
+    own_pairs, _, own_q, own_kv = _step_costs(split)[0]
+    own_bwd = _compute_s(own_pairs, _issued(split, 0, c.packs, True), own_q, own_kv, c, heads, kv_heads, hw)
+    return _compute_s(pairs, calls, rows, keys, c, heads, kv_heads, hw), own_bwd * 2.5 / 3.5
+
+
 def _gathered_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: Hardware):
     row = 2 * c.batch * kv_heads * c.head_dim  # k and v elements of one token
     ex = gathered_exchange(c.layout, c.vis, ranks, local_len)
+    per_rank = [_gathered_rank_s(c, ranks, r, local_len, heads, kv_heads, hw) for r in range(ranks)]
     if ex is None:  # all-gather (again in the backward beyond 2 ranks), reduce-scatter of dK, dV in fp32
         kv = row * local_len * (ranks - 1)
         gathers = 1 if ranks <= 2 else 2
-        comm = gathers * _transfer_s(kv * c.itemsize, hw.allgather_gbps, hw) + _transfer_s(
-            kv * 4, hw.reduce_scatter_gbps, hw)
+        gather = [gathers * _transfer_s(kv * c.itemsize, hw.allgather_gbps, hw)] * ranks
+        reduce = [_transfer_s(kv * 4, hw.reduce_scatter_gbps, hw)] * ranks
     else:  # the exchange plan's rows (Note [Sparse gather]): the busiest rank's link, k and v each an exchange
-        comm = max(2 * 2 * _transfer_s(max(ex.remote_rows(r)) * row / 2 * c.itemsize, hw.a2a_gbps, hw)
-                   + 2 * _transfer_s(max(ex.remote_rows(r)) * row / 2 * 4, hw.a2a_gbps, hw) for r in range(ranks))
-    compute = max(
-        _compute_s(*_step_costs(gathered_plan(c.layout, c.vis, ranks, r, local_len), c.packs)[0], c, heads,
-                   kv_heads, hw)
-        for r in range(ranks)
-    )
-    return compute, comm if ranks > 1 else 0.0
+        moved = [max(ex.remote_rows(r)) * row / 2 for r in range(ranks)]
+        gather = [2 * 2 * _transfer_s(m * c.itemsize, hw.a2a_gbps, hw) for m in moved]
+        reduce = [2 * _transfer_s(m * 4, hw.a2a_gbps, hw) for m in moved]
+    comm = max(g + max(0.0, d - own_bwd) for g, d, (_, own_bwd) in zip(gather, reduce, per_rank))
+    return max(compute for compute, _ in per_rank), comm if ranks > 1 else 0.0
 
 
 def _a2a_s(c: Call, degree: int, heads: int, kv_heads: int, hw: Hardware) -> float:

@@ -16,6 +16,29 @@ Note [All-gather KV]
     W = 16, for twice the reduce-scatter bytes. Compared with the ring: the same FLOPs, no chain of
     W dependent hops, fewer and larger kernel calls (a contiguous rank makes 2, a zigzag rank 4), and
     S x Hkv x D of key/value memory per rank during the call instead of n x Hkv x D.
+
+    The backward runs "others first", so that the reduction overlaps with the rest of it. The plan is split
+    (``split_local``, cached on the plan as "own keys first", the split the sparse forward runs in that
+    order): step 0 the blocks reading this rank's own keys only, step 1 the rest (a block reading own and
+    other keys, across a boundary with a window or a document, is in step 1):
+
+        compute:  | step 1: dQ, dK, dV of the whole buffer |  step 0: dQ, dk_own, dv_own  |          | add |
+        wire:                                              | reduction of step 1's dK, dV (fp32) ...  |
+                                                          post                                      wait
+
+        dense:    reduce_scatter of step 1's dK, dV (every rank's rows summed over ranks; this rank's rows
+                  hold only what step 1's boundary blocks wrote to them); step 0's dk_own, dv_own are this
+                  rank's keys, added to the received rows (buffer row i is local row "own rows before i")
+        sparse:   ``post_scatter_add``: the other ranks' rows leave at the post; step 0 adds into the
+                  buffer's own rows, which the wait reads and adds with what came back (Note [Sparse gather])
+
+    dQ accumulates over both steps in one fp32 accumulator, dK, dV in fp32, and each is rounded to the input
+    dtype once, as before. Every rank posts the reduction at the same place (after its step 1, whatever its
+    blocks), so the collectives match. What overlaps is step 0's work: for causal attention the diagonal
+    blocks (of a contiguous rank r's pairs 1 in 2r + 1, of a zigzag rank's about 1 in 2W), with windows or
+    documents the blocks inside the rank's own keys, on a rank with none nothing. The price: with packing
+    kernels (Note [Packed steps]) the two steps are packed apart, possibly into more calls than one step's,
+    and K, V are freed after step 0, no longer before the reduction's send buffers are made.
 """
 
 from __future__ import annotations
@@ -30,8 +53,8 @@ from distcomm_attention.planning.exchange import Exchange
 from distcomm_attention.planning.plans import gathered_in_natural_order, natural_order
 from distcomm_attention.planning.visibility import RingPlan
 from distcomm_attention.strategies.sparse_gather import SparseGather, split_local
-from distcomm_attention.strategies.ring import (_dq_result, _no_autocast, backward_start, ring_forward,
-                                                step_grads)
+from distcomm_attention.strategies.ring import (_dq_result, _no_autocast, backward_start, block_grads,
+                                                ring_forward, step_grads)
 
 __all__ = ["AllGatherKV", "allgather_attention", "gather_kv", "local_backward"]
 
@@ -72,11 +95,21 @@ def gather_kv(k, v, key_mask, group, order):
     return k_all, v_all, gathered[2].view(torch.bool) if key_mask is not None else None
 
 
-def reduce_scatter_kv(dk_all, dv_all, group, order):
-    """This rank's rows of the sums over ranks of the buffers' dK, dV (in their dtype), posted together."""
+class _Received:
+    """Reduce-scatters in flight; ``wait()`` gives their results (B, n, ...) in the order posted."""
+
+    def __init__(self, pending):
+        self._pending = pending
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        return tuple(p.wait()[0].transpose(0, 1) for p in self._pending)
+
+
+def reduce_scatter_kv(dk_all, dv_all, group, order) -> _Received:
+    """Post the sums over ranks of the buffers' dK, dV (in their dtype), together; ``wait()`` gives this rank's
+    rows (what is sent may be a view of the buffers: they are not to change before the wait)."""
     t = transport.for_group(group)
-    pending = [t.reduce_scatter(_rows(_from_buffer(x, order))) for x in (dk_all, dv_all)]
-    return tuple(p.wait()[0].transpose(0, 1) for p in pending)
+    return _Received([t.reduce_scatter(_rows(_from_buffer(x, order))) for x in (dk_all, dv_all)])
 
 
 def local_backward(dout, q, k, v, out, lse, key_mask, plan: RingPlan, softcap: float, scale: float, bwd):
@@ -113,6 +146,8 @@ class AllGatherKV:
         self.plan, self.softcap, self.scale, self.fwd, self.bwd = plan, softcap, scale, fwd, bwd
         world = _groups.group_size(group) if exchange is None else exchange.ring_size
         self.order = natural_order(layout, world, local_len) if gathered_in_natural_order(layout) else None
+        self._world, self._local_len = world, local_len
+        self._rank = _groups.group_rank(group) if exchange is None else None  # (the exchange knows its own)
         self.one = RingComm(group, 1) if world > 1 else RingComm(None)
         # only the keys the plan reads (Note [Sparse gather]); ``plan`` then indexes the compacted buffer
         self.sparse = None if exchange is None else SparseGather(transport.for_group(group), exchange, layout)
@@ -129,6 +164,25 @@ class AllGatherKV:
             with torch.no_grad():
                 return self.sparse.gather(k, v, key_mask)
         return gather_kv(k, v, key_mask, self.group, self.order)
+
+    def _own(self) -> torch.Tensor:
+        """(buffer rows,) bool: which rows of the key buffer are this rank's keys."""
+        if self.sparse is not None:
+            return self.sparse.is_own()
+        n = self._local_len
+        source = torch.arange(self._world * n) if self.order is None else self.order  # buffer row -> source row
+        return source.div(max(n, 1), rounding_mode="floor") == self._rank
+
+    def own_keys_first(self) -> RingPlan:
+        """The plan as two steps, the blocks reading this rank's own keys only, then the rest (Note [All-gather
+        KV]; cached on the plan)."""
+        return self.plan.cached("own keys first", lambda: split_local(self.plan, self._own()))
+
+    def _own_rows_before(self) -> torch.Tensor:
+        """(buffer rows + 1,) int64 on the host: [i] of this rank's keys precede buffer row i. With the dense
+        buffer, an own key's buffer row i is local row [i]."""
+        return self.plan.cached("own rows before", lambda: torch.cat(
+            [torch.zeros(1, dtype=torch.int64), self._own().to(torch.int64).cumsum(0)]))
 
     @property
     def group(self):
@@ -151,7 +205,7 @@ class AllGatherKV:
         with torch.no_grad():
             arrival = self.sparse.post(k, v, key_mask)
         k_own, v_own, km_own = arrival.local()
-        plan = self.plan.cached("own keys first", lambda: split_local(self.plan, self.sparse.is_own()))
+        plan = self.own_keys_first()
         km_own = None if km_own is None else km_own.view(torch.bool)
         out, lse = ring_forward(q, k_own, v_own, km_own, _Arriving(arrival), plan, self.softcap, self.scale, self.fwd)
         if self.sparse.keep:
@@ -160,17 +214,36 @@ class AllGatherKV:
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, key_mask):
+        """Others first (Note [All-gather KV]): the reduction of the dK/dV that travel runs while the blocks on
+        this rank's own keys do."""
         k_all, v_all, km_all = self._gather(k, v, key_mask)
-        dq, dk_all, dv_all = local_backward(dout, q, k_all, v_all, out, lse, km_all, self.plan, self.softcap,
-                                            self.scale, self.bwd)
-        del k_all, v_all
+        plan = self.own_keys_first()
+        dout, acc_dtype, delta, dq = backward_start(dout, q, out, self.bwd)
+        step = (dout, q, k_all, v_all, out, lse, delta, km_all, dq, plan)
+        kernel = (self.softcap, self.scale, self.bwd, acc_dtype)
+        dk_all, dv_all = step_grads(*step, 1, *kernel)
         with torch.no_grad():
             if self.sparse is not None:
-                dk = self.sparse.scatter_add(dk_all, k.shape[1])
-                dv = self.sparse.scatter_add(dv_all, v.shape[1])
+                pending = [self.sparse.post_scatter_add(x, k.shape[1]) for x in (dk_all, dv_all)]
             else:
-                dk, dv = reduce_scatter_kv(dk_all, dv_all, self.group, self.order)
-        return dq, dk.to(k.dtype), dv.to(v.dtype)
+                received = reduce_scatter_kv(dk_all, dv_all, self.group, self.order)
+                del dk_all, dv_all
+            own_grads = block_grads(*step, 0, *kernel)
+            del step, k_all, v_all
+            if self.sparse is not None:  # into the buffer's own rows, which the wait reads
+                for kv, dk_b, dv_b in own_grads:
+                    dk_all[:, kv] += dk_b
+                    dv_all[:, kv] += dv_b
+                dk, dv = (p.wait() for p in pending)
+            else:  # this rank's keys: added to the summed rows
+                dk, dv = received.wait()
+                before = self._own_rows_before()
+                for kv, dk_b, dv_b in own_grads:
+                    start, stop, _ = kv.indices(before.shape[0] - 1)
+                    rows = slice(int(before[start]), int(before[stop]))  # (host tensor)
+                    dk[:, rows] += dk_b
+                    dv[:, rows] += dv_b
+        return _dq_result(dq, q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _AllGatherKVAttn(torch.autograd.Function):

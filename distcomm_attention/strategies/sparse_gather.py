@@ -12,6 +12,8 @@ Note [Sparse gather]
 
     The backward is the adjoint: the buffer's dK/dV rows go back to their owners (all-to-all-v with the
     splits exchanged), and each owner adds every rank's contribution to its rows (``index_add_``, in fp32).
+    It is posted and waited apart (``post_scatter_add``): the remote rows leave at the post, the own rows are
+    read at the wait, so the blocks reading own rows only run in between (Note [All-gather KV]).
     An exchange in which no rank sends another anything (every document on one rank) is skipped by every
     rank: rank r's buffer is then its own rows.
 """
@@ -104,20 +106,40 @@ class SparseGather:
         return tuple(None if g is None else (g.view(torch.bool) if t.dtype == torch.bool else g).contiguous()
                      for g, t in zip(got, tensors))
 
-    def scatter_add(self, grad: torch.Tensor, local_len: int) -> torch.Tensor:
-        """(B, m, ...) buffer gradients -> (B, n, ...) this rank's rows, every rank's contributions summed in
-        ``grad``'s dtype (the adjoint of :meth:`gather`)."""
+    def post_scatter_add(self, grad: torch.Tensor, local_len: int) -> _Returning:
+        """Start sending the other ranks' rows of (B, m, ...) buffer gradients home (a copy of them is taken
+        now); ``wait()`` gives (B, n, ...) this rank's rows, every rank's contributions summed in ``grad``'s
+        dtype (the adjoint of :meth:`gather`). ``grad``'s own rows are read at the wait: the caller may add
+        to them meanwhile (Note [All-gather KV])."""
         device = grad.device
         rows = grad.transpose(0, 1)
-        out = torch.zeros((local_len,) + tuple(rows.shape[1:]), dtype=grad.dtype, device=device)
         handle = None
         if not self.skip:
             remote = rows.index_select(0, self._index("place", device)).contiguous()
             handle = self.transport.all_to_all_v(remote, self.recv_splits, self.send_splits)
-        out.index_add_(0, self._index("own_index", device), rows.index_select(0, self._index("place_own", device)))
-        if handle is not None:
-            (back,) = handle.wait()
-            out.index_add_(0, self._index("send_index", device), back)
+        return _Returning(self, rows, handle, local_len)
+
+    def scatter_add(self, grad: torch.Tensor, local_len: int) -> torch.Tensor:
+        """``post_scatter_add(grad, local_len).wait()``."""
+        return self.post_scatter_add(grad, local_len).wait()
+
+
+class _Returning:
+    """Buffer gradients whose remote rows are on their way to their owners (``SparseGather.post_scatter_add``)."""
+
+    def __init__(self, sparse: SparseGather, rows: torch.Tensor, handle, local_len: int):
+        self._sparse, self._rows, self._handle, self._local_len = sparse, rows, handle, local_len
+
+    def wait(self) -> torch.Tensor:
+        """(B, n, ...): the buffer's own rows now, plus what the other ranks sent back for this rank's keys."""
+        sparse, rows = self._sparse, self._rows
+        device = rows.device
+        out = torch.zeros((self._local_len,) + tuple(rows.shape[1:]), dtype=rows.dtype, device=device)
+        out.index_add_(0, sparse._index("own_index", device), rows.index_select(0, sparse._index("place_own", device)))
+        if self._handle is not None:
+            (back,) = self._handle.wait()
+            out.index_add_(0, sparse._index("send_index", device), back)
+        self._handle = self._rows = None
         return out.transpose(0, 1).contiguous()
 
 
@@ -142,8 +164,9 @@ def _indices(ex: Exchange, layout, r: int):
 
 
 def split_local(plan: RingPlan, own: torch.Tensor) -> RingPlan:
-    """A one-step compacted plan as two steps: the blocks reading own rows only (``own``: the buffer's own
-    rows), then the rest, so that the first run while the other ranks' keys arrive."""
+    """A one-step gathered plan as two steps: the blocks reading own rows only (``own``: the buffer's own
+    rows), then the rest, so that the first run while the other ranks' keys arrive (the forward) and the
+    second run first, their gradients leaving while the first run (the backward, Note [All-gather KV])."""
     covered = torch.cat([torch.zeros(1, dtype=torch.int64), own.to(torch.int64).cumsum(0)])
     local, remote = [], []
     for block in plan.blocks[0]:

@@ -1,0 +1,202 @@
+"""The all-gather strategy's backward runs "others first" (Note [All-gather KV]): the reduction of dK/dV is
+posted before the blocks on the rank's own keys run, and waited after them.
+
+Layers, cheapest first:
+1. pure functions: the cost model splits the plan as the strategy does and hides the reduction behind the
+   own keys' backward (milliseconds);
+2. gloo worlds of 2-3 ranks on CPU, float64 against the single-process float64 reference: each rank
+   records, in order, what its transport posts and waits and which keys each backward kernel call reads.
+"""
+
+import pytest
+import torch
+
+from distcomm_attention.planning import balance, cost, layouts
+from distcomm_attention.planning.exchange import compact_gathered_plan, gathered_exchange
+from distcomm_attention.planning.plans import gathered_in_natural_order, gathered_plan, natural_order
+from distcomm_attention.planning.visibility import Visibility
+from distcomm_attention.strategies.sparse_gather import split_local
+
+from tests.dist_harness import run_world
+
+# ---------------------------------------------------------------------------------------------------------
+# Layer 1: the split and the cost model
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _own(layout, world, rank, n):
+    """The dense buffer's rows of ``rank``'s keys, from the buffer order the strategy gathers into."""
+    order = natural_order(layout, world, n) if gathered_in_natural_order(layout) else None
+    source = torch.arange(world * n) if order is None else order
+    return source // n == rank
+
+
+def test_cost_model_splits_the_plan_as_the_strategy_runs_it():
+    """The cost model's own rows and own-keys split of a gathered plan are the strategy's (its buffer order;
+    ``split_local``), block for block, for every layout and visibility: it hides the reduction behind the
+    blocks the strategy runs while the reduction is in flight."""
+    docs = (0, 5, 13, 30, 32)
+    for world in (2, 4):
+        n = 8
+        for vis in (Visibility(causal=True), Visibility(causal=True, window=(3, -1)), Visibility(),
+                    Visibility(causal=True, cu_seqlens=docs if world == 4 else None)):
+            for layout in ("contiguous", "zigzag", "striped", "balanced"):
+                concrete = balance.resolve(layout, world * n, world, vis.cu_seqlens) if layout == "balanced" else layout
+                for rank in range(world):
+                    plan = gathered_plan(concrete, vis, world, rank, n)
+                    own = _own(concrete, world, rank, n)
+                    assert torch.equal(cost._own_rows(concrete, world, rank, n), own)
+                    ours, theirs = cost._own_keys_first(plan, own), split_local(plan, own)
+                    assert ours.steps == theirs.steps == (0, 1)
+                    assert [[id(b) for b in step] for step in ours.blocks] == \
+                        [[id(b) for b in step] for step in theirs.blocks], (layout, vis, world, rank)
+                    if vis.causal and vis.cu_seqlens is None and vis.window == (-1, -1):
+                        assert ours.blocks[0]  # the diagonal: own keys only
+
+
+def test_cost_model_hides_the_reduction_behind_the_own_keys_backward():
+    """Dense all-gather: with kernels much faster than the link the reduce-scatter is all exposed; with slow
+    kernels the own keys' backward hides it, and only the two gathers remain."""
+    c = cost.Call(1, 512, 8, 2, 64, 2, "zigzag", Visibility(causal=True), 4)
+    kv = 2 * c.batch * c.local_len * c.kv_heads * c.head_dim * (c.world - 1)  # k and v elements leaving a rank
+    link = dict(allgather_gbps=100.0, reduce_scatter_gbps=100.0, latency_s=0.0)
+    gathers, reduce = 2 * kv * c.itemsize / 100e9, kv * 4 / 100e9
+    fast = cost.Hardware(tflops=1e9, call_overhead_s=0.0, state_gbps=1e9, **link)
+    assert cost.predict(c, "allgather", fast).comm_s == pytest.approx(gathers + reduce)
+    slow = cost.Hardware(tflops=1e-3, **link)
+    assert cost.predict(c, "allgather", slow).comm_s == pytest.approx(gathers)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layer 2: the order of the backward's calls on gloo worlds
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _Recorded:
+    """A handle that notes its wait."""
+
+    def __init__(self, handle, log, op):
+        self._handle, self._log, self._op = handle, log, op
+
+    def wait(self):
+        self._log.append(("wait", self._op))
+        return self._handle.wait()
+
+
+class _RecordingTransport:
+    """Wraps a transport and notes every post (Note [Transport])."""
+
+    def __init__(self, inner, log):
+        self.inner, self.size, self.rank, self._log = inner, inner.size, inner.rank, log
+
+    def _post(self, op, *args):
+        self._log.append(("post", op))
+        return _Recorded(getattr(self.inner, op)(*args), self._log, op)
+
+    def send_recv(self, tensors, shift, recv_shapes=None):
+        return self._post("send_recv", tensors, shift, recv_shapes)
+
+    def all_to_all_v(self, send, send_splits, recv_splits):
+        return self._post("all_to_all_v", send, send_splits, recv_splits)
+
+    def all_gather(self, x):
+        return self._post("all_gather", x)
+
+    def reduce_scatter(self, x):
+        return self._post("reduce_scatter", x)
+
+
+class _RecordingBackward:
+    """Wraps a block backward and notes, per call, whether every key it reads is one of ``own`` (B, n, Hkv, D):
+    ("bwd", "own") or ("bwd", "others")."""
+
+    def __init__(self, inner, own, log):
+        self._inner, self._own, self._log = inner, own, log
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def _note(self, k):
+        # each key row (over batch, heads, dims) against each of this rank's key rows: random float64, no ties
+        same = (k[:, :, None] == self._own[:, None, :]).all(-1).all(-1).all(0)  # (keys read, own keys)
+        self._log.append(("bwd", "own" if bool(same.any(1).all()) else "others"))
+
+    def step(self, dout, q, k, *args, **kwargs):
+        self._note(k)
+        return self._inner.step(dout, q, k, *args, **kwargs)
+
+    def packed_step(self, dout, q, k, *args, **kwargs):
+        self._note(k)
+        return self._inner.packed_step(dout, q, k, *args, **kwargs)
+
+
+def _overlap_rank(rank, world, layout, causal, window, docs, masked, sparse):
+    from distcomm_attention import transport
+    from distcomm_attention._reference import attention_reference
+    from distcomm_attention.kernels.torch_exact import TorchBackward, TorchForward
+    from distcomm_attention.strategies.allgather import allgather_attention
+    from distcomm_attention.transport import TorchTransport
+
+    n, d = 8, 8
+    seq_len = world * n
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, seq_len, h, d, dtype=torch.float64, generator=g) for h in (4, 2, 2))
+    dout = torch.randn(2, seq_len, 4, d, dtype=torch.float64, generator=g)
+    mask = torch.rand(2, seq_len, generator=g) > 0.2 if masked else None
+    vis = Visibility(causal, window, docs, masked)
+    concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
+    ex = gathered_exchange(concrete, vis, world, n)
+    assert (ex is not None) == sparse, "the case should take the path it names"
+    plan = gathered_plan(concrete, vis, world, rank, n) if ex is None else compact_gathered_plan(
+        concrete, vis, world, rank, n)
+    pos = layouts.positions(concrete, seq_len, world, rank)
+    local = [t[:, pos].clone().requires_grad_() for t in (q, k, v)]
+    log = []
+    bwd = _RecordingBackward(TorchBackward(), local[1].detach(), log)
+    with transport.using(lambda group: _RecordingTransport(TorchTransport(group), log)):
+        key_mask = None if mask is None else mask[:, pos]
+        out = allgather_attention(*local, None, layout=concrete, plan=plan, key_mask=key_mask, softcap=0.0,
+                                  scale=d ** -0.5, fwd=TorchForward(), bwd=bwd, exchange=ex)
+        log.append(("backward", None))
+        out.backward(dout[:, pos])
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = attention_reference(*ref_in, causal=causal, window_size=window, cu_seqlens=docs, attention_mask=mask)
+    ref.backward(dout)
+    errors = [float((a.detach() - b[:, pos]).abs().max()) for a, b in
+              zip([out] + [t.grad for t in local], [ref.detach()] + [t.grad for t in ref_in])]
+    return {"errors": errors, "log": log[log.index(("backward", None)) + 1:]}
+
+
+OVERLAP = [  # (layout, causal, window, documents, key padding, world, sparse exchange)
+    ("zigzag", True, (-1, -1), None, False, 3, False),             # the whole sequence gathered again
+    ("striped", True, (-1, -1), None, True, 2, False),             # buffer in source order, kept, padding
+    ("contiguous", True, (-1, -1), (0, 5, 13, 24), True, 3, True),  # documents across boundaries, padding
+    ("balanced", True, (-1, -1), (0, 2, 9, 10, 24), False, 3, True),
+    ("zigzag", True, (3, -1), None, False, 3, True),               # a window: blocks across rank boundaries
+]
+
+
+@pytest.mark.parametrize("layout, causal, window, docs, masked, world, sparse", OVERLAP)
+def test_dkv_reduction_is_posted_before_the_own_key_blocks(layout, causal, window, docs, masked, world, sparse):
+    """In the backward, the dK/dV reduction (reduce-scatter, or the sparse exchange's all-to-all-v) is the last
+    thing posted; every block reading another rank's key runs before it is posted, every block reading only
+    this rank's keys after it and before its wait: that is the overlap. Out, dQ, dK, dV stay exact."""
+    got = run_world(_overlap_rank, world, layout, causal, window, docs, masked, sparse, timeout=90)
+    reduction = "all_to_all_v" if sparse else "reduce_scatter"
+    for r, g in enumerate(got):
+        assert max(g["errors"]) < 1e-10, (r, g["errors"])
+        log = g["log"]
+        posts = [i for i, (what, _) in enumerate(log) if what == "post"]
+        first, second = posts[-2:]  # dK's, then dV's
+        assert log[first] == log[second] == ("post", reduction), (r, log)
+        own = [i for i, e in enumerate(log) if e == ("bwd", "own")]
+        others = [i for i, e in enumerate(log) if e == ("bwd", "others")]
+        assert all(i < first for i in others), (r, log)
+        assert all(i > second for i in own), (r, log)  # the reduction is in flight while the own keys' blocks run
+        waits = [i for i, e in enumerate(log) if e == ("wait", reduction) and i > second]
+        assert len(waits) == 2 and all(i < waits[0] for i in own), (r, log)
+        if not sparse:  # plain causal attention: every rank's diagonal blocks read its own keys only
+            assert own, (r, log)
+    # (a block across a rank boundary reads both and runs before the post: a rank may have no own-key block)
+    assert any(e == ("bwd", "own") for g in got for e in g["log"])
+    assert any(e == ("bwd", "others") for g in got for e in g["log"])  # some rank's dK/dV had to travel
