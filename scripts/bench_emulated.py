@@ -19,13 +19,20 @@ all-to-alls pipelined by head groups, Note [Ulysses pipeline]).
 
     python scripts/bench_emulated.py --cases 65536x8,131072x8 --docs one,lognormal --links nvlink,internode \
         --out docs/bench/emulated.json
+    python scripts/bench_emulated.py --host-cost      # one JSON line: the link's host time per post and wait
+
+``rank_step`` builds one simulated rank's forward + backward of a strategy over any transport; the GPU test
+tests/test_gpu_emulated.py runs it on an emulated link and on ``InstantLink`` (the same data at once) and
+requires the same bits.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -49,7 +56,7 @@ from distcomm_attention.transport import CountingTransport  # noqa: E402
 from distcomm_attention.planning.plans import natural_order  # noqa: E402
 from distcomm_attention.strategies.dispatch import _Ring  # noqa: E402
 from distcomm_attention.strategies.ulysses import ulysses  # noqa: E402
-from distcomm_attention.transport.emulated import INTER_NODE, NVLINK, EmulatedLink, Links  # noqa: E402
+from distcomm_attention.transport.emulated import INTER_NODE, NVLINK, EmulatedLink, InstantLink, Links  # noqa: E402
 
 LINKS = {"nvlink": NVLINK, "internode": INTER_NODE, "ideal": Links(1e9, 1e9, 1e9, 1e9, latency_us=0.0)}
 
@@ -73,7 +80,7 @@ class _One:
 def _ring_step(t, q, k, v, dout, plan, fwd, bwd, scale):
     def step():
         out, lse = ring_forward(q, k, v, None, t, plan, 0.0, scale, fwd)
-        ring_backward(dout, q, k, v, out, lse, None, t, plan, 0.0, scale, bwd)
+        return (out,) + tuple(ring_backward(dout, q, k, v, out, lse, None, t, plan, 0.0, scale, bwd))
 
     return step
 
@@ -83,7 +90,7 @@ def _sparse_ring_step(t, q, k, v, dout, sp, fwd, bwd, scale):
 
     def step():
         out, lse, kept = sparse_ring_forward(q, k, v, None, t, sp, 0.0, scale, fwd)
-        sparse_ring_backward(dout, q, k, v, out, lse, None, t, sp, kept, 0.0, scale, bwd)
+        return (out,) + tuple(sparse_ring_backward(dout, q, k, v, out, lse, None, t, sp, kept, 0.0, scale, bwd))
 
     return step
 
@@ -99,7 +106,7 @@ def _allgather_step(t, q, k, v, dout, concrete, vis, world, rank, fwd, bwd, scal
 
         def step():
             out, lse = computation.forward(q, k, v, None)
-            computation.backward(dout, q, k, v, out, lse, None)
+            return (out,) + tuple(computation.backward(dout, q, k, v, out, lse, None))
 
         return step, True
     else:
@@ -109,14 +116,14 @@ def _allgather_step(t, q, k, v, dout, concrete, vis, world, rank, fwd, bwd, scal
 
         def reduce(dk, dv):
             hk, hv = t.reduce_scatter(dk[0]), t.reduce_scatter(dv[0])
-            return hk.wait()[0], hv.wait()[0]
+            return hk.wait()[0].unsqueeze(0), hv.wait()[0].unsqueeze(0)
 
     def step():
         kg, vg = gather()
         out, lse = ring_forward(q, kg, vg, None, _One(), plan, 0.0, scale, fwd)
         kg, vg = gather()
-        _, dk, dv = local_backward(dout, q, kg, vg, out, lse, None, plan, 0.0, scale, bwd)
-        reduce(dk, dv)
+        dq, dk, dv = local_backward(dout, q, kg, vg, out, lse, None, plan, 0.0, scale, bwd)
+        return (out, dq) + reduce(dk, dv)
 
     return step, ex is not None
 
@@ -130,18 +137,47 @@ def _ulysses_step(t, q, k, v, dout, concrete, vis, world, fwd, bwd, scale, pipel
     def step():
         with transport.using(lambda group: t):
             out = ulysses(q, k, v, None, None, world, inner, pipelined=pipelined)
-            torch.autograd.backward(out, dout)
+            return (out.detach(),) + torch.autograd.grad(out, (q, k, v), dout)
 
     return step
+
+
+STRATEGIES = ("ring", "allgather", "ulysses", "ulysses_pipelined")
+
+
+def plan_case(seq: int, world: int, mix: str, layout: str):
+    """(cu_seqlens or None, visibility, the planner's layout) of a causal row: ``mix`` a document mix of
+    scripts/bench_strategies.py ("one": a single sequence), ``layout`` resolved as bench_strategies does."""
+    docs = None if mix == "one" else bs.documents(mix, seq)
+    vis = Visibility(True, cu_seqlens=None if docs is None else tuple(docs))
+    return docs, vis, bs.plan_layout(layout, seq, world, docs, True)["concrete"]
+
+
+def rank_step(strategy: str, t, q, k, v, dout, concrete, vis, world: int, rank: int, fwd, bwd, scale: float):
+    """Simulated rank ``rank`` of ``world`` running ``strategy`` over transport ``t`` (a ``_Sent``) on its
+    shards q, dout (1, n, H, D) and k, v (1, n, Hkv, D) -> (path, step): the path the strategy takes on this
+    rank ("ring", "sparse_ring", "allgather", "sparse_allgather", "ulysses", "ulysses_pipelined") and a
+    function that runs its forward + backward once and returns (out, dq, dk, dv)."""
+    n = q.shape[1]
+    if strategy == "ring":
+        sp = sparse_ring(concrete, vis, world, rank, n)
+        if sp is not None:
+            return "sparse_ring", _sparse_ring_step(t, q, k, v, dout, sp, fwd, bwd, scale)
+        return "ring", _ring_step(t, q, k, v, dout, ring_plan(concrete, vis, world, rank, n), fwd, bwd, scale)
+    if strategy == "allgather":
+        step, sparse = _allgather_step(t, q, k, v, dout, concrete, vis, world, rank, fwd, bwd, scale)
+        return ("sparse_allgather" if sparse else "allgather"), step
+    if strategy in ("ulysses", "ulysses_pipelined"):
+        return strategy, _ulysses_step(t, q, k, v, dout, concrete, vis, world, fwd, bwd, scale,
+                                       pipelined=strategy == "ulysses_pipelined")
+    raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
 
 
 def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
     dev, dt, d = torch.device("cuda"), torch.bfloat16, args.head_dim
     scale = d ** -0.5
-    docs = None if mix == "one" else bs.documents(mix, seq)
-    vis = Visibility(True, cu_seqlens=None if docs is None else tuple(docs))
+    docs, vis, concrete = plan_case(seq, world, mix, layout)
     n = seq // world
-    concrete = bs.plan_layout(layout, seq, world, docs, True)["concrete"]
     g = torch.Generator(device=dev).manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, device=dev, dtype=dt, generator=g)  # noqa: E731
     single = bs._timed(bs._fa4_single(rnd(1, seq, heads, d), rnd(1, seq, kv_heads, d), rnd(1, seq, kv_heads, d),
@@ -162,16 +198,9 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
             times, sent, sparse = [], 0, None
             for r in ranks:
                 t = _Sent(EmulatedLink(world, r, LINKS[link_name]))
-                sp = sparse_ring(concrete, vis, world, r, n)
-                if strategy == "ring" and sp is not None:
-                    f = _sparse_ring_step(t, q, k, v, dout, sp, fwd, bwd, scale)
-                elif strategy == "ring":
-                    f = _ring_step(t, q, k, v, dout, ring_plan(concrete, vis, world, r, n), fwd, bwd, scale)
-                elif strategy == "allgather":
-                    f, sparse = _allgather_step(t, q, k, v, dout, concrete, vis, world, r, fwd, bwd, scale)
-                else:
-                    f = _ulysses_step(t, q, k, v, dout, concrete, vis, world, fwd, bwd, scale,
-                                      pipelined=strategy == "ulysses_pipelined")
+                path, f = rank_step(strategy, t, q, k, v, dout, concrete, vis, world, r, fwd, bwd, scale)
+                if strategy == "allgather":
+                    sparse = path == "sparse_allgather"
                 times.append(bs._timed(f, args.iters, args.warmup))
                 t.sent.clear()
                 f()
@@ -198,6 +227,65 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
         row[f"{link_name}_fastest"], row[f"{link_name}_pick"] = fastest, pick
         row[f"{link_name}_pick_vs_fastest"] = per[pick]["max_s"] / per[fastest]["max_s"]
     return row
+
+
+def _host_us(post, posts: int, warmup: int = 20) -> dict:
+    """Host microseconds of ``post()`` (it posts one operation and returns its handle) and of the handle's
+    ``wait()``, each timed on its own (time.perf_counter) with the device idle before the post: median and
+    mean over ``posts`` calls after ``warmup``."""
+    for _ in range(warmup):
+        post().wait()
+    posting, waiting = [], []
+    for _ in range(posts):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        handle = post()
+        t1 = time.perf_counter()
+        handle.wait()
+        t2 = time.perf_counter()
+        posting.append(t1 - t0)
+        waiting.append(t2 - t1)
+        del handle
+    torch.cuda.synchronize()
+    return {"post_us": statistics.median(posting) * 1e6, "post_mean_us": statistics.mean(posting) * 1e6,
+            "wait_us": statistics.median(waiting) * 1e6}
+
+
+HOST_COST_ROWS = 1024  # rows per rank of --host-cost's tensors (a post's host work does not depend on them)
+
+
+def host_cost(args) -> dict:
+    """The emulated link's host time per operation (``--host-cost``): each operation of Note [Transport] as
+    the strategies post it, for simulated rank 0 of W (the first ``--cases`` entry's), on n = HOST_COST_ROWS
+    rows of ``--heads`` / ``--head-dim`` in bf16; on an ``EmulatedLink`` ("emulated", the "ideal" link: a
+    post's host work is the same on every link) and on ``InstantLink`` ("instant": the same data made at
+    once, the host cost of the copies alone).
+
+        send_recv         a ring hop: k, v (1, n, Hkv, D), received as sent
+        send_recv_shaped  a sparse-ring hop: k, v and key-mask bytes (1, n), received as n / 2 rows
+        all_gather        (n, Hkv, D) -> (W n, Hkv, D)
+        all_to_all_v      Ulysses' all-to-all of q: (W, 1, n, H / W, D), one row per rank
+    """
+    world = int(args.cases.split(",")[0].split("x")[1])
+    heads, kv_heads = map(int, args.heads.split("/"))
+    n, d = HOST_COST_ROWS, args.head_dim
+    dev = torch.device("cuda")
+    k = torch.randn(1, n, kv_heads, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    mask = torch.ones(1, n, device=dev, dtype=torch.uint8)
+    q_a2a = torch.randn(world, 1, n, max(heads // world, 1), d, device=dev, dtype=torch.bfloat16)
+    half = [(1, n // 2, kv_heads, d), (1, n // 2, kv_heads, d), (1, n // 2)]
+    ops = {
+        "send_recv": lambda t: t.send_recv((k, v), 1),
+        "send_recv_shaped": lambda t: t.send_recv((k, v, mask), 1, half),
+        "all_gather": lambda t: t.all_gather(k[0]),
+        "all_to_all_v": lambda t: t.all_to_all_v(q_a2a, [1] * world, [1] * world),
+    }
+    links = {"emulated": EmulatedLink(world, 0, LINKS["ideal"]), "instant": InstantLink(world, 0)}
+    cost_us = {name: {link: _host_us(lambda: op(t), args.posts) for link, t in links.items()}
+               for name, op in ops.items()}
+    return {"host_cost": cost_us, "world": world, "rows": n, "heads": heads, "kv_heads": kv_heads, "head_dim": d,
+            "posts": args.posts, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
 
 
 def _line(row) -> str:
@@ -227,7 +315,13 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--backend", default="fa4")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--host-cost", action="store_true",
+                        help="print one JSON line: the link's host microseconds per post and wait, per operation")
+    parser.add_argument("--posts", type=int, default=500, help="timed posts per operation for --host-cost")
     args = parser.parse_args()
+    if args.host_cost:
+        print(json.dumps(host_cost(args)), flush=True)
+        return
     args.strategies = args.strategies.split(",")
     heads, kv_heads = map(int, args.heads.split("/"))
     probe = torch.empty(1, 1, heads, args.head_dim, device="cuda", dtype=torch.bfloat16)

@@ -17,6 +17,22 @@ Note [Emulated links]
     those a ring or pairwise algorithm puts on this rank's link: a hop its tensors; an all-to-all(-v) the
     larger of what leaves and what arrives; an all-gather (n - 1) x its input; a reduce-scatter (n - 1) / n x
     its input. NCCL also takes a few SMs for its copies; the emulation does not.
+
+    What a simulated peer sends is this rank's own data: a hop receives its own tensors (repeated or cut to
+    the shapes asked for), an all-to-all(-v) and an all-gather their input's rows repeated or cut to the rows
+    that arrive, a reduce-scatter the input's first rows. ``InstantLink`` makes that same data at once on the
+    caller's stream (no side stream, no link time): the reference an emulated run must match bit for bit
+    (tests/test_gpu_emulated.py), and the simulated rank on a machine without a GPU.
+
+    A post's host work is kept small, since host-bound schedules (the sparse ring's many small sends) would
+    otherwise be slowed by the emulation itself (``scripts/bench_emulated.py --host-cost`` measures it): one
+    query of the caller's stream; one record and one wait of a "data ready" event, one per link and recorded
+    again by every post (a stream that waits on an event waits for the record made before the wait, whatever
+    is recorded later); ``record_stream`` once per tensor sent and once per tensor received (the caching
+    allocator must not give either to another stream before the link's copy or the caller's use); the side
+    stream made current and the caller's restored by two ``set_stream`` calls, not a stream context; the
+    sleep, the copies and a new "done" event (several transfers may be in flight, and each ``wait()`` waits
+    for its own). The sleep's clock rate is measured once per device and kept on the link.
 """
 
 from __future__ import annotations
@@ -27,9 +43,10 @@ from typing import Sequence
 
 import torch
 
+from distcomm_attention.transport.base import Done
 from distcomm_attention.transport.base import nbytes as _nbytes
 
-__all__ = ["Links", "NVLINK", "INTER_NODE", "EmulatedLink"]
+__all__ = ["Links", "NVLINK", "INTER_NODE", "EmulatedLink", "InstantLink"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +64,9 @@ class Links:
 # all-to-all ~250) and a 50 GB/s per-GPU inter-node fabric.
 NVLINK = Links(360.0, 250.0, 277.0, 272.0)
 INTER_NODE = Links(50.0, 50.0, 50.0, 50.0, latency_us=20.0)
+
+# The operations, indexing EmulatedLink's per-operation bandwidths and streams.
+_P2P, _A2A, _GATHER, _SCATTER = range(4)
 
 
 @functools.lru_cache(maxsize=8)
@@ -68,7 +88,7 @@ class _Pending:
         self._event, self._tensors = event, tensors
 
     def wait(self) -> tuple[torch.Tensor, ...]:
-        torch.cuda.current_stream().wait_event(self._event)
+        self._event.wait(torch.cuda.current_stream())
         return self._tensors
 
 
@@ -77,53 +97,115 @@ def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     if rows == 0 or x.shape[0] == 0:
         return x.new_zeros((rows,) + tuple(x.shape[1:]))
     reps = -(-rows // x.shape[0])
-    return x.repeat((reps,) + (1,) * (x.dim() - 1))[:rows]
+    whole = x.repeat((reps,) + (1,) * (x.dim() - 1))
+    return whole if reps * x.shape[0] == rows else whole[:rows]
 
 
-class EmulatedLink:
-    """Simulated rank ``rank`` of ``size`` on one GPU with links ``links`` (see Note [Emulated links])."""
+def _copies(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A hop's arrivals shaped like what it sends: contiguous copies."""
+    return tuple(t.clone(memory_format=torch.contiguous_format) for t in tensors)
+
+
+def _hop(tensors: Sequence[torch.Tensor], shapes: Sequence[torch.Size]) -> tuple[torch.Tensor, ...]:
+    """A hop's arrivals of the given shapes: each sent tensor's elements, in order, repeated or cut."""
+    out = []
+    for t, shape in zip(tensors, shapes):
+        numel = shape.numel()
+        if numel == t.numel():
+            out.append(t.clone(memory_format=torch.contiguous_format).view(shape))
+        else:
+            out.append(_rows(t.reshape(-1), numel).view(shape))
+    return tuple(out)
+
+
+def _filled(x: torch.Tensor, rows: int) -> tuple[torch.Tensor]:
+    return (_rows(x, rows),)
+
+
+def _first(x: torch.Tensor, rows: int) -> tuple[torch.Tensor]:
+    return (x[:rows].clone(),)
+
+
+class _StandIn:
+    """The four operations of Note [Transport] for simulated rank ``rank`` of ``size``: the bytes each puts on
+    this rank's link and the data its simulated peers send (Note [Emulated links]); ``_post`` delivers it."""
+
+    size: int
+    rank: int
+
+    def _post(self, op: int, nbytes: float, make, args: tuple, inputs: Sequence[torch.Tensor]):
+        raise NotImplementedError
+
+    def send_recv(self, tensors: Sequence[torch.Tensor], shift: int, recv_shapes=None):
+        sent = 0
+        for t in tensors:
+            sent += t.numel() * t.element_size()
+        if recv_shapes is None:
+            return self._post(_P2P, sent, _copies, (tensors,), tensors)
+        shapes = [torch.Size(s) for s in recv_shapes]
+        into = 0
+        for t, shape in zip(tensors, shapes):
+            into += t.element_size() * shape.numel()
+        return self._post(_P2P, max(sent, into), _hop, (tensors, shapes), tensors)
+
+    def all_to_all_v(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]):
+        row = send.element_size() * (send.numel() // send.shape[0]) if send.shape[0] else 0  # bytes of a row
+        out = sum(send_splits) - send_splits[self.rank]
+        into = sum(recv_splits) - recv_splits[self.rank]
+        return self._post(_A2A, max(out, into) * row, _filled, (send, sum(recv_splits)), (send,))
+
+    def all_gather(self, x: torch.Tensor):
+        return self._post(_GATHER, (self.size - 1) * _nbytes(x), _filled, (x, self.size * x.shape[0]), (x,))
+
+    def reduce_scatter(self, x: torch.Tensor):
+        return self._post(_SCATTER, (self.size - 1) * _nbytes(x) / self.size, _first,
+                          (x, x.shape[0] // self.size), (x,))
+
+
+class InstantLink(_StandIn):
+    """Simulated rank ``rank`` of ``size`` whose transfers arrive at once: the data of an ``EmulatedLink``,
+    made on the caller's stream when posted (any device; see Note [Emulated links])."""
+
+    def __init__(self, size: int, rank: int):
+        self.size, self.rank = size, rank
+
+    def _post(self, op, nbytes, make, args, inputs):
+        return Done(*make(*args))
+
+
+class EmulatedLink(_StandIn):
+    """Simulated rank ``rank`` of ``size`` on one GPU with links ``links`` (see Note [Emulated links]).
+
+    ``seconds``: the link time of every operation posted so far."""
 
     def __init__(self, size: int, rank: int, links: Links = NVLINK, device: torch.device | None = None):
         self.size, self.rank, self.links = size, rank, links
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
-        self._streams = {kind: torch.cuda.Stream(self.device) for kind in ("p2p", "collective")}
-        self.seconds = 0.0  # link time of every posted operation (for reports)
+        p2p, collective = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+        self._streams = (p2p, collective, collective, collective)  # by operation
+        self._bytes_per_s = tuple(gbps * 1e9 for gbps in (links.p2p_gbps, links.a2a_gbps, links.allgather_gbps,
+                                                          links.reduce_scatter_gbps))
+        self._latency_s = links.latency_us * 1e-6
+        self._cycles_per_us = _cycles_per_us(self.device.index or 0)
+        self._ready = torch.cuda.Event()
+        self.seconds = 0.0
 
-    def _post(self, kind: str, nbytes: float, gbps: float, fill, inputs):
-        seconds = self.links.latency_us * 1e-6 + nbytes / (gbps * 1e9)
+    def _post(self, op, nbytes, make, args, inputs):
+        seconds = self._latency_s + nbytes / self._bytes_per_s[op]
         self.seconds += seconds
-        stream = self._streams[kind]
-        stream.wait_stream(torch.cuda.current_stream())
+        stream, caller = self._streams[op], torch.cuda.current_stream()
+        self._ready.record(caller)
+        stream.wait_event(self._ready)
         for t in inputs:  # read on the link's stream later: not to be reused before then
             t.record_stream(stream)
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(max(int(seconds * 1e6 * _cycles_per_us(self.device.index or 0)), 1))
-            tensors = fill()
-            event = torch.cuda.Event()
-            event.record(stream)
+        torch.cuda.set_stream(stream)
+        try:
+            torch.cuda._sleep(max(int(seconds * 1e6 * self._cycles_per_us), 1))
+            tensors = make(*args)
+            done = torch.cuda.Event()
+            done.record(stream)
+        finally:
+            torch.cuda.set_stream(caller)
         for t in tensors:
-            t.record_stream(torch.cuda.current_stream())
-        return _Pending(event, tensors)
-
-    def send_recv(self, tensors: Sequence[torch.Tensor], shift: int, recv_shapes=None):
-        shapes = [tuple(t.shape) for t in tensors] if recv_shapes is None else [tuple(s) for s in recv_shapes]
-        nbytes = max(sum(map(_nbytes, tensors)),
-                     sum(t.element_size() * torch.Size(s).numel() for t, s in zip(tensors, shapes)))
-        return self._post("p2p", nbytes, self.links.p2p_gbps,
-                          lambda: tuple(_rows(t.reshape(-1), torch.Size(s).numel()).view(s) for t, s in zip(tensors, shapes)),
-                          tensors)
-
-    def all_to_all_v(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]):
-        row = _nbytes(send[:1]) if send.shape[0] else 0
-        out = sum(n for p, n in enumerate(send_splits) if p != self.rank)
-        into = sum(n for p, n in enumerate(recv_splits) if p != self.rank)
-        return self._post("collective", max(out, into) * row, self.links.a2a_gbps,
-                          lambda: (_rows(send, sum(recv_splits)),), (send,))
-
-    def all_gather(self, x: torch.Tensor):
-        return self._post("collective", (self.size - 1) * _nbytes(x), self.links.allgather_gbps,
-                          lambda: (_rows(x, self.size * x.shape[0]),), (x,))
-
-    def reduce_scatter(self, x: torch.Tensor):
-        return self._post("collective", (self.size - 1) * _nbytes(x) / self.size, self.links.reduce_scatter_gbps,
-                          lambda: (x[: x.shape[0] // self.size].clone(),), (x,))
+            t.record_stream(caller)
+        return _Pending(done, tensors)
