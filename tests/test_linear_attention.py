@@ -502,13 +502,18 @@ def test_fla_split_matches_float64(kind, layout):
         import bench_linear
     finally:
         sys.path.pop(0)
-    from distcomm_attention.linear.kernels import fla_chunk
+    from distcomm_attention.linear.kernels import fla_backward_problem, fla_chunk
+
+    problem = fla_backward_problem(torch.device("cuda"), delta=kind == "gdn")
+    if problem is not None:
+        pytest.skip(problem)
 
     errors = bench_linear.split_check(kind, layout, 4, 96, fla_chunk, torch.device("cuda"), torch.bfloat16, n=256,
                                       shape=bench_linear.SHAPES[kind])
+    print(kind, layout, errors)
     for name, err in errors.items():
         if not name.startswith("whole_"):
-            assert err <= 2 * errors[f"whole_{name}"] + 1e-3, errors
+            assert err <= 2 * errors[f"whole_{name}"] + 1e-3, (name, errors)
 
 
 def test_fla_backward_problem_names_the_versions():
@@ -520,6 +525,12 @@ def test_fla_backward_problem_names_the_versions():
     problem = fla_backward_problem(cuda, "3.6.0", (9, 0), tilelang=False)
     assert problem is not None and "3.6.0" in problem and ">= 3.7.1" in problem and "tilelang" in problem
     assert fla_backward_problem(cuda, "3.7.1", (9, 0), tilelang=False) is None
+    assert fla_backward_problem(cuda, "3.6.0", (9, 0), tilelang=True) is None
+    # the scalar decay's backward has no tilelang path (seen on an H200 with tilelang 0.1.15 installed)
+    scalar = fla_backward_problem(cuda, "3.6.0", (9, 0), tilelang=True, delta=False)
+    assert scalar is not None and "chunk_simple_gla" in scalar and ">= 3.7.1" in scalar
+    assert fla_backward_problem(cuda, "3.7.1", (9, 0), tilelang=False, delta=False) is None
+    assert fla_backward_problem(cuda, "3.6.0", (8, 0), tilelang=False, delta=False) is None
     assert fla_backward_problem(cuda, "3.3.1", (9, 0), tilelang=False) is None
     assert fla_backward_problem(cuda, "3.6.0+git1234", (10, 0), tilelang=False) is None  # Blackwell
     assert fla_backward_problem(cuda, "3.6.0", (9, 0), tilelang=True) is None

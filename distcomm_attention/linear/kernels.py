@@ -123,10 +123,13 @@ def _version(text: str) -> tuple[int, ...]:
 
 
 def fla_backward_problem(device: torch.device, triton_version: str | None = None,
-                         capability: tuple[int, int] | None = None, tilelang: bool | None = None) -> str | None:
+                         capability: tuple[int, int] | None = None, tilelang: bool | None = None,
+                         delta: bool = True) -> str | None:
     """Why fla-core's gated chunk backward cannot run here, or None. fla refuses it on Hopper with Triton
-    >= 3.4.0 and < 3.7.1 (wrong results in that Triton, fla issue #640) unless tilelang is installed; seen
-    with fla-core 0.6.0 and Triton 3.6.0 on an H100. The arguments after ``device`` default to this machine's."""
+    >= 3.4.0 and < 3.7.1 (wrong results in that Triton, fla issue #640); tilelang rescues the gated delta
+    rule's (``delta``) but not the scalar decay's (``chunk_simple_gla``: fla's common ``chunk_bwd_dqkwg``
+    has no tilelang path). Seen with fla-core 0.6.0 and Triton 3.6.0 on an H100 and an H200. The arguments
+    after ``device`` default to this machine's."""
     if device.type != "cuda":
         return None
     if triton_version is None:
@@ -139,9 +142,15 @@ def fla_backward_problem(device: torch.device, triton_version: str | None = None
         import importlib.util
 
         tilelang = importlib.util.find_spec("tilelang") is not None
-    if capability[0] == 9 and (3, 4, 0) <= _version(triton_version) < (3, 7, 1) and not tilelang:
+    if capability[0] != 9 or not (3, 4, 0) <= _version(triton_version) < (3, 7, 1):
+        return None
+    if delta and not tilelang:
         return (f"fla-core's gated chunk backward refuses Triton {triton_version} on Hopper (fla issue #640: "
                 f"wrong results in Triton >= 3.4.0, < 3.7.1): upgrade Triton to >= 3.7.1 or pip install tilelang")
+    if not delta:
+        return (f"fla-core's scalar-decay (chunk_simple_gla) backward refuses Triton {triton_version} on Hopper "
+                f"(fla issue #640: wrong results in Triton >= 3.4.0, < 3.7.1; tilelang does not cover it): "
+                f"upgrade Triton to >= 3.7.1")
     return None
 
 
@@ -186,7 +195,7 @@ def fla_chunk(q, k, v, g, beta, *, scale: float, initial_state=None, cu_seqlens=
     return o, state
 
 
-def select_kernel(kernel: str, q: torch.Tensor, backward: bool = False) -> Callable:
+def select_kernel(kernel: str, q: torch.Tensor, backward: bool = False, delta: bool = True) -> Callable:
     """The kernel for a call: "torch", "fla" (ImportError / ValueError saying why it cannot run), or "auto":
     fla for CUDA tensors of 16/32 bits when it is installed and, for a call that will be differentiated
     (``backward``), its backward runs here (``fla_backward_problem``), else torch."""
@@ -200,10 +209,10 @@ def select_kernel(kernel: str, q: torch.Tensor, backward: bool = False) -> Calla
             raise ValueError(f"kernel='fla' runs on CUDA tensors of 16 or 32 bits, got {q.dtype} on {q.device}")
         if not fla_available():
             raise ImportError("kernel='fla' needs flash-linear-attention: pip install fla-core")
-        problem = fla_backward_problem(q.device) if backward else None
+        problem = fla_backward_problem(q.device, delta=delta) if backward else None
         if problem is not None:
             raise ValueError(f"kernel='fla' with gradients: {problem}; or kernel='torch'")
         return fla_chunk
-    if usable and fla_available() and not (backward and fla_backward_problem(q.device)):
+    if usable and fla_available() and not (backward and fla_backward_problem(q.device, delta=delta)):
         return fla_chunk
     return torch_chunk

@@ -150,7 +150,7 @@ def _linear_cp(op, q, k, v, g, beta, scale, initial_state, output_final_state, c
             raise ValueError(f"with `cu_seqlens` the documents are packed in one row: B must be 1, got B={b}")
         count, per = (b, "one per batch row") if docs is None else (len(docs) - 1, "one per document of cu_seqlens")
         _checks.check_state("initial_state", initial_state, count, per, hv, dk, dv)
-        run = select_kernel(kernel, q, backward=needs_grad)
+        run = select_kernel(kernel, q, backward=needs_grad, delta=delta)
         return scale_, _checks.cached_plan(concrete, q.shape[1] * comm.size, comm.size, docs, output_final_state), run
 
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state}
@@ -165,6 +165,26 @@ def _linear_cp(op, q, k, v, g, beta, scale, initial_state, output_final_state, c
     if l2norm:
         q, k = _l2norm(q), _l2norm(k)
     return _Call(plan, comm, run, scale, q, k, v, g, beta, initial_state).forward(output_final_state)
+
+
+class _ScaledAdd(torch.autograd.Function):
+    """o0 + w[..., None] * qh in o0's dtype (one rounding; w rounded to it, as the product's other factor
+    is), with w's gradient summed over the value dim in float32: w carries the decay, whose gradient sums
+    over every later token of the run."""
+
+    @staticmethod
+    def forward(ctx, o0, qh, w):
+        ctx.save_for_backward(qh, w)
+        return torch.addcmul(o0, qh, w.to(o0.dtype)[..., None])
+
+    @staticmethod
+    def backward(ctx, dout):
+        qh, w = ctx.saved_tensors
+        dqh = dout * w.to(dout.dtype)[..., None] if ctx.needs_input_grad[1] else None
+        dw = None
+        if ctx.needs_input_grad[2]:
+            dw = (dout.to(w.dtype) * qh.to(w.dtype)).sum(-1)
+        return dout, dqh, dw
 
 
 class _Call:
@@ -275,8 +295,8 @@ class _Call:
         qh = torch.matmul(q.transpose(1, 2).to(o0.dtype if low else h.dtype), hk.to(o0.dtype if low else h.dtype))
         qh = qh.reshape(b, heads, t, groups, self.dv).permute(0, 2, 1, 3, 4).reshape(b, t, self.hv, self.dv)
         if low:
-            return torch.addcmul(o0, qh, weight.to(o0.dtype)[..., None])
-        return torch.addcmul(o0.to(qh.dtype), qh, weight[..., None]).to(o0.dtype)
+            return _ScaledAdd.apply(o0, qh, weight)
+        return _ScaledAdd.apply(o0.to(qh.dtype), qh, weight).to(o0.dtype)
 
     def forward(self, finals: bool):
         plan, rank = self.plan, self.comm.rank
