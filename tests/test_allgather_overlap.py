@@ -132,10 +132,10 @@ class _RecordingBackward:
 
 def _overlap_rank(rank, world, layout, causal, window, docs, masked, sparse):
     from distcomm_attention import transport
-    from distcomm_attention._reference import attention_reference
     from distcomm_attention.kernels.torch_exact import TorchBackward, TorchForward
     from distcomm_attention.strategies.allgather import allgather_attention
     from distcomm_attention.transport import TorchTransport
+    from tests.counting import reference_errors
 
     n, d = 8, 8
     seq_len = world * n
@@ -159,11 +159,7 @@ def _overlap_rank(rank, world, layout, causal, window, docs, masked, sparse):
                                   scale=d ** -0.5, fwd=TorchForward(), bwd=bwd, exchange=ex)
         log.append(("backward", None))
         out.backward(dout[:, pos])
-    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = attention_reference(*ref_in, causal=causal, window_size=window, cu_seqlens=docs, attention_mask=mask)
-    ref.backward(dout)
-    errors = [float((a.detach() - b[:, pos]).abs().max()) for a, b in
-              zip([out] + [t.grad for t in local], [ref.detach()] + [t.grad for t in ref_in])]
+    errors = reference_errors(q, k, v, dout, pos, out, local, causal=causal, window=window, docs=docs, mask=mask)
     return {"errors": errors, "log": log[log.index(("backward", None)) + 1:]}
 
 
