@@ -230,11 +230,12 @@ def run_case(args, kind, layout, n, world, device, dtype, run) -> dict:
 
 
 def split_check(kind: str, layout: str, world: int, doc_len: int, run, device, dtype, *, n: int = 16,
-                shape=None) -> dict:
+                shape=None, backward: bool = True) -> dict:
     """Every simulated rank of a ring of ``world`` with ``run`` as its kernel, the ranks' maps gathered for real,
     forward and backward, against the float64 PyTorch kernel over the whole sequence (and, for another
     kernel, that kernel over the whole sequence beside it): the largest differences of outputs and of the
-    gradients of q, k, v, g (and beta), each relative to the reference's largest magnitude."""
+    gradients of q, k, v, g (and beta), each relative to the reference's largest magnitude; ``backward``
+    False: the outputs alone."""
     shape = shape or DRY_SHAPES[kind]
     docs = documents(n * world, doc_len and max(2, n // 3), seed=1)
     plan = plan_of(layout, n, world, docs)
@@ -273,12 +274,14 @@ def split_check(kind: str, layout: str, world: int, doc_len: int, run, device, d
 
     names = ["q", "k", "v", "g", "beta"][: 5 if kind == "gdn" else 4]
     result = {"out": rel(out_full, ref)}
-    result.update({f"d{name}": rel(g, r) for name, g, r in zip(names, grads_of(out_full, low), ref_grads)})
+    if backward:
+        result.update({f"d{name}": rel(g, r) for name, g, r in zip(names, grads_of(out_full, low), ref_grads)})
     if run is not kernels.torch_chunk:  # the same kernel over the whole sequence, for scale
         whole = [None if t is None else t.detach().requires_grad_() for t in low]
         o, _ = run(*whole, scale=scale, cu_seqlens=None if cu is None else cu.to(device))
         result["whole_out"] = rel(o, ref)
-        result.update({f"whole_d{name}": rel(g, r) for name, g, r in zip(names, grads_of(o, whole), ref_grads)})
+        if backward:
+            result.update({f"whole_d{name}": rel(g, r) for name, g, r in zip(names, grads_of(o, whole), ref_grads)})
     return result
 
 
@@ -299,8 +302,12 @@ def main(argv=None) -> int:
             for layout in args.layouts:
                 for world in args.worlds:
                     for n in args.tokens:  # each row printed as it ends (fla compiles and tunes on first use)
+                        problem = kernels.fla_backward_problem(device, delta=kind == "gdn")
                         rows.append(dict(kind=kind, layout=layout, world=world, tokens_per_gpu=n, **split_check(
-                            kind, layout, world, args.doc_len, run, device, dtype, n=n, shape=SHAPES[kind])))
+                            kind, layout, world, args.doc_len, run, device, dtype, n=n, shape=SHAPES[kind],
+                            backward=problem is None)))
+                        if problem is not None:
+                            rows[-1]["backward_not_run"] = problem
                         print(json.dumps(rows[-1]), flush=True)
         if args.json is not None:
             args.json.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))

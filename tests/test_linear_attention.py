@@ -491,8 +491,9 @@ def test_fla_kernel_refused_on_cpu():
 @pytest.mark.parametrize("kind", ["gdn", "ssd"])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "balanced"])
 def test_fla_split_matches_float64(kind, layout):
-    """Simulated ranks (W = 4) with fla's bf16 kernels, forward and backward, documents: each error against the
-    float64 recurrence at most 2x (plus 1e-3) that of one fla call over the whole sequence."""
+    """Simulated ranks (W = 4) with fla's bf16 kernels, forward and backward (forward alone where fla's backward
+    cannot run), documents: each error against the float64 recurrence at most 2x (plus 1e-3) that of one fla
+    call over the whole sequence."""
     pytest.importorskip("fla")
     import sys
     from pathlib import Path
@@ -504,12 +505,12 @@ def test_fla_split_matches_float64(kind, layout):
         sys.path.pop(0)
     from distcomm_attention.linear.kernels import fla_backward_problem, fla_chunk
 
-    problem = fla_backward_problem(torch.device("cuda"), delta=kind == "gdn")
-    if problem is not None:
-        pytest.skip(problem)
+    # where fla's backward cannot run (the scalar decay on Hopper with Triton < 3.7.1), the outputs alone
+    backward = fla_backward_problem(torch.device("cuda"), delta=kind == "gdn") is None
 
     errors = bench_linear.split_check(kind, layout, 4, 96, fla_chunk, torch.device("cuda"), torch.bfloat16, n=256,
-                                      shape=bench_linear.SHAPES[kind])
+                                      shape=bench_linear.SHAPES[kind], backward=backward)
+    assert ("dq" in errors) == backward
     print(kind, layout, errors)
     for name, err in errors.items():
         if not name.startswith("whole_"):
