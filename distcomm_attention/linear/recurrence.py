@@ -10,15 +10,13 @@ Note [Linear attention across ranks]
                    every open segment: from the extended state [0 | I] with values [v | 0], giving its
                    outputs from a zero state o0, its map's B and A, and q_t^T P_t (P_t: the transition from
                    the run's start to token t) as the extra output columns. One kernel call for the closed
-                   segments and one for the open ones (their segments as its sequences). The scalar decay's
-                   open segments need no kernel call here: A = exp(sum g) and B = sum_t exp(cum_L - cum_t)
-                   k_t v_t^T (one matrix product per key head)
+                   segments and one for the open ones (their segments as its sequences); the scalar decay
+                   needs no extra columns (A = exp(sum g), q_t^T P_t = exp(cum g_t) q_t^T): one call for all
         2. gather  one all-gather of every rank's maps (per run, and per document end for final states),
                    then every rank folds all runs in global order: S_in(next) = A S_in + B
-        3. outputs of each open segment: the delta rule corrects, o_t = o0_t + (q_t^T P_t) S_in (with 16-bit
-                   inputs the product runs in their dtype, float32 accumulation, S_in rounded to it as fla
-                   rounds its chunk states for the output product, the sum rounded once); the scalar decay
-                   runs its open segments now, one kernel call from their incoming states S_in
+        3. correct each open segment: o_t = o0_t + (q_t^T P_t) S_in (scalar decay: scale exp(cum g_t) q_t^T S_in);
+                   with 16-bit inputs the product runs in their dtype (float32 accumulation, S_in rounded to
+                   it, as fla rounds its chunk states for the output product) and the sum is rounded once
 
         rank 0  [run a: closed ]------.                 .-> S_in(b) -> o(b) = o0 + qP S_in(b)
         rank 1  [run b: open   ]------+-- all-gather ---+-> S_in(c) = A_b S_in(b) + B_b -> o(c) ...
@@ -169,6 +167,26 @@ def _linear_cp(op, q, k, v, g, beta, scale, initial_state, output_final_state, c
     return _Call(plan, comm, run, scale, q, k, v, g, beta, initial_state).forward(output_final_state)
 
 
+class _ScaledAdd(torch.autograd.Function):
+    """o0 + w[..., None] * qh in o0's dtype (one rounding; w rounded to it, as the product's other factor
+    is), with w's gradient summed over the value dim in float32: w carries the decay, whose gradient sums
+    over every later token of the run."""
+
+    @staticmethod
+    def forward(ctx, o0, qh, w):
+        ctx.save_for_backward(qh, w)
+        return torch.addcmul(o0, qh, w.to(o0.dtype)[..., None])
+
+    @staticmethod
+    def backward(ctx, dout):
+        qh, w = ctx.saved_tensors
+        dqh = dout * w.to(dout.dtype)[..., None] if ctx.needs_input_grad[1] else None
+        dw = None
+        if ctx.needs_input_grad[2]:
+            dw = (dout.to(w.dtype) * qh.to(w.dtype)).sum(-1)
+        return dout, dqh, dw
+
+
 class _Call:
     """One call's three phases (Note [Linear attention across ranks]) on this rank's runs."""
 
@@ -230,9 +248,12 @@ class _Call:
         runs every segment in one kernel call (an open one from a zero state); the delta rule runs the
         closed ones in one call and the open ones in another, with values [v | 0] from the state [0 | I]:
         outputs [o0 | q^T P], end states [B | A]."""
-        if not self.delta:  # the open segments' maps only: their outputs come after the fold (phase 3)
-            done = list(zip(*self._call(closed, h0=self._states_of(closed)))) if closed else []
-            return done, [(None, None, *self._scalar_map(s)) for s in opening]
+        if not self.delta:
+            segs = sorted(closed + opening, key=lambda s: s.local)
+            results = dict(zip((s.local for s in segs), zip(*self._call(segs, h0=self._states_of(segs))))) \
+                if segs else {}
+            return ([results[s.local] for s in closed],
+                    [self._scalar_open(s, *results[s.local]) for s in opening])
         done = list(zip(*self._call(closed, h0=self._states_of(closed)))) if closed else []
         if not opening:
             return done, []
@@ -248,24 +269,14 @@ class _Call:
         return done, [(o[..., : self.dv], o[..., self.dv :], e[..., self.dv :], e[..., : self.dv])
                       for o, e in zip(outs, ends)]
 
-    def _scalar_map(self, seg):
-        """(A, B) of an open scalar-decay segment without a kernel call: A = exp(sum g) per head and
-        B = sum_t exp(cum_L - cum_t) k_t v_t^T, one matrix product per key head over the segment's tokens
-        (16-bit inputs: in their dtype with float32 accumulation, rounded once to it)."""
-        sl = slice(seg.local, seg.local + seg.length)
-        k, v = self.k[:, sl], self.v[:, sl]
-        b, length, heads, _ = k.shape
-        groups = self.hv // heads
-        # sums along the tokens as the last dim: along the strided middle dim a cumulative sum took 5.9 ms on
-        # an H100 for 16k tokens x 80 heads, more than the kernel call
-        cum = self.g[:, sl].to(self.sdtype).transpose(1, 2).cumsum(-1)  # (b, HV, L)
-        to_end = (cum[..., -1:] - cum).exp().transpose(1, 2)  # (b, L, HV): decay from token t to the end
-        low = v.dtype in (torch.float16, torch.bfloat16)
-        x = (v * to_end.to(v.dtype)[..., None]) if low else v.to(self.sdtype) * to_end[..., None]
-        x = x.reshape(b, length, heads, groups * self.dv).transpose(1, 2)  # (b, H, L, G V)
-        kt = k.permute(0, 2, 3, 1).to(x.dtype)  # (b, H, K, L)
-        prod = torch.matmul(kt, x).reshape(b, heads, self.dk, groups, self.dv)
-        return cum[..., -1].exp(), prod.transpose(2, 3).reshape(self.b_shape).to(self.sdtype)
+    def _scalar_open(self, seg, o, end):
+        # the sum along the tokens as the last dim: along the strided middle dim it took 5.9 ms on an H100
+        # for 16k tokens x 80 heads, more than the kernel call
+        cum = self.g[:, seg.local : seg.local + seg.length].to(self.sdtype).transpose(1, 2).cumsum(-1).transpose(1, 2)
+        q = self.q[:, seg.local : seg.local + seg.length]
+        # scalar decay: o_t += scale * exp(cum_t) * q_t H_in, kept factored (q per key head, one weight per
+        # token and value head) rather than expanded to every value head's K-wide factor
+        return o, (q, self.scale * cum.exp()), cum[:, -1].exp(), end
 
     def _corrected(self, o0, factor, h):
         """o0 plus the incoming state's contribution (phase 3): factor . H_in per token and value head.
@@ -273,8 +284,19 @@ class _Call:
         For 16-bit inputs the product runs in their dtype with float32 accumulation, H_in rounded to it, as
         fla's kernels round their chunk states before the output product; one rounding of the sum."""
         low = o0.dtype in (torch.float16, torch.bfloat16)
-        corr = torch.matmul(factor.transpose(1, 2), h.to(factor.dtype))  # per value head (T, K) @ (K, V): (b, HV, T, V)
-        return (o0 + corr.transpose(1, 2)) if low else (o0.to(corr.dtype) + corr.transpose(1, 2)).to(o0.dtype)
+        if self.delta:  # per value head: (T, K) @ (K, V), strided views, no copies
+            b, t, heads, _ = factor.shape
+            corr = torch.matmul(factor.transpose(1, 2), h.to(factor.dtype))  # (b, HV, T, V)
+            return (o0 + corr.transpose(1, 2)) if low else (o0.to(corr.dtype) + corr.transpose(1, 2)).to(o0.dtype)
+        q, weight = factor
+        b, t, heads, _ = q.shape
+        groups = self.hv // heads
+        hk = h.reshape(b, heads, groups, self.dk, self.dv).transpose(2, 3).reshape(b, heads, self.dk, groups * self.dv)
+        qh = torch.matmul(q.transpose(1, 2).to(o0.dtype if low else h.dtype), hk.to(o0.dtype if low else h.dtype))
+        qh = qh.reshape(b, heads, t, groups, self.dv).permute(0, 2, 1, 3, 4).reshape(b, t, self.hv, self.dv)
+        if low:
+            return _ScaledAdd.apply(o0, qh, weight)
+        return _ScaledAdd.apply(o0.to(qh.dtype), qh, weight).to(o0.dtype)
 
     def forward(self, finals: bool):
         plan, rank = self.plan, self.comm.rank
@@ -301,13 +323,8 @@ class _Call:
         table = torch.nn.functional.pad(table, (0, 0, 0, plan.slots - table.shape[0]))
         gathered = self.gather(table)
         states = self._fold(gathered, finals)
-        if self.delta:
-            for order, (s, o0, factor) in opened.items():
-                pieces[s.local] = self._corrected(o0, factor, states[order])
-        elif opened:  # the scalar decay: one kernel call over the open segments from their incoming states
-            segs = [s for s, _, _ in opened.values()]
-            outs, _ = self._call(segs, h0=torch.cat([states[order] for order in opened]))
-            pieces.update(zip((s.local for s in segs), outs))
+        for order, (s, o0, factor) in opened.items():
+            pieces[s.local] = self._corrected(o0, factor, states[order])
         ordered = [pieces[key] for key in sorted(pieces)]
         out = (ordered[0] if len(ordered) == 1 else torch.cat(ordered, dim=1)).to(self.q.dtype)
         if gathered.requires_grad:  # every rank joins the gather's backward (Note [Scan by gathered summaries])
