@@ -197,3 +197,43 @@ def test_sparse_ring_on_rings_smaller_than_the_group():
     assert sparse_ring("contiguous", Visibility(True, (2, -1)), 2, 1, 8) is not None
     errors = run_world(_sub_ring_rank, 4, timeout=120)
     assert max(errors) < 1e-10, errors
+
+
+CACHED_PACKS = [(0, 5, 13, 24), (0, 4, 11, 15, 20, 24), (0, 5, 13, 24)]  # A, B, A again
+
+
+def _packs_rank(rank, world, packs):
+    import functools
+
+    import distcomm_attention as da
+    from distcomm_attention.planning import exchange
+    from tests.counting import counted_attention
+
+    exchange.MERGE_GAP = 0  # every gap split out: steps of two runs, sent through index tensors
+    exchange.sparse_ring.cache_clear()
+    call = functools.partial(da.context_parallel_attn, strategy="ring")
+    return [counted_attention(rank, world, N, "zigzag", False, (1, 1), docs, False, 3, call) for docs in packs]
+
+
+def test_schedules_derived_once_serve_every_later_call(monkeypatch):
+    """The loop derives its per-step tables (index tensors on the device, row counts, block lists) once per
+    schedule and plan and reuses them: packs A, B and A again in one process each compute the reference and
+    send exactly their own schedule's rows (a table keyed too loosely would give B A's rows, or A B's)."""
+    from distcomm_attention.planning import exchange
+
+    monkeypatch.setattr(exchange, "MERGE_GAP", 0)
+    exchange.sparse_ring.cache_clear()
+    try:
+        got = run_world(_packs_rank, 3, CACHED_PACKS, timeout=120)
+        multi_run = False
+        for r, per_pack in enumerate(got):
+            for docs, g in zip(CACHED_PACKS, per_pack):
+                assert max(g["errors"]) < 1e-10, (r, docs, g["errors"])
+                sp, expected = _schedule(3, "zigzag", False, (1, 1), docs, False, r)
+                assert g["sent"] == expected, (r, docs, g["sent"], expected)
+                multi_run |= any(len(runs) > 1 for runs in sp.send)
+        assert multi_run  # the case sends some step's rows through an index tensor
+        a, b = (sparse_ring("zigzag", Visibility(False, (1, 1), docs), 3, 0, N) for docs in CACHED_PACKS[:2])
+        assert a.recv != b.recv  # the two packs' schedules differ on this rank
+    finally:
+        exchange.sparse_ring.cache_clear()

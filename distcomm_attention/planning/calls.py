@@ -53,12 +53,15 @@ def packed_calls(blocks, masks, disjoint_keys: bool) -> tuple[PackedCall, ...]:
 
 def step_calls(plan, i: int, device, backward: bool) -> tuple[PackedCall, ...] | None:
     """Step i of ``plan`` as packed calls (masks on ``device``, made once per plan), or None where the step has
-    nothing to pack (no "interval" block: no documents, no window): one call per block then."""
-    blocks = plan.blocks[i]
-    if all(b.mode != "interval" for b in blocks):
-        return None
-    return plan.cached(("packed", i, backward, str(device)), lambda: packed_calls(
-        blocks, [plan.mask(i, j, device) for j in range(len(blocks))], disjoint_keys=backward))
+    nothing to pack (no "interval" block: no documents, no window): one call per block then. Both answers are
+    cached on the plan."""
+    def make():
+        blocks = plan.blocks[i]
+        if all(b.mode != "interval" for b in blocks):
+            return None
+        return packed_calls(blocks, [plan.mask(i, j, device) for j in range(len(blocks))], disjoint_keys=backward)
+
+    return plan.cached(("packed", i, backward, str(device)), make)
 
 
 def _joint_bound(bounds: list[tuple[int | None, int]]) -> tuple[bool, int | None]:

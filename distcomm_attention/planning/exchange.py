@@ -20,7 +20,7 @@ Note [Exchange plan]
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -186,6 +186,14 @@ class SparseRing:
     recv: tuple[tuple[tuple[int, int], ...], ...]
     send: tuple[tuple[tuple[int, int], ...], ...]
     keep: bool
+    _derived: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def cached(self, key, make):
+        """``make()``, computed once per schedule and ``key`` (what the loop derives from the schedule: its
+        index tensors on a device, its row counts)."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
 
     def rows_received(self) -> int:
         return sum(b - a for runs in self.recv[1:] for a, b in runs)

@@ -58,6 +58,19 @@ def _whole(rows: slice, n: int) -> bool:
     return start == 0 and stop == n
 
 
+def _part(x: torch.Tensor, rows: slice, dim: int = 1) -> torch.Tensor:
+    """``x``'s rows along ``dim`` (1 or 2) as a view, or ``x`` itself when they are all of them (no operation)."""
+    if rows.start == 0 and rows.stop == x.shape[dim] and rows.step is None:
+        return x
+    return x[:, rows] if dim == 1 else x[:, :, rows]
+
+
+def _add_into(acc: torch.Tensor, rows: slice, x: torch.Tensor) -> None:
+    """acc[:, rows] += x as one in-place add on a view (``+=`` on an indexed view also writes the view back
+    through indexing): the same sums with fewer operations issued; on ``acc`` itself when rows cover it."""
+    _part(acc, rows).add_(x)
+
+
 def _start_acc(grads: list, like: torch.Tensor, dtype: torch.dtype, which: int) -> torch.Tensor:
     """The accumulator of step 0: the sum of ``grads[i][which]`` over their kv rows, shaped like ``like``.
 
@@ -69,7 +82,7 @@ def _start_acc(grads: list, like: torch.Tensor, dtype: torch.dtype, which: int) 
         return grads[0][which].to(dtype)
     acc = torch.zeros(like.shape, dtype=dtype, device=like.device)
     for g in grads:
-        acc[:, g[0]] += g[which]
+        _add_into(acc, g[0], g[which])
     return acc
 
 
@@ -86,7 +99,7 @@ def _accumulate(received: torch.Tensor, grads: list, dtype: torch.dtype, which: 
         return torch.add(received, grads[0][which], out=out)
     acc = received if received.dtype == dtype else received.to(dtype)
     for g in grads:
-        acc[:, g[0]] += g[which]
+        _add_into(acc, g[0], g[which])
     return acc if out_dtype is None else acc.to(out_dtype)
 
 
@@ -122,7 +135,7 @@ def _dq_sum(q: torch.Tensor, acc_dtype: torch.dtype, bwd) -> torch.Tensor | RowS
 def _rows_of(dq, rows: slice):
     """What a per-block backward call gets as ``dq_acc``: the rows of a buffer, or None for a RowSum (the call
     returns its dq, added by ``_add_dq``)."""
-    return None if isinstance(dq, RowSum) else dq[:, rows]
+    return None if isinstance(dq, RowSum) else _part(dq, rows)
 
 
 def _add_dq(dq, rows: slice, dq_b: torch.Tensor) -> None:
@@ -152,22 +165,36 @@ def _shifts(steps: tuple[int, ...], size: int) -> list[int]:
     return [b - a for a, b in zip(steps, steps[1:])] + [size - steps[-1]]
 
 
+def _step_work(plan: RingPlan, i: int, kernel, key_mask, device: torch.device, n: int, backward: bool):
+    """Step i as the loop runs it for ``n`` query rows on ``device``: (its packed calls, None), or (None, (block,
+    its mask, whether it is the step's last block and covers every row) of each block); made once per plan."""
+    packs = key_mask is None and getattr(kernel, "packs", False)
+
+    def make():
+        calls = step_calls(plan, i, device, backward) if packs else None
+        if calls is not None:
+            return calls, None
+        blocks = plan.blocks[i]
+        return None, tuple((block, plan.mask(i, j, device), j + 1 == len(blocks) and _whole(block.q, n))
+                           for j, block in enumerate(blocks))
+
+    return plan.cached(("work", i, backward, packs, device, n), make)
+
+
 def forward_step(state, q, k, v, km, plan: RingPlan, i: int, softcap: float, scale: float, fwd,
                  last: bool = False) -> None:
     """Step i's kernel calls on keys ``k``, ``v`` (and key mask ``km``) into the fp32 ``state``: one packed call
     set, or one call per block. ``last``: the loop's last step, whose last call may normalise in place when
     it covers every row (always so at W = 1)."""
-    calls = packed(plan, i, fwd, km, q.device, backward=False)
+    calls, blocks = _step_work(plan, i, fwd, km, q.device, q.shape[1], backward=False)
     if calls is not None:
         fwd.packed_step(state, q, k, v, calls, scale=scale, softcap=softcap)
         return
-    blocks = plan.blocks[i]
-    for j, block in enumerate(blocks):
-        final = last and j + 1 == len(blocks) and _whole(block.q, q.shape[1])
+    for block, mask, covers in blocks:
+        kv = block.kv
         fwd.step(
-            state, q, k[:, block.kv], v[:, block.kv],
-            mask=plan.mask(i, j, q.device), scale=scale, softcap=softcap,
-            key_mask=None if km is None else km[:, block.kv], q_slice=block.q, final=final,
+            state, q, _part(k, kv), _part(v, kv), mask=mask, scale=scale, softcap=softcap,
+            key_mask=None if km is None else _part(km, kv), q_slice=block.q, final=last and covers,
         )
 
 
@@ -175,32 +202,36 @@ def block_grads(dout, q, k, v, out, lse, delta, km, dq, plan: RingPlan, i: int, 
                 acc_dtype: torch.dtype) -> list:
     """Step i's backward calls: this rank's dQ added into ``dq``; returns (kv rows, dK, dV) of each call, in
     ``acc_dtype``."""
-    calls = packed(plan, i, bwd, km, q.device, backward=True)
+    calls, blocks = _step_work(plan, i, bwd, km, q.device, q.shape[1], backward=True)
     if calls is not None:  # Note [Packed steps]
         return bwd.packed_step(dout, q, k, v, out, lse, calls, scale=scale, softcap=softcap, dq_acc=dq)
     grads = []
-    for j, block in enumerate(plan.blocks[i]):
-        rows = block.q
+    for block, mask, _ in blocks:
+        rows, kv = block.q, block.kv
         dq_b, dk_b, dv_b = bwd.step(
-            dout[:, rows], q[:, rows], k[:, block.kv], v[:, block.kv], out[:, rows], lse[:, :, rows],
-            None if delta is None else delta[:, :, rows], mask=plan.mask(i, j, q.device), scale=scale,
-            softcap=softcap, key_mask=None if km is None else km[:, block.kv], dq_acc=_rows_of(dq, rows),
+            _part(dout, rows), _part(q, rows), _part(k, kv), _part(v, kv), _part(out, rows), _part(lse, rows, 2),
+            None if delta is None else _part(delta, rows, 2), mask=mask, scale=scale,
+            softcap=softcap, key_mask=None if km is None else _part(km, kv), dq_acc=_rows_of(dq, rows),
             dkv_dtype=acc_dtype,
         )
         _add_dq(dq, rows, dq_b)
-        grads.append((block.kv, dk_b, dv_b))
+        grads.append((kv, dk_b, dv_b))
     return grads
 
 
 def step_grads(dout, q, k, v, out, lse, delta, km, dq, plan: RingPlan, i: int, softcap: float, scale: float, bwd,
                acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``block_grads`` summed into dK, dV shaped like ``k``, ``v`` (in ``acc_dtype``)."""
-    dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
-    dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+    """``block_grads`` summed into dK, dV shaped like ``k``, ``v`` (in ``acc_dtype``; one zero-filled buffer holds
+    both when their shapes agree)."""
+    if k.shape == v.shape:
+        dk, dv = torch.zeros((2, *k.shape), dtype=acc_dtype, device=k.device).unbind(0)
+    else:
+        dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
     for kv, dk_b, dv_b in block_grads(dout, q, k, v, out, lse, delta, km, dq, plan, i, softcap, scale, bwd,
                                       acc_dtype):
-        dk[:, kv] += dk_b
-        dv[:, kv] += dv_b
+        _add_into(dk, kv, dk_b)
+        _add_into(dv, kv, dv_b)
     return dk, dv
 
 

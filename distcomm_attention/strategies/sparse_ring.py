@@ -26,10 +26,15 @@ Note [Sparse ring]
     it when the busiest rank receives less than SPARSE_BELOW of what the relay moves it. In the forward each
     rank holds one source's rows at a time, as the ring does, not the union of all of them as the sparse
     all-gather does (Note [Sparse gather]); kept buffers add up to RING_KEEP_ROWS shards for the backward,
-    and at most two steps' dK, dV are in flight.
+    and at most two steps' dK, dV are in flight. What the loop derives from the schedule (each step's shift,
+    row counts and rows as a slice or a device index; each step's packed calls or block list) is made once
+    per schedule and device and kept on it (``SparseRing.cached``, ``RingPlan.cached``): a call issues its
+    sends, views and kernels and builds no index tensor or table.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -44,48 +49,58 @@ from distcomm_attention.strategies.ring import (_as_bytes, _dq_result, _no_autoc
 
 __all__ = ["sparse_ring_attention", "ring_planner", "run_ring"]
 
-_INDEX: dict = {}  # (runs, device) -> the runs' rows as an index on that device
+
+class _Move(NamedTuple):
+    """What step i of a sparse ring moves, from the schedule alone (made once per schedule and device)."""
+
+    shift: int  # the step t
+    send: slice | torch.Tensor  # this rank's rows rank + t reads: a slice (one run, or none) or an index
+    sent: int  # how many
+    received: int  # rows of src = rank - t this rank's blocks read
 
 
-def _index(runs, device: torch.device) -> torch.Tensor:
-    key = (runs, str(device))
-    index = _INDEX.get(key)
-    if index is None:
-        if len(_INDEX) > 4096:
-            _INDEX.clear()
-        index = torch.cat([torch.arange(a, b) for a, b in runs]).to(device, non_blocking=True)
-        _INDEX[key] = index
-    return index
+def _selection(runs, device: torch.device) -> slice | torch.Tensor:
+    """The rows of ``runs`` as a slice (one run, or none) or an index on ``device``, made once: pinned and copied
+    without blocking the host on CUDA."""
+    if len(runs) <= 1:
+        return slice(*runs[0]) if runs else slice(0, 0)
+    index = torch.cat([torch.arange(a, b) for a, b in runs])
+    if device.type == "cuda":
+        index = index.pin_memory()
+    return index.to(device, non_blocking=True)
 
 
-def _rows(x: torch.Tensor, runs) -> torch.Tensor:
-    """The rows of ``x`` (dim 1) in ``runs``, concatenated: a view for one run."""
-    if len(runs) == 1:
-        a, b = runs[0]
-        return x[:, a:b]
-    if not runs:
-        return x[:, :0]
-    return x.index_select(1, _index(runs, x.device))
+def _moves(sp: SparseRing, device: torch.device) -> tuple[_Move, ...]:
+    """Every step's ``_Move`` on ``device`` (cached on the schedule, whose runs never change)."""
+    return sp.cached(("moves", device), lambda: tuple(
+        _Move(t, _selection(send, device), _count(send), _count(recv))
+        for t, send, recv in zip(sp.plan.steps, sp.send, sp.recv)))
 
 
-def _add_rows(acc: torch.Tensor, runs, x: torch.Tensor) -> None:
-    """acc[:, runs] += x (x: the runs' rows concatenated)."""
-    if len(runs) == 1:
-        a, b = runs[0]
-        acc[:, a:b] += x
-    elif runs:
-        acc.index_add_(1, _index(runs, acc.device), x)
+def _rows(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+    """The rows of ``x`` (dim 1) a ``_Move`` selects, concatenated: a view for a slice."""
+    return x[:, rows] if isinstance(rows, slice) else x.index_select(1, rows)
+
+
+def _add_rows(acc: torch.Tensor, move: _Move, x: torch.Tensor) -> None:
+    """acc[:, the move's rows] += x (x: those rows concatenated)."""
+    if isinstance(move.send, slice):
+        if move.sent:
+            acc[:, move.send].add_(x)
+    else:
+        acc.index_add_(1, move.send, x)
 
 
 def _count(runs) -> int:
     return sum(b - a for a, b in runs)
 
 
-def _post_rows(t, k, v, km, sp: SparseRing, i: int):
-    """Post step i's rows: ours that rank + t reads out, the ones our blocks read in."""
-    send = (_rows(k, sp.send[i]), _rows(v, sp.send[i]), *_as_bytes(None if km is None else _rows(km, sp.send[i])))
-    shapes = [(x.shape[0], _count(sp.recv[i]), *x.shape[2:]) for x in send]
-    return t.send_recv(send, sp.plan.steps[i], shapes)
+def _post_rows(t, k, v, km, move: _Move):
+    """Post a step's rows: ours that rank + t reads out, the ones our blocks read in."""
+    rows = move.send
+    send = (_rows(k, rows), _rows(v, rows), *_as_bytes(None if km is None else _rows(km, rows)))
+    shapes = [(x.shape[0], move.received, *x.shape[2:]) for x in send]
+    return t.send_recv(send, move.shift, shapes)
 
 
 def _received(handle, has_mask: bool):
@@ -96,12 +111,13 @@ def _received(handle, has_mask: bool):
 def sparse_ring_forward(q, k, v, km, t, sp: SparseRing, softcap: float, scale: float, fwd):
     """The forward loop -> (out, lse, the received rows of every step when ``sp.keep``)."""
     plan = sp.plan
+    moves = _moves(sp, k.device)
     state = fwd.init_state(q)
     kept = []
     handle = None
     for i in range(len(plan.steps)):
         more = i + 1 < len(plan.steps)
-        nxt = _post_rows(t, k, v, km, sp, i + 1) if more else None
+        nxt = _post_rows(t, k, v, km, moves[i + 1]) if more else None
         kb, vb, mb = (k, v, km) if i == 0 else _received(handle, km is not None)
         if i > 0 and sp.keep:
             kept.append((kb, vb, mb))
@@ -114,30 +130,31 @@ def sparse_ring_forward(q, k, v, km, t, sp: SparseRing, softcap: float, scale: f
 def sparse_ring_backward(dout, q, k, v, out, lse, km, t, sp: SparseRing, kept, softcap, scale, bwd):
     """The backward loop -> dq, dk, dv in the inputs' dtypes (Note [Sparse ring])."""
     plan = sp.plan
+    moves = _moves(sp, k.device)
     dout, acc_dtype, delta, dq = backward_start(dout, q, out, bwd)
     steps = plan.steps
-    handle = None if sp.keep else _post_rows(t, k, v, km, sp, 1)
+    handle = None if sp.keep else _post_rows(t, k, v, km, moves[1])
     dk_own, dv_own = step_grads(dout, q, k, v, out, lse, delta, km, dq, plan, 0, softcap, scale, bwd, acc_dtype)
-    back = []  # (step, handle) of the dK, dV on their way to their sources, at most two in flight
+    back = []  # (move, handle) of the dK, dV on their way to their sources, at most two in flight
 
-    def land(i, h):
+    def land(move, h):
         dk_r, dv_r = h.wait()
-        _add_rows(dk_own, sp.send[i], dk_r)
-        _add_rows(dv_own, sp.send[i], dv_r)
+        _add_rows(dk_own, move, dk_r)
+        _add_rows(dv_own, move, dv_r)
 
     for i in range(1, len(steps)):
         if sp.keep:
             kb, vb, mb = kept[i - 1]
         else:
             kb, vb, mb = _received(handle, km is not None)
-            handle = _post_rows(t, k, v, km, sp, i + 1) if i + 1 < len(steps) else None
+            handle = _post_rows(t, k, v, km, moves[i + 1]) if i + 1 < len(steps) else None
         dk, dv = step_grads(dout, q, kb, vb, out, lse, delta, mb, dq, plan, i, softcap, scale, bwd, acc_dtype)
-        shape = (k.shape[0], _count(sp.send[i]), *k.shape[2:])
-        back.append((i, t.send_recv((dk, dv), -steps[i], [shape, shape])))
+        shape = (k.shape[0], moves[i].sent, *k.shape[2:])
+        back.append((moves[i], t.send_recv((dk, dv), -steps[i], [shape, shape])))
         if len(back) > 2:
             land(*back.pop(0))
-    for i, h in back:
-        land(i, h)
+    for move, h in back:
+        land(move, h)
     return _dq_result(dq, q.dtype), dk_own.to(k.dtype), dv_own.to(v.dtype)
 
 
