@@ -216,7 +216,7 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
         lk = LINKS[link_name]
         hw = cost.Hardware(p2p_gbps=lk.p2p_gbps, a2a_gbps=lk.a2a_gbps, allgather_gbps=lk.allgather_gbps,
                            reduce_scatter_gbps=lk.reduce_scatter_gbps)
-        call = cost.Call(1, n, heads, kv_heads, d, 2, concrete, vis, world)
+        call = cost.Call(1, n, heads, kv_heads, d, 2, concrete, vis, world, packs=getattr(args, "packs", False))
         for s, m in per.items():
             p = cost.predict(call, "ulysses" if s.startswith("ulysses") else s, hw)
             m["exposed_comm_s"] = m["max_s"] - ideal[s]["max_s"]
@@ -325,7 +325,8 @@ def main():
     args.strategies = args.strategies.split(",")
     heads, kv_heads = map(int, args.heads.split("/"))
     probe = torch.empty(1, 1, heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
-    _, fwd, bwd = dispatch.select_kernels(args.backend, probe, Visibility(True), 0.0)
+    name, fwd, bwd = dispatch.select_kernels(args.backend, probe, Visibility(True), 0.0)
+    args.packs = dispatch.packs(name)  # the cost model counts the calls this backend issues
     rows = []
     for case in args.cases.split(","):
         seq, world = map(int, case.split("x"))

@@ -12,7 +12,7 @@ from tests.scripts import import_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "check_cost_model.py"
-RUNS = [ROOT / "docs" / "bench" / "emulated_run2.json", ROOT / "docs" / "bench" / "emulated_run4.json"]
+RUNS = [ROOT / "docs" / "bench" / name for name in ("emulated_run2.json", "emulated_run5.json", "emulated_run5_dense.json")]
 
 
 def _module():
@@ -42,4 +42,4 @@ def test_cli_summary():
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
-    assert len(lines) == 7 and lines[-1].startswith("predictions within 15%: ") and "of 18" in lines[-1]
+    assert len(lines) == 9 and lines[-1].startswith("predictions within 15%: ") and "of 24" in lines[-1]
