@@ -13,9 +13,9 @@ import torch
 
 from distcomm_attention.planning import balance, cost, layouts
 from distcomm_attention.planning.exchange import compact_gathered_plan, gathered_exchange
-from distcomm_attention.planning.plans import gathered_in_natural_order, gathered_plan, natural_order
+from distcomm_attention.planning.plans import (gathered_in_natural_order, gathered_plan, natural_order, own_rows,
+                                               split_local)
 from distcomm_attention.planning.visibility import Visibility
-from distcomm_attention.strategies.sparse_gather import split_local
 
 from tests.dist_harness import run_world
 
@@ -31,10 +31,18 @@ def _own(layout, world, rank, n):
     return source // n == rank
 
 
-def test_cost_model_splits_the_plan_as_the_strategy_runs_it():
-    """The cost model's own rows and own-keys split of a gathered plan are the strategy's (its buffer order;
-    ``split_local``), block for block, for every layout and visibility: it hides the reduction behind the
-    blocks the strategy runs while the reduction is in flight."""
+def _split(plan, own):
+    """The own-keys split by its definition: the blocks whose keys are all own rows, then the rest."""
+    steps = ([], [])
+    for block in plan.blocks[0]:
+        steps[not bool(own[block.kv].all())].append(block)
+    return steps
+
+
+def test_own_rows_and_split_shared_by_the_strategy_and_the_cost_model():
+    """The own rows of a gathered buffer (``plans.own_rows``, which the strategy and the cost model both use)
+    are those the buffer order gives, and ``split_local`` puts the blocks on own keys only first, block for
+    block, for every layout and visibility."""
     docs = (0, 5, 13, 30, 32)
     for world in (2, 4):
         n = 8
@@ -45,13 +53,13 @@ def test_cost_model_splits_the_plan_as_the_strategy_runs_it():
                 for rank in range(world):
                     plan = gathered_plan(concrete, vis, world, rank, n)
                     own = _own(concrete, world, rank, n)
-                    assert torch.equal(cost._own_rows(concrete, world, rank, n), own)
-                    ours, theirs = cost._own_keys_first(plan, own), split_local(plan, own)
-                    assert ours.steps == theirs.steps == (0, 1)
-                    assert [[id(b) for b in step] for step in ours.blocks] == \
+                    assert torch.equal(own_rows(concrete, world, rank, n), own)
+                    ours, theirs = _split(plan, own), split_local(plan, own)
+                    assert theirs.steps == (0, 1)
+                    assert [[id(b) for b in step] for step in ours] == \
                         [[id(b) for b in step] for step in theirs.blocks], (layout, vis, world, rank)
                     if vis.causal and vis.cu_seqlens is None and vis.window == (-1, -1):
-                        assert ours.blocks[0]  # the diagonal: own keys only
+                        assert theirs.blocks[0]  # the diagonal: own keys only
 
 
 def test_cost_model_hides_the_reduction_behind_the_own_keys_backward():

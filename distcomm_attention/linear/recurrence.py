@@ -284,19 +284,17 @@ class _Call:
         For 16-bit inputs the product runs in their dtype with float32 accumulation, H_in rounded to it, as
         fla's kernels round their chunk states before the output product; one rounding of the sum."""
         low = o0.dtype in (torch.float16, torch.bfloat16)
+        dtype = o0.dtype if low else h.dtype  # of the product
         if self.delta:  # per value head: (T, K) @ (K, V), strided views, no copies
-            b, t, heads, _ = factor.shape
-            corr = torch.matmul(factor.transpose(1, 2), h.to(factor.dtype))  # (b, HV, T, V)
-            return (o0 + corr.transpose(1, 2)) if low else (o0.to(corr.dtype) + corr.transpose(1, 2)).to(o0.dtype)
+            corr = torch.matmul(factor.transpose(1, 2), h.to(dtype)).transpose(1, 2)  # (b, T, HV, V)
+            return o0 + corr if low else (o0.to(dtype) + corr).to(o0.dtype)
         q, weight = factor
         b, t, heads, _ = q.shape
         groups = self.hv // heads
         hk = h.reshape(b, heads, groups, self.dk, self.dv).transpose(2, 3).reshape(b, heads, self.dk, groups * self.dv)
-        qh = torch.matmul(q.transpose(1, 2).to(o0.dtype if low else h.dtype), hk.to(o0.dtype if low else h.dtype))
+        qh = torch.matmul(q.transpose(1, 2).to(dtype), hk.to(dtype))
         qh = qh.reshape(b, heads, t, groups, self.dv).permute(0, 2, 1, 3, 4).reshape(b, t, self.hv, self.dv)
-        if low:
-            return _ScaledAdd.apply(o0, qh, weight)
-        return _ScaledAdd.apply(o0.to(qh.dtype), qh, weight).to(o0.dtype)
+        return _ScaledAdd.apply(o0 if low else o0.to(dtype), qh, weight).to(o0.dtype)
 
     def forward(self, finals: bool):
         plan, rank = self.plan, self.comm.rank

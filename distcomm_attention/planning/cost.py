@@ -64,10 +64,9 @@ from typing import NamedTuple
 
 import torch
 
-from distcomm_attention.planning import layouts
 from distcomm_attention.planning.calls import step_calls
 from distcomm_attention.planning.exchange import gathered_exchange, sparse_ring
-from distcomm_attention.planning.plans import gathered_in_natural_order, gathered_plan, local_plan
+from distcomm_attention.planning.plans import gathered_plan, local_plan, own_rows, split_local
 from distcomm_attention.planning.visibility import RingPlan, Visibility, ring_plan
 
 __all__ = ["Hardware", "Prediction", "StrategyChoice", "Call", "predict", "choose", "lower_bound"]
@@ -223,28 +222,6 @@ def _ring_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: 
     return worst
 
 
-def _own_keys_first(plan: RingPlan, own: torch.Tensor) -> RingPlan:
-    """A one-step gathered plan as the two steps the all-gather's backward runs (``split_local`` in
-    strategies/sparse_gather.py): the blocks reading only rows where ``own`` (buffer rows,) is set, then the
-    rest."""
-    steps: tuple[list, list] = ([], [])
-    for block in plan.blocks[0]:
-        steps[not bool(own[block.kv].all())].append(block)
-    return RingPlan((0, 1), (tuple(steps[0]), tuple(steps[1])))
-
-
-def _own_rows(layout, ranks: int, rank: int, local_len: int) -> torch.Tensor:
-    """(ranks * local_len,) bool: the rows of the whole gathered buffer holding ``rank``'s keys (in natural
-    order the buffer's rows are global positions, else the shards in source order; Note [Gathered plans])."""
-    seq_len = ranks * local_len
-    own = torch.zeros(seq_len, dtype=torch.bool)
-    if gathered_in_natural_order(layout):
-        own[layouts.positions(layout, seq_len, ranks, rank)] = True
-    else:
-        own[rank * local_len:(rank + 1) * local_len] = True
-    return own
-
-
 def _issued(plan: RingPlan, i: int, packs: bool, backward: bool) -> int:
     """Kernel calls of step i in one direction: its blocks, or its packed varlen calls where the kernels pack."""
     calls = step_calls(plan, i, _HOST, backward) if packs else None
@@ -255,7 +232,7 @@ def _gathered_rank_s(c: Call, ranks: int, rank: int, local_len: int, heads: int,
     """(compute, backward of the blocks on own keys only) seconds of one rank's gathered plan: the forward's
     calls those of the one step, the backward's those of its two (Note [All-gather KV])."""
     plan = gathered_plan(c.layout, c.vis, ranks, rank, local_len)
-    split = _own_keys_first(plan, _own_rows(c.layout, ranks, rank, local_len))
+    split = split_local(plan, own_rows(c.layout, ranks, rank, local_len))
     pairs, _, rows, keys = _step_costs(plan)[0]
     calls = (_issued(plan, 0, c.packs, False) + sum(_issued(split, i, c.packs, True) for i in (0, 1))) / 2
     own_pairs, _, own_q, own_kv = _step_costs(split)[0]

@@ -27,7 +27,7 @@ from distcomm_attention.planning import layouts
 from distcomm_attention.planning.visibility import (Block, RingPlan, Visibility, _block, _concrete, _query_bounds,
                                                     ring_plan)
 
-__all__ = ["natural_order", "gathered_in_natural_order", "gathered_plan", "local_plan"]
+__all__ = ["natural_order", "gathered_in_natural_order", "gathered_plan", "local_plan", "own_rows", "split_local"]
 
 
 def gathered_in_natural_order(layout: str) -> bool:
@@ -97,3 +97,28 @@ def gathered_plan(layout: str, vis: Visibility, ring_size: int, rank: int, local
 def local_plan(vis: Visibility, seq_len: int) -> RingPlan:
     """The plan of one rank holding the whole sequence in natural order (Ulysses after its all-to-all)."""
     return gathered_plan("contiguous", vis, 1, 0, seq_len)
+
+
+def own_rows(layout, ranks: int, rank: int, local_len: int) -> torch.Tensor:
+    """(ranks * local_len,) bool: the rows of the whole gathered key buffer holding ``rank``'s keys (in natural
+    order the buffer's rows are global positions, else the shards in source order; Note [Gathered plans])."""
+    seq_len = ranks * local_len
+    own = torch.zeros(seq_len, dtype=torch.bool)
+    if gathered_in_natural_order(layout):
+        own[layouts.positions(layout, seq_len, ranks, rank)] = True
+    else:
+        own[rank * local_len:(rank + 1) * local_len] = True
+    return own
+
+
+def split_local(plan: RingPlan, own: torch.Tensor) -> RingPlan:
+    """A one-step gathered plan as two steps: the blocks reading own rows only (``own``: the buffer's own
+    rows), then the rest, so that the first run while the other ranks' keys arrive (the forward) and the
+    second run first, their gradients leaving while the first run (the backward, Note [All-gather KV]).
+    The cost model splits by the same rule."""
+    covered = torch.cat([torch.zeros(1, dtype=torch.int64), own.to(torch.int64).cumsum(0)])
+    local, remote = [], []
+    for block in plan.blocks[0]:
+        a, b = block.kv.start, block.kv.stop
+        (local if int(covered[b] - covered[a]) == b - a else remote).append(block)
+    return RingPlan((0, 1), (tuple(local), tuple(remote)))

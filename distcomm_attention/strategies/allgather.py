@@ -50,9 +50,9 @@ from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention import transport
 from distcomm_attention.planning.exchange import Exchange
-from distcomm_attention.planning.plans import gathered_in_natural_order, natural_order
+from distcomm_attention.planning.plans import gathered_in_natural_order, natural_order, own_rows, split_local
 from distcomm_attention.planning.visibility import RingPlan
-from distcomm_attention.strategies.sparse_gather import SparseGather, split_local
+from distcomm_attention.strategies.sparse_gather import SparseGather
 from distcomm_attention.strategies.ring import (_dq_result, _no_autocast, backward_start, block_grads,
                                                 ring_forward, step_grads)
 
@@ -146,7 +146,7 @@ class AllGatherKV:
         self.plan, self.softcap, self.scale, self.fwd, self.bwd = plan, softcap, scale, fwd, bwd
         world = _groups.group_size(group) if exchange is None else exchange.ring_size
         self.order = natural_order(layout, world, local_len) if gathered_in_natural_order(layout) else None
-        self._world, self._local_len = world, local_len
+        self._world, self._local_len, self._layout = world, local_len, layout
         self._rank = _groups.group_rank(group) if exchange is None else None  # (the exchange knows its own)
         self.one = RingComm(group, 1) if world > 1 else RingComm(None)
         # only the keys the plan reads (Note [Sparse gather]); ``plan`` then indexes the compacted buffer
@@ -169,9 +169,7 @@ class AllGatherKV:
         """(buffer rows,) bool: which rows of the key buffer are this rank's keys."""
         if self.sparse is not None:
             return self.sparse.is_own()
-        n = self._local_len
-        source = torch.arange(self._world * n) if self.order is None else self.order  # buffer row -> source row
-        return source.div(max(n, 1), rounding_mode="floor") == self._rank
+        return own_rows(self._layout, self._world, self._rank, self._local_len)
 
     def own_keys_first(self) -> RingPlan:
         """The plan as two steps, the blocks reading this rank's own keys only, then the rest (Note [All-gather

@@ -7,7 +7,7 @@ Note [Sparse gather]
 
         rank r:  buffer[own]  = its own needed rows              (placed at once, nothing on the wire)
                  post all_to_all_v(k_r[need[r][d]] for d != r)    (the others' rows in flight)
-                 ... blocks that read own rows only run here (``split_local``) ...
+                 ... blocks that read own rows only run here (``plans.split_local``) ...
                  buffer[remote] = what arrived                    (wait)
 
     The backward is the adjoint: the buffer's dK/dV rows go back to their owners (all-to-all-v with the
@@ -26,9 +26,8 @@ import torch
 
 from distcomm_attention.planning import layouts
 from distcomm_attention.planning.exchange import Exchange
-from distcomm_attention.planning.visibility import RingPlan
 
-__all__ = ["SparseGather", "split_local"]
+__all__ = ["SparseGather"]
 
 
 def _index(ranges) -> torch.Tensor:
@@ -161,15 +160,3 @@ def _indices(ex: Exchange, layout, r: int):
     place_own = order[starts[r]:starts[r] + counts[r]]
     place = torch.cat([order[starts[s]:starts[s] + counts[s]] for s in range(w) if s != r]) if w > 1 else order[:0]
     return send_splits, recv_splits, send_index, own_index, place_own, place, sum(counts)
-
-
-def split_local(plan: RingPlan, own: torch.Tensor) -> RingPlan:
-    """A one-step gathered plan as two steps: the blocks reading own rows only (``own``: the buffer's own
-    rows), then the rest, so that the first run while the other ranks' keys arrive (the forward) and the
-    second run first, their gradients leaving while the first run (the backward, Note [All-gather KV])."""
-    covered = torch.cat([torch.zeros(1, dtype=torch.int64), own.to(torch.int64).cumsum(0)])
-    local, remote = [], []
-    for block in plan.blocks[0]:
-        a, b = block.kv.start, block.kv.stop
-        (local if int(covered[b] - covered[a]) == b - a else remote).append(block)
-    return RingPlan((0, 1), (tuple(local), tuple(remote)))
