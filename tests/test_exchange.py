@@ -144,7 +144,8 @@ def test_torch_transport_moves_what_it_says(world):
         assert torch.equal(g["hop"], torch.arange(6, dtype=torch.float64).view(3, 2) + 10 * left)
 
 
-def _sparse_rank(rank, world, layout, vis_args, local_len):
+def _sparse_rank(rank, world, layout, vis_args, local_len, max_runs):
+    from distcomm_attention.strategies import sparse_gather
     from distcomm_attention.strategies.sparse_gather import SparseGather
     from distcomm_attention.transport import CountingTransport, TorchTransport
 
@@ -155,7 +156,9 @@ def _sparse_rank(rank, world, layout, vis_args, local_len):
     full = torch.randn(2, seq_len, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     pos = layouts.positions(concrete, seq_len, world, rank)
     counting = CountingTransport(TorchTransport())
+    sparse_gather.MAX_RUNS = max_runs  # 0: own rows by index gather and scatter, not by runs
     sparse = SparseGather(counting, ex, concrete)
+    assert (sparse.own_runs is None) == (max_runs == 0)
     (buffer,) = sparse.gather(full[:, pos])
     # gradient of sum(buffer * weight_r) over ranks: each key gets the sum of weights of the ranks holding it
     weight = torch.randn(buffer.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
@@ -173,13 +176,15 @@ SPARSE = [
 ]
 
 
+@pytest.mark.parametrize("max_runs", [16, 0])
 @pytest.mark.parametrize("layout, vis_args, world, local_len", SPARSE)
-def test_sparse_gather_and_its_adjoint(layout, vis_args, world, local_len):
+def test_sparse_gather_and_its_adjoint(layout, vis_args, world, local_len, max_runs):
     """Rank r's buffer holds exactly the keys at the positions it needs (in natural order), its gradient is
     every rank's contribution to the rows it holds (float64 reference over the whole sequence), and the bytes
-    it sends are the plan's (rows x row size; zero, and no exchange posted, when nothing crosses a rank)."""
+    it sends are the plan's (rows x row size; zero, and no exchange posted, when nothing crosses a rank); the
+    own rows moved by runs of slice copies and by index gather and scatter alike."""
     vis = Visibility(*vis_args)
-    got = run_world(_sparse_rank, world, layout, vis_args, local_len, timeout=60)
+    got = run_world(_sparse_rank, world, layout, vis_args, local_len, max_runs, timeout=60)
     seq_len = world * local_len
     concrete = balance.resolve(layout, seq_len, world, vis.cu_seqlens) if layout == "balanced" else layout
     ex = exchange_plan(concrete, vis, world, local_len)
@@ -276,3 +281,15 @@ def test_dense_allgather_goes_through_the_transport():
         assert max(g["errors"]) < 1e-10, g["errors"]
         assert g["calls"] == {"all_gather": 4, "reduce_scatter": 2}
         assert g["sent"] == 4 * (world - 1) * 8 * row + 2 * (world - 1) * (world * 8) * row // world
+
+
+def test_own_rows_as_runs():
+    """The runs of own rows: split where either index stops stepping by one; none past MAX_RUNS."""
+    from distcomm_attention.strategies import sparse_gather
+
+    t = lambda *xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    assert sparse_gather._runs(t(0, 1, 2, 5, 6, 7), t(3, 4, 5, 6, 7, 8)) == ((0, 3, 3), (5, 6, 3))
+    assert sparse_gather._runs(t(0, 1, 2, 3), t(0, 1, 4, 5)) == ((0, 0, 2), (2, 4, 2))
+    assert sparse_gather._runs(t(), t()) == ()
+    many = torch.arange(0, 2 * (sparse_gather.MAX_RUNS + 1), 2)
+    assert sparse_gather._runs(many, torch.arange(many.numel())) is None

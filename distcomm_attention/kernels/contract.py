@@ -360,6 +360,10 @@ def _nan_rows(out: Tensor, lse: Tensor) -> Tensor:
     """``lse`` with NaN on the rows whose output holds a NaN (Note [Merging block outputs]): a kernel may report
     a row with a NaN score as one that saw no key (lse -inf; flash-attn-4 does) while its output carries the NaN,
     and the backward must not take it for an empty row (P = 0, zero gradients). One pass over the output."""
+    if out.is_cuda and out.stride(-1) == 1:  # one read of out (distcomm_attention/kernels/triton_rows.py)
+        from distcomm_attention.kernels import triton_rows
+
+        return triton_rows.nan_rows_(out, lse)
     bad = out.isnan().any(-1).transpose(1, 2)
     return lse.masked_fill_(bad, float("nan"))  # in place: an adopted kernel lse is returned as it is
 

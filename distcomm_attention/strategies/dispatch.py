@@ -68,6 +68,16 @@ def resolve_mesh(group):
     return group.get_group("ulysses"), group.get_group("ring")
 
 
+def _reorder(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t's rows (dim 1) in ``index``'s order: one row gather of the (rows, the rest) view for a contiguous CUDA
+    tensor of one batch element (``triton_rows.take_rows``: short rows 1.6-1.9x index_select on one H100)."""
+    if t.is_cuda and t.shape[0] == 1 and t.dim() > 2 and t.is_contiguous():
+        from distcomm_attention.kernels import triton_rows
+
+        return triton_rows.take_rows(t.view(t.shape[1], -1), index).view(1, index.shape[0], *t.shape[2:])
+    return t.index_select(1, index)
+
+
 class _Ring:
     """A ring over ``comm`` as Ulysses' inner computation (the hybrid's ring dimension, or a ring of one for
     plain Ulysses, whose rows are put into natural order and back: Note [Ulysses]).
@@ -92,12 +102,12 @@ class _Ring:
     def natural(self, *ts):
         if self.order is None:
             return ts
-        return tuple(None if t is None else t.index_select(1, self._index(self.order, t.device)) for t in ts)
+        return tuple(None if t is None else _reorder(t, self._index(self.order, t.device)) for t in ts)
 
     def source(self, *ts):
         if self.inverse is None:
             return ts
-        return tuple(t.index_select(1, self._index(self.inverse, t.device)) for t in ts)
+        return tuple(_reorder(t, self._index(self.inverse, t.device)) for t in ts)
 
     def forward(self, q, k, v, key_mask):
         return ring_forward(q, k, v, key_mask, self.comm, self.plan, self.softcap, self.scale, self.fwd)

@@ -14,6 +14,10 @@ Note [Sparse gather]
     splits exchanged), and each owner adds every rank's contribution to its rows (``index_add_``, in fp32).
     It is posted and waited apart (``post_scatter_add``): the remote rows leave at the post, the own rows are
     read at the wait, so the blocks reading own rows only run in between (Note [All-gather KV]).
+    A rank's own rows keep their order in the buffer, between the few remote rows of documents that cross
+    its boundaries: when they form at most ``MAX_RUNS`` runs (both in the shard and in the buffer) they are
+    placed and read back by one slice copy per run instead of an index gather and scatter, and when they are
+    every row of the shard the gradient's rows are all written by those copies (no zero fill, no index_add).
     An exchange in which no rank sends another anything (every document on one rank) is skipped by every
     rank: rank r's buffer is then its own rows.
 """
@@ -28,6 +32,22 @@ from distcomm_attention.planning import layouts
 from distcomm_attention.planning.exchange import Exchange
 
 __all__ = ["SparseGather"]
+
+
+MAX_RUNS = 16  # own rows forming at most this many runs are moved by slice copies (Note [Sparse gather])
+
+
+def _runs(src: torch.Tensor, dst: torch.Tensor) -> tuple[tuple[int, int, int], ...] | None:
+    """(src start, dst start, length) of the runs where both row indices step by one, or None when there are
+    more than ``MAX_RUNS`` (host tensors)."""
+    if src.numel() == 0:
+        return ()
+    breaks = ((src[1:] - src[:-1] != 1) | (dst[1:] - dst[:-1] != 1)).nonzero().flatten() + 1
+    if breaks.numel() >= MAX_RUNS:
+        return None
+    starts = [0] + breaks.tolist()
+    stops = starts[1:] + [src.numel()]
+    return tuple((int(src[a]), int(dst[a]), b - a) for a, b in zip(starts, stops))
 
 
 def _index(ranges) -> torch.Tensor:
@@ -65,6 +85,8 @@ class SparseGather:
         self.skip = ex.moves_nothing
         (self.send_splits, self.recv_splits, self.send_index, self.own_index, self.place_own, self.place,
          self.buffer_len) = _indices(ex, layout, transport.rank)
+        self.own_runs = _runs(self.own_index, self.place_own)  # (shard row, buffer row, length), or None
+        self.own_all = self.own_runs is not None and self.own_index.numel() == ex.local_len
         self._on: dict = {}
 
     def _index(self, name: str, device: torch.device) -> torch.Tensor:
@@ -91,7 +113,11 @@ class SparseGather:
             rows = t.view(torch.uint8) if t.dtype == torch.bool else t
             rows = rows.transpose(0, 1)
             buffer = rows.new_empty((self.buffer_len,) + tuple(rows.shape[1:]))
-            buffer[self._index("place_own", device)] = rows.index_select(0, self._index("own_index", device))
+            if self.own_runs is not None:
+                for a, at, length in self.own_runs:
+                    buffer[at:at + length] = rows[a:a + length]
+            else:
+                buffer[self._index("place_own", device)] = rows.index_select(0, self._index("own_index", device))
             handle = None
             if not self.skip:
                 send = rows.index_select(0, self._index("send_index", device))
@@ -133,8 +159,15 @@ class _Returning:
         """(B, n, ...): the buffer's own rows now, plus what the other ranks sent back for this rank's keys."""
         sparse, rows = self._sparse, self._rows
         device = rows.device
-        out = torch.zeros((self._local_len,) + tuple(rows.shape[1:]), dtype=rows.dtype, device=device)
-        out.index_add_(0, sparse._index("own_index", device), rows.index_select(0, sparse._index("place_own", device)))
+        shape = (self._local_len,) + tuple(rows.shape[1:])
+        if sparse.own_all:  # every row of the shard is an own row, in runs: copied, nothing left to zero
+            out = torch.empty(shape, dtype=rows.dtype, device=device)
+            for a, at, length in sparse.own_runs:
+                out[a:a + length] = rows[at:at + length]
+        else:
+            out = torch.zeros(shape, dtype=rows.dtype, device=device)
+            out.index_add_(0, sparse._index("own_index", device),
+                           rows.index_select(0, sparse._index("place_own", device)))
         if self._handle is not None:
             (back,) = self._handle.wait()
             out.index_add_(0, sparse._index("send_index", device), back)

@@ -1,0 +1,96 @@
+"""Two memory-bound Triton kernels over rows: a row gather (the reorders and all-to-all packs of Ulysses and
+the all-gather), and the NaN-row check of a block output (Note [Merging block outputs]).
+
+    gather_rows(x, index)   out[i] = x[index[i]] for rows of x (N, C) contiguous: one read and one write of
+                            each row; on one H100 1.6-1.9x PyTorch's index_select for rows of 256 bytes, on
+                            par from 1 KB (``take_rows`` picks), and 1.3-1.5x the permuted copies that pack
+                            Ulysses' all-to-alls (docs/bench/row_copies.md)
+    nan_rows_(out, lse)     lse[b, h, s] = NaN where out[b, s, h, :] holds a NaN: one read of out, no temporary
+                            (PyTorch: isnan, then an any over the head dimension: a bool tensor of out's size)
+
+Both run on CUDA tensors; the callers keep a PyTorch path for every other device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["gather_rows", "take_rows", "nan_rows_"]
+
+
+@triton.jit
+def _gather_kernel(x, index, out, M, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    in_r = rows < M
+    src = tl.load(index + rows, mask=in_r, other=0).to(tl.int64)
+    tile = in_r[:, None] & (cols[None, :] < C)
+    vals = tl.load(x + src[:, None] * C + cols[None, :], mask=tile)
+    tl.store(out + rows[:, None] * C + cols[None, :], vals, mask=tile)
+
+
+def _gather_config(c: int, element_size: int) -> tuple[int, int, int]:
+    """(rows, columns, warps) of one program for rows of ``c`` elements (the best of a sweep on one H100,
+    docs/bench/row_copies.md)."""
+    block_c = min(triton.next_power_of_2(c), 256)
+    block_r = 8
+    return block_r, block_c, 2 if block_r * block_c * element_size <= 4096 else 4
+
+
+FAST_INDEX_ROW_BYTES = 1024  # rows at least this long: PyTorch's index_select is as fast (docs/bench/row_copies.md)
+
+
+def take_rows(x: Tensor, index: Tensor, out: Tensor | None = None) -> Tensor:
+    """``gather_rows`` for short rows, ``index_select`` for rows of at least FAST_INDEX_ROW_BYTES (CUDA)."""
+    if x.shape[1] * x.element_size() >= FAST_INDEX_ROW_BYTES:
+        return torch.index_select(x, 0, index, out=out) if out is not None else x.index_select(0, index)
+    return gather_rows(x, index, out)
+
+
+def gather_rows(x: Tensor, index: Tensor, out: Tensor | None = None, config: tuple[int, int, int] | None = None) -> Tensor:
+    """out[i] = x[index[i]]: x (N, C) contiguous, index (M,) int64 on x's device -> (M, C) (into ``out`` when
+    given: contiguous, x's dtype). ``config``: (rows, columns, warps) of a program, for tuning."""
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"gather_rows: x must be a contiguous 2-D tensor, got shape {tuple(x.shape)} "
+                         f"strides {tuple(x.stride())}")
+    m, c = index.shape[0], x.shape[1]
+    if out is None:
+        out = torch.empty(m, c, dtype=x.dtype, device=x.device)
+    if m == 0 or c == 0:
+        return out
+    block_r, block_c, warps = config or _gather_config(c, x.element_size())
+    grid = (triton.cdiv(m, block_r), triton.cdiv(c, block_c))
+    _gather_kernel[grid](x, index, out, m, c, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps)
+    return out
+
+
+@triton.jit
+def _nan_kernel(out, lse, R, H, D, s_ob, s_or, s_oh, s_lb, s_lh, s_lr,
+                BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One program: BLOCK_R rows of one (batch element, head).
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    in_r = rows < R
+    tile = in_r[:, None] & (cols[None, :] < D)
+    vals = tl.load(out + b * s_ob + h * s_oh + rows[:, None] * s_or + cols[None, :], mask=tile, other=0.0).to(tl.float32)
+    bad = tl.max((vals != vals).to(tl.int32), axis=1) > 0
+    tl.store(lse + b * s_lb + h * s_lh + rows * s_lr, float("nan"), mask=in_r & bad)
+
+
+def nan_rows_(out: Tensor, lse: Tensor) -> Tensor:
+    """lse (B, H, S) set to NaN in place where out (B, S, H, D) (head dimension contiguous) holds a NaN."""
+    b, s, h, d = out.shape
+    if out.stride(-1) != 1:
+        raise ValueError(f"nan_rows_: the head dimension of out must be contiguous (strides {tuple(out.stride())})")
+    if out.numel() == 0:
+        return lse
+    block_d = triton.next_power_of_2(d)
+    block_r = max(1, 8192 // (block_d * out.element_size()))
+    grid = (triton.cdiv(s, block_r), h, b)
+    _nan_kernel[grid](out, lse, s, h, d, *out.stride()[:3], *lse.stride(), BLOCK_R=block_r, BLOCK_D=block_d,
+                      num_warps=4)
+    return lse

@@ -1,0 +1,92 @@
+"""The row kernels (distcomm_attention/kernels/triton_rows.py) against PyTorch indexing, under the Triton
+interpreter on CPU and on a GPU; Ulysses' all-to-all packs and places through them against its permuted
+copies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distcomm_attention.strategies import ulysses
+from distcomm_attention.transport.base import Done
+
+triton = pytest.importorskip("triton")
+triton_rows = pytest.importorskip("distcomm_attention.kernels.triton_rows")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+@pytest.mark.parametrize("cols", [1, 40, 300])
+def test_gather_rows_is_indexing(device, dtype, cols):
+    """out[i] = x[index[i]] for any index (repeats, every row, none), into a fresh or a given buffer, and under
+    another program shape: bit for bit."""
+    g = torch.Generator().manual_seed(cols)
+    x = (torch.randn(37, cols, generator=g) * 50).to(dtype).to(device)
+    for index in (torch.randint(0, 37, (53,), generator=g), torch.randperm(37, generator=g),
+                  torch.zeros(0, dtype=torch.int64)):
+        index = index.to(device)
+        want = x[index]
+        assert torch.equal(triton_rows.gather_rows(x, index), want)
+        out = torch.full_like(want, 7)
+        assert triton_rows.gather_rows(x, index, out=out) is out and torch.equal(out, want)
+        assert torch.equal(triton_rows.gather_rows(x, index, config=(2, 16, 1)), want)
+        assert torch.equal(triton_rows.take_rows(x, index), want)  # index_select from 1 KB rows (cols 300, fp32)
+
+
+def test_gather_rows_refuses_non_contiguous_input():
+    x = torch.zeros(4, 6)
+    with pytest.raises(ValueError, match="contiguous 2-D tensor"):
+        triton_rows.gather_rows(x.t(), torch.arange(2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_nan_rows_marks_exactly_the_rows_holding_a_nan(device, dtype):
+    """lse becomes NaN where the output row holds a NaN, anywhere in the head dimension; rows of +-inf or large
+    values are not NaN rows; lse given as a transposed view (the packed calls' layout) is written in place."""
+    g = torch.Generator().manual_seed(2)
+    b, s, h, d = 2, 45, 3, 24
+    out = torch.randn(b, s, h, d, generator=g)
+    out[0, 3, 1, 0] = out[1, 44, 2, 23] = out[1, 10, 0, 11] = float("nan")
+    out[0, 5, 0, :] = float("inf")
+    out[0, 6, 2, 3] = -float("inf")
+    out = out.to(dtype)
+    lse32 = torch.randn(h, b, s, generator=g)
+    want = lse32.transpose(0, 1).double()
+    want.masked_fill_(out.double().isnan().any(-1).transpose(1, 2), float("nan"))
+    lse = lse32.to(device).transpose(0, 1)  # (B, H, S), not contiguous
+    got = triton_rows.nan_rows_(out.to(device), lse)
+    assert got is lse
+    assert torch.equal(got.isnan().cpu(), want.isnan()) and int(want.isnan().sum()) == 3
+    torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=0, equal_nan=True, check_dtype=False)
+
+
+class _Mirror:
+    """A transport whose all-to-all hands back what was sent: the packs and places are what is compared."""
+
+    def all_to_all_v(self, send, send_splits, recv_splits):
+        return Done(send.clone())
+
+
+@pytest.mark.parametrize("groups,group", [(1, 0), (2, 0), (2, 1), (4, 3)])
+def test_ulysses_packs_and_places_by_row_gather_match_the_permuted_copies(monkeypatch, groups, group):
+    """Ulysses' send buffers and the placed results through the row gather (the interpreter stands in for the
+    GPU) equal the permuted copies' bit for bit, for one head group or several."""
+    g = torch.Generator().manual_seed(groups)
+    b, n, degree, d = 2, 5, 4, 8
+    heads = degree * groups * 2
+    x = torch.randn(b, n, heads, d, generator=g).to(torch.bfloat16)
+    copies = ulysses._post(_Mirror(), x, degree, group, groups).wait()[0]
+    monkeypatch.setattr(ulysses, "_gathers", lambda t: t.is_contiguous())
+    gathered = ulysses._post(_Mirror(), x, degree, group, groups).wait()[0]
+    assert gathered.shape == copies.shape == (degree, b, n, heads // (degree * groups), d)
+    assert torch.equal(gathered, copies)
+    if groups == 1:  # the way back: all a rank's heads from every rank's share
+        y = torch.randn(degree, b, n, heads // degree, d, generator=g).to(torch.bfloat16)
+        placed = ulysses._place([Done(y)], b, n, heads, d, degree, y.dtype, y.device)
+        monkeypatch.undo()
+        want = ulysses._place([Done(y)], b, n, heads, d, degree, y.dtype, y.device)
+        assert torch.equal(placed, want)
+        assert torch.equal(want, y.permute(1, 2, 0, 3, 4).reshape(b, n, heads, d))
