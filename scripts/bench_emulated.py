@@ -14,7 +14,8 @@ ring loop, hops posted before the compute they overlap; the sparse ring's direct
 block reads where the strategy takes it, Note [Sparse ring]), "allgather" (the all-gather of k, v, or the sparse
 exchange of only the needed keys where the exchange plan makes it cheaper, Note [Sparse gather]; the
 backward gathers again and reduces dK/dV in fp32), "ulysses" (the strategy's own autograd Function as it
-runs: every all-to-all waited before the kernels that need it) and "ulysses_pipelined" (the same with its
+runs: every all-to-all waited before the kernels that need it), "ulysses_halves" (in two halves where no
+query sees a later key, Note [Ulysses halves]; off in the strategy by default) and "ulysses_pipelined" (its
 all-to-alls pipelined by head groups, Note [Ulysses pipeline]).
 
     python scripts/bench_emulated.py --cases 65536x8,131072x8 --docs one,lognormal --links nvlink,internode \
@@ -29,6 +30,7 @@ requires the same bits.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -46,15 +48,14 @@ from distcomm_attention.kernels import dispatch  # noqa: E402
 from distcomm_attention.planning import cost  # noqa: E402
 from distcomm_attention.planning.exchange import compact_gathered_plan, gathered_exchange, sparse_ring  # noqa: E402
 from distcomm_attention.strategies.sparse_ring import sparse_ring_backward, sparse_ring_forward  # noqa: E402
-from distcomm_attention.planning.plans import gathered_plan, local_plan  # noqa: E402
+from distcomm_attention.planning.plans import gathered_plan  # noqa: E402
 from distcomm_attention.planning.visibility import Visibility, ring_plan  # noqa: E402
 from distcomm_attention.strategies.allgather import AllGatherKV, local_backward  # noqa: E402
 from distcomm_attention.strategies.ring import ring_backward, ring_forward  # noqa: E402
 from distcomm.ring import RingComm  # noqa: E402
 from distcomm_attention import transport  # noqa: E402
 from distcomm_attention.transport import CountingTransport  # noqa: E402
-from distcomm_attention.planning.plans import natural_order  # noqa: E402
-from distcomm_attention.strategies.dispatch import _Ring  # noqa: E402
+from distcomm_attention.strategies.dispatch import ulysses_inner  # noqa: E402
 from distcomm_attention.strategies.ulysses import ulysses  # noqa: E402
 from distcomm_attention.transport.emulated import INTER_NODE, NVLINK, EmulatedLink, InstantLink, Links  # noqa: E402
 
@@ -128,10 +129,11 @@ def _allgather_step(t, q, k, v, dout, concrete, vis, world, rank, fwd, bwd, scal
     return step, ex is not None
 
 
-def _ulysses_step(t, q, k, v, dout, concrete, vis, world, fwd, bwd, scale, pipelined: bool):
-    """The strategy itself (its autograd Function, re-ordering included) with the link as its transport."""
+def _ulysses_step(t, q, k, v, dout, concrete, vis, world, fwd, bwd, scale, pipelined: bool, split: bool = False):
+    """The strategy itself (its autograd Function, re-ordering included) with the link as its transport;
+    ``split``: in two halves where they apply (Note [Ulysses halves])."""
     n = q.shape[1]
-    inner = _Ring(RingComm(None), local_plan(vis, world * n), 0.0, scale, fwd, bwd, natural_order(concrete, world, n))
+    inner = ulysses_inner(RingComm(None), vis, concrete, world, n, 0.0, scale, fwd, bwd, split=split)
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
 
     def step():
@@ -142,7 +144,7 @@ def _ulysses_step(t, q, k, v, dout, concrete, vis, world, fwd, bwd, scale, pipel
     return step
 
 
-STRATEGIES = ("ring", "allgather", "ulysses", "ulysses_pipelined")
+STRATEGIES = ("ring", "allgather", "ulysses", "ulysses_halves", "ulysses_pipelined")
 
 
 def plan_case(seq: int, world: int, mix: str, layout: str):
@@ -156,7 +158,8 @@ def plan_case(seq: int, world: int, mix: str, layout: str):
 def rank_step(strategy: str, t, q, k, v, dout, concrete, vis, world: int, rank: int, fwd, bwd, scale: float):
     """Simulated rank ``rank`` of ``world`` running ``strategy`` over transport ``t`` (a ``_Sent``) on its
     shards q, dout (1, n, H, D) and k, v (1, n, Hkv, D) -> (path, step): the path the strategy takes on this
-    rank ("ring", "sparse_ring", "allgather", "sparse_allgather", "ulysses", "ulysses_pipelined") and a
+    rank ("ring", "sparse_ring", "allgather", "sparse_allgather", "ulysses", "ulysses_halves",
+    "ulysses_pipelined") and a
     function that runs its forward + backward once and returns (out, dq, dk, dv)."""
     n = q.shape[1]
     if strategy == "ring":
@@ -167,9 +170,9 @@ def rank_step(strategy: str, t, q, k, v, dout, concrete, vis, world: int, rank: 
     if strategy == "allgather":
         step, sparse = _allgather_step(t, q, k, v, dout, concrete, vis, world, rank, fwd, bwd, scale)
         return ("sparse_allgather" if sparse else "allgather"), step
-    if strategy in ("ulysses", "ulysses_pipelined"):
+    if strategy in ("ulysses", "ulysses_halves", "ulysses_pipelined"):
         return strategy, _ulysses_step(t, q, k, v, dout, concrete, vis, world, fwd, bwd, scale,
-                                       pipelined=strategy == "ulysses_pipelined")
+                                       pipelined=strategy == "ulysses_pipelined", split=strategy == "ulysses_halves")
     raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
 
 
@@ -218,12 +221,14 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
                            reduce_scatter_gbps=lk.reduce_scatter_gbps)
         call = cost.Call(1, n, heads, kv_heads, d, 2, concrete, vis, world, packs=getattr(args, "packs", False))
         for s, m in per.items():
-            p = cost.predict(call, "ulysses" if s.startswith("ulysses") else s, hw)
+            p = cost.predict(dataclasses.replace(call, ulysses_halves=s == "ulysses_halves"),
+                             "ulysses" if s.startswith("ulysses") else s, hw)
             m["exposed_comm_s"] = m["max_s"] - ideal[s]["max_s"]
             m["predicted_s"] = p.seconds
             m["prediction_error"] = p.seconds / m["max_s"] - 1
         fastest = min(per, key=lambda s: per[s]["max_s"])
-        pick = cost.choose(call, tuple(s for s in per if s != "ulysses_pipelined"), hw).strategy
+        pick = cost.choose(call, tuple(s for s in per if s not in ("ulysses_pipelined", "ulysses_halves")),
+                           hw).strategy
         row[f"{link_name}_fastest"], row[f"{link_name}_pick"] = fastest, pick
         row[f"{link_name}_pick_vs_fastest"] = per[pick]["max_s"] / per[fastest]["max_s"]
     return row

@@ -42,11 +42,11 @@ CASES = {  # name: (document mix of scripts/bench_strategies.py, layout)
     "packed zigzag": ("pareto", "zigzag"),
     "packed auto": ("pareto", "auto"),
 }
-STRATEGIES = ("ring", "allgather", "ulysses", "ulysses_pipelined")
+STRATEGIES = ("ring", "allgather", "ulysses", "ulysses_halves", "ulysses_pipelined")
 PATHS = {
-    "causal": ("ring", "allgather", "ulysses", "ulysses_pipelined"),
-    "packed zigzag": ("sparse_ring", "sparse_allgather", "ulysses", "ulysses_pipelined"),
-    "packed auto": ("ring", "sparse_allgather", "ulysses", "ulysses_pipelined"),
+    "causal": ("ring", "allgather", "ulysses", "ulysses_halves", "ulysses_pipelined"),
+    "packed zigzag": ("sparse_ring", "sparse_allgather", "ulysses", "ulysses_halves", "ulysses_pipelined"),
+    "packed auto": ("ring", "sparse_allgather", "ulysses", "ulysses_halves", "ulysses_pipelined"),
 }
 LINKS = {"nvlink": NVLINK, "slow": Links(1.0, 1.0, 1.0, 1.0, latency_us=200.0)}
 

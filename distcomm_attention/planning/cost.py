@@ -17,7 +17,9 @@ Note [Cost model]
                   carries k, v forward and k, v plus fp32 dK, dV backward (Note [Ring attention loop]);
                   the last hop (dK, dV home) is not hidden
         ulysses   compute + four all-to-alls forward (q, k, v, out) and four backward (dout, dq, dk, dv),
-                  (U - 1) / U of each tensor leaves the rank, at a2a_bw, not overlapped
+                  (U - 1) / U of each tensor leaves the rank, at a2a_bw, not overlapped; in two halves
+                  (Note [Ulysses halves]) the two parts' calls, and of each direction's transfers the first
+                  piece in and the last piece out, the others less the kernels they hide behind
         allgather compute + k, v gathered twice (forward, backward) at allgather_bw + fp32 dK, dV
                   reduce-scattered at reduce_scatter_bw, less the backward of the blocks on the rank's own
                   keys, which runs while it is in flight (Note [All-gather KV]: "others first"; 2.5 / 3.5 of
@@ -66,7 +68,8 @@ import torch
 
 from distcomm_attention.planning.calls import step_calls
 from distcomm_attention.planning.exchange import gathered_exchange, sparse_ring
-from distcomm_attention.planning.plans import gathered_plan, local_plan, own_rows, split_local
+from distcomm_attention.planning import layouts
+from distcomm_attention.planning.plans import gathered_plan, half_plans, local_plan, own_rows, split_local
 from distcomm_attention.planning.visibility import RingPlan, Visibility, ring_plan
 
 __all__ = ["Hardware", "Prediction", "StrategyChoice", "Call", "predict", "choose", "lower_bound"]
@@ -130,6 +133,7 @@ class Call:
     world: int
     ulysses: int = 1  # the hybrids' Ulysses degree (world = ulysses * ring)
     packs: bool = False  # the block kernels run a step's pieces as packed varlen calls (Note [Packed steps])
+    ulysses_halves: bool = False  # Ulysses in two halves where they apply (Note [Ulysses halves])
 
 
 def _pairs(block) -> int:
@@ -264,6 +268,28 @@ def _a2a_s(c: Call, degree: int, heads: int, kv_heads: int, hw: Hardware) -> flo
     return 2 * (_transfer_s(per_token * (2 * heads + 2 * kv_heads), hw.a2a_gbps, hw) + 3 * hw.latency_s)
 
 
+def _ulysses_halves_s(c: Call, degree: int, heads: int, kv_heads: int, parts: tuple[float, float],
+                      hw: Hardware) -> float:
+    """Exposed all-to-all time of Ulysses in two halves (Note [Ulysses halves]), each direction's pieces in
+    turn on the link, the second piece in behind the first part's kernels, the first piece out behind the
+    second's; ``parts``: the compute of the two parts (fwd + bwd). ``heads``, ``kv_heads``: all of them."""
+    per_token = c.batch * c.local_len * c.head_dim * c.itemsize * (degree - 1) / degree
+    seq_len = c.world * c.local_len
+    cut = seq_len // 2
+    before = [int((layouts.positions(c.layout, seq_len, c.world, r) < cut).sum()) for r in range(c.world)]
+    share = (max(before) / c.local_len, max(c.local_len - p for p in before) / c.local_len)
+
+    def t(units: int, part: int) -> float:
+        return _transfer_s(per_token * units * share[part], hw.a2a_gbps, hw)
+
+    wide, narrow = heads + 2 * kv_heads, heads  # q, k, v (dq, dk, dv) and out (dout)
+    fwd = [x / 3.5 for x in parts]
+    bwd = [x - f for x, f in zip(parts, fwd)]
+    forward = t(wide, 0) + max(0.0, t(wide, 1) - fwd[0]) + max(0.0, t(narrow, 0) - fwd[1]) + t(narrow, 1)
+    backward = t(narrow, 1) + max(0.0, t(narrow, 0) - bwd[1]) + max(0.0, t(wide, 1) - bwd[0]) + t(wide, 0)
+    return forward + backward
+
+
 def _kv_sent(heads: int, kv_heads: int, degree: int) -> int:
     """kv heads sent through Ulysses' all-to-all (Note [Ulysses])."""
     if kv_heads % degree == 0:
@@ -291,7 +317,12 @@ def predict(c: Call, strategy: str, hw: Hardware = Hardware()) -> Prediction | N
         heads, kv_heads = c.heads // u, kv_sent // u
         comm = _a2a_s(c, u, c.heads, kv_sent, hw)
         if strategy == "ulysses":
-            compute = _compute_s(*_step_costs(local_plan(c.vis, s), c.packs)[0], c, heads, kv_heads, hw)
+            halves = half_plans(c.vis, s, s // 2) if u > 1 and c.ulysses_halves else None
+            if halves is None:
+                compute = _compute_s(*_step_costs(local_plan(c.vis, s), c.packs)[0], c, heads, kv_heads, hw)
+            else:  # Note [Ulysses halves]
+                parts = tuple(_compute_s(*_step_costs(p, c.packs)[0], c, heads, kv_heads, hw) for p in halves)
+                compute, comm = sum(parts), _ulysses_halves_s(c, u, c.heads, kv_sent, parts, hw)
             mem = b * s * d * item * (2 * heads + 2 * kv_heads)
         else:
             rings = c.world // u

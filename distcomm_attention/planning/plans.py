@@ -27,7 +27,8 @@ from distcomm_attention.planning import layouts
 from distcomm_attention.planning.visibility import (Block, RingPlan, Visibility, _block, _concrete, _query_bounds,
                                                     ring_plan)
 
-__all__ = ["natural_order", "gathered_in_natural_order", "gathered_plan", "local_plan", "own_rows", "split_local"]
+__all__ = ["natural_order", "gathered_in_natural_order", "gathered_plan", "half_plans", "local_plan", "own_rows",
+           "split_local"]
 
 
 def gathered_in_natural_order(layout: str) -> bool:
@@ -73,7 +74,14 @@ def gathered_plan(layout: str, vis: Visibility, ring_size: int, rank: int, local
         ring = ring_plan(layout, vis, ring_size, rank, n)
         blocks = [_shifted(b, 0, ((rank - t) % ring_size) * n) for t, step in zip(ring.steps, ring.blocks) for b in step]
         return RingPlan((0,), (tuple(blocks),))
-    pos = layouts.positions(layout, seq_len, ring_size, rank)
+    return _rows_plan(vis, seq_len, layouts.positions(layout, seq_len, ring_size, rank))
+
+
+def _rows_plan(vis: Visibility, seq_len: int, pos: torch.Tensor, split_causal: bool = True) -> RingPlan:
+    """One step: queries at the increasing global positions ``pos`` (row i of the call: pos[i]) against keys
+    in natural order (see Note [Gathered plans]); ``split_causal`` False: a causal run stays one "interval"
+    block (one window call for kernels that take windows) instead of a full and a causal one."""
+    n = pos.numel()
     cu = None if vis.cu_seqlens is None else torch.tensor(vis.cu_seqlens, dtype=torch.int64)
     first, stop = _query_bounds(vis, pos, cu)
     lo, hi = first.clamp(0, seq_len), stop.clamp(0, seq_len)
@@ -84,7 +92,7 @@ def gathered_plan(layout: str, vis: Visibility, ring_size: int, rank: int, local
     if whole is not None and whole.mode == "full" and whole.q == slice(0, n):
         return RingPlan((0,), ((whole,),))
     for s, e in zip(cuts, cuts[1:]):
-        split = _causal_split(s, lo[s:e], hi[s:e]) if vis.plain and vis.causal else None
+        split = _causal_split(s, lo[s:e], hi[s:e]) if split_causal and vis.plain and vis.causal else None
         if split is not None:
             blocks.extend(split)
             continue
@@ -92,6 +100,19 @@ def gathered_plan(layout: str, vis: Visibility, ring_size: int, rank: int, local
         if block is not None:
             blocks.append(_shifted(block, s, 0))
     return RingPlan((0,), (tuple(blocks),))
+
+
+@functools.lru_cache(maxsize=64)
+def half_plans(vis: Visibility, seq_len: int, cut: int) -> tuple[RingPlan, RingPlan] | None:
+    """The whole sequence's plan in natural order (``local_plan``) as two: queries [0, cut) against keys [0, cut)
+    and queries [cut, seq_len) (rows re-based to 0) against every key; None when a query before ``cut`` sees a
+    key at or after it (Note [Ulysses halves])."""
+    if not 0 < cut < seq_len:
+        return None
+    first = _rows_plan(vis, seq_len, torch.arange(cut))
+    if any(block.kv.stop > cut for block in first.blocks[0]):
+        return None
+    return first, _rows_plan(vis, seq_len, torch.arange(cut, seq_len), split_causal=False)
 
 
 def local_plan(vis: Visibility, seq_len: int) -> RingPlan:

@@ -26,7 +26,7 @@ from distcomm_attention.kernels import dispatch as kernel_dispatch
 from distcomm_attention.planning import cost, layouts
 from distcomm_attention.planning.layouts import hybrid_positions
 from distcomm_attention.planning.exchange import compact_gathered_plan, gathered_exchange
-from distcomm_attention.planning.plans import gathered_plan, local_plan, natural_order
+from distcomm_attention.planning.plans import gathered_plan, half_plans, local_plan, natural_order
 from distcomm_attention.planning.visibility import Visibility, ring_plan
 from distcomm_attention.strategies import allgather as _allgather
 from distcomm_attention.strategies import ulysses as _ulysses
@@ -86,11 +86,15 @@ class _Ring:
     computes in; ``forward`` and ``backward`` take and return rows in the plan's order, so Ulysses reorders
     each tensor once and saves the reordered ones for the backward."""
 
-    def __init__(self, comm: RingComm, plan, softcap: float, scale: float, fwd, bwd, order=None):
+    def __init__(self, comm: RingComm, plan, softcap: float, scale: float, fwd, bwd, order=None, parts=None,
+                 halves=None):
         self.comm, self.plan, self.softcap, self.scale, self.fwd, self.bwd = comm, plan, softcap, scale, fwd, bwd
         self.order = order
         self.inverse = None if order is None else torch.argsort(order)
         self._on_device: dict = {}
+        # Note [Ulysses halves]: the split of the rows (``halves``) and the plans of its two parts
+        self.halves = halves if parts is not None and comm.size == 1 else None
+        self._parts = parts
 
     def _index(self, which: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``which`` (order or inverse) on ``device``, copied there once per call."""
@@ -115,6 +119,27 @@ class _Ring:
     def backward(self, dout, q, k, v, out, lse, key_mask):
         return ring_backward(dout, q, k, v, out, lse, key_mask, self.comm, self.plan, self.softcap, self.scale,
                              self.bwd)
+
+    def forward_part(self, part: int, q, k, v, key_mask):
+        """``forward`` of the queries of one part of ``halves`` (Note [Ulysses halves])."""
+        return ring_forward(q, k, v, key_mask, self.comm, self._parts[part], self.softcap, self.scale, self.fwd)
+
+    def backward_part(self, part: int, dout, q, k, v, out, lse, key_mask):
+        """The backward of one part: dq in q's dtype, dk, dv of the keys it read in the accumulation dtype."""
+        return _allgather.local_backward(dout, q, k, v, out, lse, key_mask, self._parts[part], self.softcap,
+                                         self.scale, self.bwd)
+
+
+def ulysses_inner(comm: RingComm, vis: Visibility, layout, ranks: int, local_len: int, softcap: float, scale: float,
+                  fwd, bwd, *, plan=None, split: bool | None = None) -> _Ring:
+    """Plain Ulysses' inner computation: the whole sequence's plan in natural order on one rank (``plan``, made
+    when not given), in two parts where Note [Ulysses halves] applies and ``split`` (None: ``ulysses.HALVES``)."""
+    split = _ulysses.HALVES if split is None else split
+    seq_len = ranks * local_len
+    plan = local_plan(vis, seq_len) if plan is None else plan
+    split_rows = _ulysses.halves(layout, ranks, local_len) if split and ranks > 1 else None
+    parts = None if split_rows is None else half_plans(vis, seq_len, split_rows.cut)
+    return _Ring(comm, plan, softcap, scale, fwd, bwd, natural_order(layout, ranks, local_len), parts, split_rows)
 
 
 def _verification_comm(group) -> RingComm:
@@ -256,10 +281,10 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
                                               key_mask=attention_mask, softcap=softcap, scale=scale, fwd=fwd,
                                               bwd=bwd)
     if strategy == "ulysses":
-        plan, scale, fwd, bwd, layout = prepare(q, k, v, comm, extra=extra, **common,
-                                                planner=lambda vis, lay: local_plan(vis, world * n))
+        (plan, vis), scale, fwd, bwd, layout = prepare(q, k, v, comm, extra=extra, **common,
+                                                       planner=lambda vis, lay: (local_plan(vis, world * n), vis))
         _ulysses.check_heads(q.shape[2], k.shape[2], world)
         one = RingComm(comm.group, 1) if world > 1 else RingComm(None)
-        inner = _Ring(one, plan, softcap, scale, fwd, bwd, natural_order(layout, world, n))
+        inner = ulysses_inner(one, vis, layout, world, n, softcap, scale, fwd, bwd, plan=plan)
         return _ulysses.ulysses(q, k, v, attention_mask, comm.group, world, inner)
     raise ValueError(f"`strategy` must be one of {list(STRATEGIES)}, got {strategy!r}")

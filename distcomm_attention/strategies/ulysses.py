@@ -45,6 +45,29 @@ Note [Ulysses pipeline]
     (a one-head kernel call is less efficient than a four-head one), 0.37 vs 0.52 on packed documents (the
     block path's per-call cost, paid per group). The strategy therefore runs one group (``pipelined=False``)
     until the block path's per-call cost is gone; the pipeline stays tested (tests/test_ulysses_pipeline.py).
+
+Note [Ulysses halves]
+    When no query sees a later key (causal attention, with or without a window and documents), Ulysses'
+    all-to-alls are posted in two pieces around a cut h = S / 2 of the natural order, and the kernels run in
+    two calls, so that half of each direction's transfer hides behind a kernel:
+
+        queries [0, h) read keys [0, h) only; positions increase within a shard, so the rows before h are a
+        prefix of every rank's shard (p_s rows of rank s: all-to-all-v splits, known to every rank)
+
+        forward:   post q, k, v prefixes | post q, k, v rests | wait prefixes | attend [0, h) to [0, h) |
+                   post out[0, h) back | wait rests | attend [h, S) to [0, S) | post out[h, S) back | place
+        backward:  post dout rests, dout prefixes | wait rests | backward of [h, S): dq, and dK, dV of every key
+                   in fp32 | post dq, dK, dV of [h, S) back (complete: no query before h reads those keys) |
+                   wait prefixes | backward of [0, h) | dK, dV of [0, h) summed in fp32, rounded once |
+                   post back | place
+
+    Exposed: the first piece in and the last piece out of each direction, about half of the one-piece
+    schedule's transfers; hidden: the second piece in behind the first call (a quarter of the work for dense
+    causal attention, more with documents) and the first piece out behind the second call. The two calls'
+    work is the one call's (the plans split the same visible pairs, ``plans.half_plans``); dK, dV of keys
+    before h are two calls' partial sums, added in fp32 (Note [Merging block outputs]'s rule). Used when the
+    split exists, the heads are not pipelined and the inner computation is local (plain Ulysses); the
+    hybrids' inner attention communicates itself and runs in one piece.
 """
 
 from __future__ import annotations
@@ -93,6 +116,7 @@ def gather_key_mask(key_mask: torch.Tensor | None, group, degree: int) -> torch.
 
 
 MAX_GROUPS = 4  # head groups a rank's heads are pipelined in (Note [Ulysses pipeline])
+HALVES = False  # plain Ulysses in two halves where they apply (Note [Ulysses halves]: measured, off by default)
 
 
 def head_groups(heads: int, kv_heads: int, *, backward: bool) -> int:
@@ -178,6 +202,175 @@ def _place(handles, b: int, n: int, h: int, d: int, degree: int, dtype, device) 
     return out.view(b, n, h, d)
 
 
+class Halves:
+    """Ulysses' rows split at ``cut`` of the natural order (Note [Ulysses halves]), the same on every rank: the
+    rows of each rank's shard in each part and where they go. ``order``: the natural order of the source-order
+    concatenation of the shards (``plans.natural_order``; None when it is already natural)."""
+
+    def __init__(self, order: torch.Tensor | None, ranks: int, local_len: int, cut: int):
+        seq_len = ranks * local_len
+        nat = torch.arange(seq_len) if order is None else order  # natural row i <- source-order row nat[i]
+        position = torch.argsort(nat)  # of each source-order row
+        before = (position < cut).view(ranks, local_len)
+        prefix = before.sum(1)
+        if not bool((before == (torch.arange(local_len) < prefix.unsqueeze(1))).all()):
+            raise ValueError("Ulysses halves need each shard's positions in increasing order")
+        self.cut, self.prefix = cut, tuple(prefix.tolist())
+        rank, row = nat // local_len, nat % local_len
+        counts = (prefix, local_len - prefix)
+        starts = tuple(torch.cumsum(c, 0) - c for c in counts)
+        first, second = slice(0, cut), slice(cut, seq_len)
+        # natural row i of each part <- row order[part][i] of what arrived (the shards' parts in source order)
+        self.order = (starts[0][rank[first]] + row[first],
+                      starts[1][rank[second]] + row[second] - prefix[rank[second]])
+        self.inverse = tuple(torch.argsort(o) for o in self.order)  # what a part sends back, in source order
+        self._on: dict = {}
+
+    def rows(self, rank: int, part: int) -> slice:
+        """The rows of ``rank``'s shard in ``part`` (0: before the cut)."""
+        p = self.prefix[rank]
+        return slice(0, p) if part == 0 else slice(p, None)
+
+    def splits(self, part: int, local_len: int) -> list[int]:
+        """Every rank's row count in ``part``."""
+        return [p if part == 0 else local_len - p for p in self.prefix]
+
+    def index(self, name: str, part: int, device: torch.device) -> torch.Tensor:
+        """``order`` or ``inverse`` of ``part`` on ``device`` (copied once)."""
+        key = (name, part, str(device))
+        if key not in self._on:
+            self._on[key] = getattr(self, name)[part].to(device, non_blocking=True)
+        return self._on[key]
+
+
+@functools.lru_cache(maxsize=32)
+def halves(layout, ranks: int, local_len: int) -> Halves | None:
+    """The split at S / 2 of a layout's shards (Note [Ulysses halves]), or None for a sequence of one row."""
+    from distcomm_attention.planning.plans import natural_order
+
+    seq_len = ranks * local_len
+    if seq_len < 2:
+        return None
+    return Halves(natural_order(layout, ranks, local_len), ranks, local_len, seq_len // 2)
+
+
+@functools.lru_cache(maxsize=32)
+def _pack_rows_index(start: int, rows: int, degree: int, device: torch.device) -> torch.Tensor:
+    """Row (r, i) of a part's send buffer <- row ((start + i) degree + r) of x viewed as rows of a rank's heads."""
+    r = torch.arange(degree, device=device).unsqueeze(1)
+    i = torch.arange(start, start + rows, device=device).unsqueeze(0)
+    return (i * degree + r).reshape(-1)
+
+
+def _post_part(t, x: torch.Tensor, degree: int, split: Halves, part: int):
+    """Post the all-to-all of one part of sequence-sharded x (B, n, H, D): to rank r its heads of this rank's
+    rows in the part, token-major ((tokens, B, h, D) per rank)."""
+    b, n, h, d = x.shape
+    hs, rows = h // degree, split.rows(t.rank, part)
+    start, stop, _ = rows.indices(n)
+    m = stop - start
+    if b == 1 and _gathers(x):
+        from distcomm_attention.kernels import triton_rows
+
+        send = triton_rows.take_rows(x.view(-1, hs * d), _pack_rows_index(start, m, degree, x.device))
+    else:
+        send = x[:, rows].reshape(b, m, degree, hs, d).permute(2, 1, 0, 3, 4).contiguous()
+    return t.all_to_all_v(send.view(degree * m, b, hs, d), [m] * degree, split.splits(part, n))
+
+
+def _natural_part(handle, split: Halves, part: int, out: torch.Tensor) -> torch.Tensor:
+    """Wait for a part and put its rows (tokens, B, h, D), source order, into ``out`` (B, rows, h, D) in
+    natural order."""
+    (recv,) = handle.wait()
+    index = split.index("order", part, recv.device)
+    if out.shape[0] == 1 and out.is_contiguous() and _gathers(recv):
+        from distcomm_attention.kernels import triton_rows
+
+        triton_rows.take_rows(recv.view(recv.shape[0], -1), index, out=out.view(out.shape[1], -1))
+    else:
+        out.copy_(recv.index_select(0, index).transpose(0, 1))
+    return out
+
+
+def _post_part_back(t, y: torch.Tensor, degree: int, split: Halves, part: int, local_len: int):
+    """Post the all-to-all of a part's natural-order rows y (B, rows, h, D) back to their shards."""
+    b, m, hs, d = y.shape
+    index = split.index("inverse", part, y.device)
+    if b == 1 and _gathers(y):
+        from distcomm_attention.kernels import triton_rows
+
+        send = triton_rows.take_rows(y.view(m, -1), index).view(m, b, hs, d)
+    else:
+        send = y.transpose(0, 1).index_select(0, index)
+    mine = split.splits(part, local_len)[t.rank]
+    return t.all_to_all_v(send, split.splits(part, local_len), [mine] * degree)
+
+
+def _place_part(handle, out: torch.Tensor, degree: int, rows: slice) -> None:
+    """Wait for a part on its way back and place it: out (B, n, H, D) rows ``rows``, every rank's heads."""
+    (recv,) = handle.wait()
+    b, n, h, d = out.shape
+    start, stop, _ = rows.indices(n)
+    m = stop - start
+    if m == 0:
+        return
+    if b == 1 and _gathers(recv) and out.is_contiguous():
+        from distcomm_attention.kernels import triton_rows
+
+        triton_rows.take_rows(recv.view(degree * m, -1), _place_index(m, degree, recv.device),
+                              out=out.view(n * degree, -1)[start * degree:stop * degree])
+    else:
+        out[:, rows] = recv.view(degree, m, b, h // degree, d).permute(2, 1, 0, 3, 4).reshape(b, m, h, d)
+
+
+def _forward_halves(t, q, k, v, km, degree: int, inner, split: Halves):
+    """The forward in two parts (Note [Ulysses halves]) -> (out (B, n, H, D), what the backward keeps)."""
+    b, n, heads, d = q.shape
+    h, hk, cut = heads // degree, k.shape[2] // degree, split.cut
+    seq_len = degree * n
+    pending = [[_post_part(t, x, degree, split, part) for x in (q, k, v)] for part in (0, 1)]
+    kh = torch.empty(b, seq_len, hk, d, dtype=k.dtype, device=k.device)
+    vh = torch.empty(b, seq_len, hk, d, dtype=v.dtype, device=v.device)
+    qs, outs, lses, back = [], [], [], []
+    for part, rows in ((0, slice(0, cut)), (1, slice(cut, seq_len))):
+        qp = q.new_empty(b, rows.stop - rows.start, h, d)
+        for handle, out in zip(pending[part], (qp, kh[:, rows], vh[:, rows])):
+            _natural_part(handle, split, part, out)
+        keys = slice(0, cut) if part == 0 else slice(0, seq_len)
+        out, lse = inner.forward_part(part, qp, kh[:, keys], vh[:, keys], None if km is None else km[:, keys])
+        back.append(_post_part_back(t, out, degree, split, part, n))
+        qs.append(qp), outs.append(out), lses.append(lse)
+    result = q.new_empty(b, n, heads, d, dtype=outs[0].dtype)
+    for part, handle in enumerate(back):
+        _place_part(handle, result, degree, split.rows(t.rank, part))
+    return result, (*qs, kh, vh, *outs, *lses)
+
+
+def _backward_halves(t, dout, saved, km, degree: int, inner, split: Halves):
+    """The backward in two parts (Note [Ulysses halves]) -> dq (B, n, H, D), dk, dv (B, n, Hkv', D) in the
+    inputs' dtypes (Hkv': the kv heads as sent)."""
+    q0, q1, kh, vh, out0, out1, lse0, lse1 = saved
+    b, n, heads, d = dout.shape
+    cut, seq_len = split.cut, degree * n
+    pending = {part: _post_part(t, dout, degree, split, part) for part in (1, 0)}
+    d1 = _natural_part(pending[1], split, 1, dout.new_empty(b, seq_len - cut, *q1.shape[2:]))
+    dq1, dk, dv = inner.backward_part(1, d1, q1, kh, vh, out1, lse1, km)  # dk, dv of every key, fp32
+    back = {1: [_post_part_back(t, x, degree, split, 1, n)
+                for x in (dq1, dk[:, cut:].to(kh.dtype), dv[:, cut:].to(vh.dtype))]}
+    d0 = _natural_part(pending[0], split, 0, dout.new_empty(b, cut, *q0.shape[2:]))
+    dq0, dk0, dv0 = inner.backward_part(0, d0, q0, kh[:, :cut], vh[:, :cut], out0, lse0,
+                                        None if km is None else km[:, :cut])
+    dk0 += dk[:, :cut]
+    dv0 += dv[:, :cut]
+    back[0] = [_post_part_back(t, x, degree, split, 0, n) for x in (dq0, dk0.to(kh.dtype), dv0.to(vh.dtype))]
+    hk = kh.shape[2] * degree
+    grads = (dout.new_empty(b, n, heads, d), kh.new_empty(b, n, hk, d), vh.new_empty(b, n, hk, d))
+    for part in (1, 0):
+        for handle, g in zip(back[part], grads):
+            _place_part(handle, g, degree, split.rows(t.rank, part))
+    return grads
+
+
 class _UlyssesAttn(torch.autograd.Function):
     """out = attention over the whole sequence, head-sharded in between; see Note [Ulysses] and
     Note [Ulysses pipeline].
@@ -196,6 +389,14 @@ class _UlyssesAttn(torch.autograd.Function):
         if ids is not None:
             k, v = k.index_select(2, ids), v.index_select(2, ids)
         t = transport.for_group(group)
+        split = None if pipelined else getattr(inner, "halves", None)
+        ctx.group, ctx.degree, ctx.inner = _groups.hold(group), degree, inner
+        ctx.kv_heads, ctx.pipelined, ctx.split = kv_heads, pipelined, split
+        if split is not None:  # Note [Ulysses halves]
+            (km,) = inner.natural(gather_key_mask(key_mask, group, degree))
+            out, saved = _forward_halves(t, q.contiguous(), k.contiguous(), v.contiguous(), km, degree, inner, split)
+            ctx.save_for_backward(*saved, km, ids)
+            return out
         h, hk = q.shape[2] // degree, k.shape[2] // degree
         groups = head_groups(h, hk, backward=False) if pipelined else 1
         size = h // groups
@@ -214,18 +415,20 @@ class _UlyssesAttn(torch.autograd.Function):
             qs.append(qg), outs.append(out), lses.append(lse)
         qh, out, lse = torch.cat(qs, 2), torch.cat(outs, 2), torch.cat(lses, 1)
         ctx.save_for_backward(qh, kh, vh, out, lse, km, ids)
-        ctx.group, ctx.degree, ctx.inner = _groups.hold(group), degree, inner
-        ctx.kv_heads, ctx.pipelined = kv_heads, pipelined
         b, n, heads, d = q.shape
         return _place(back, b, n, heads, d, degree, out.dtype, out.device)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        qh, kh, vh, out, lse, km, ids = ctx.saved_tensors
         degree, inner = ctx.degree, ctx.inner
         t = transport.for_group(_groups.unhold(ctx.group))
         dout = dout.contiguous()
+        if ctx.split is not None:
+            *saved, km, ids = ctx.saved_tensors
+            dq, dk, dv = _backward_halves(t, dout, saved, km, degree, inner, ctx.split)
+            return (dq, *_kv_sum(dk, dv, ids, ctx.kv_heads), None, None, None, None, None)
+        qh, kh, vh, out, lse, km, ids = ctx.saved_tensors
         h, hk = qh.shape[2], kh.shape[2]
         groups = head_groups(h, hk, backward=True) if ctx.pipelined else 1
         size = h // groups
@@ -245,12 +448,17 @@ class _UlyssesAttn(torch.autograd.Function):
         kv_back = [_post_back(t, x, degree) for x in inner.source(dk, dv)]
         dq = _place(back, b, n, heads, d, degree, dout.dtype, dout.device)
         dk, dv = (_place([p], b, n, hk * degree, d, degree, x.dtype, x.device) for p, x in zip(kv_back, (dk, dv)))
-        if ids is not None:  # the copies of each kv head sum to its gradient
-            acc = torch.float64 if dk.dtype == torch.float64 else torch.float32
-            dk = torch.zeros(b, n, ctx.kv_heads, d, dtype=acc, device=dk.device).index_add_(2, ids, dk.to(acc))
-            dv = torch.zeros(b, n, ctx.kv_heads, d, dtype=acc, device=dv.device).index_add_(2, ids, dv.to(acc))
-            dk, dv = dk.to(dout.dtype), dv.to(dout.dtype)
-        return dq, dk, dv, None, None, None, None, None
+        return (dq, *_kv_sum(dk, dv, ids, ctx.kv_heads), None, None, None, None, None)
+
+
+def _kv_sum(dk: torch.Tensor, dv: torch.Tensor, ids: torch.Tensor | None, kv_heads: int):
+    """dk, dv of the kv heads as sent -> of the caller's kv heads: the copies of each head summed (in fp32)."""
+    if ids is None:
+        return dk, dv
+    b, n, _, d = dk.shape
+    acc = torch.float64 if dk.dtype == torch.float64 else torch.float32
+    sums = (torch.zeros(b, n, kv_heads, d, dtype=acc, device=x.device).index_add_(2, ids, x.to(acc)) for x in (dk, dv))
+    return tuple(x.to(dk.dtype) for x in sums)
 
 
 def ulysses(q, k, v, key_mask, group, degree: int, inner, *, pipelined: bool = False) -> torch.Tensor:
