@@ -1,6 +1,7 @@
-"""The whole-sequence copies of Ulysses and the all-gather, and the NaN-row check of a block output, each as
-PyTorch issues it today and as distcomm_attention/kernels/triton_rows.py does it: time per call and GB/s
-(bytes read + written), checked equal. One GPU.
+"""The whole-sequence copies of Ulysses, and the NaN-row check of a block output, each as PyTorch's permuted
+copies / index_select / isnan-any issue it and as the library now runs it (distcomm_attention/kernels/
+triton_rows.py: ``take_rows`` with a computed index, ``nan_rows_``): time per call and GB/s (bytes read +
+written), checked equal; then a sweep of the Triton gather's program shape. One GPU.
 
     python scripts/bench_row_copies.py --tokens 16384 --world 8 --heads 32 --kv-heads 8 --out row_copies.json
 """
@@ -56,14 +57,14 @@ def main() -> None:
     n, w, d = a.tokens, a.world, a.head_dim
     rows = []
 
-    def row(name, nbytes, torch_fn, triton_fn):
-        want, got = torch_fn(), triton_fn()
+    def row(name, nbytes, torch_fn, new_fn):
+        want, got = torch_fn(), new_fn()
         if want.shape != got.shape:
             raise SystemExit(f"{name}: shapes differ: {tuple(want.shape)} vs {tuple(got.shape)}")
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=f"{name}: results differ")
-        t0, t1 = _time(torch_fn, a.iters), _time(triton_fn, a.iters)
-        rows.append(dict(op=name, bytes=nbytes, torch_ms=t0 * 1e3, triton_ms=t1 * 1e3,
-                         torch_gbps=nbytes / t0 / 1e9, triton_gbps=nbytes / t1 / 1e9, speedup=t0 / t1))
+        t0, t1 = _time(torch_fn, a.iters), _time(new_fn, a.iters)
+        rows.append(dict(op=name, bytes=nbytes, torch_ms=t0 * 1e3, new_ms=t1 * 1e3,
+                         torch_gbps=nbytes / t0 / 1e9, new_gbps=nbytes / t1 / 1e9, speedup=t0 / t1))
         print(json.dumps(rows[-1]), flush=True)
 
     for heads, label in ((a.heads, "q"), (a.kv_heads, "k")):
@@ -73,7 +74,7 @@ def main() -> None:
         nb = 2 * x.numel() * x.element_size()
         row(f"all-to-all pack {label} ({n} x {heads} heads -> {w} x {n} x {h})", nb,
             lambda: x.reshape(1, n, w, h, d).permute(2, 0, 1, 3, 4).contiguous(),
-            lambda: triton_rows.gather_rows(x.view(n * w, h * d), pack).view(w, 1, n, h, d))
+            lambda: triton_rows.take_rows(x.view(n * w, h * d), pack).view(w, 1, n, h, d))
         recv = torch.randn(w, 1, n, h, d, dtype=torch.bfloat16, device=dev)
         place = _place_index(n, w, dev)
 
@@ -83,12 +84,12 @@ def main() -> None:
             return out.view(1, n, heads, d)
 
         row(f"all-to-all place {label} ({w} x {n} x {h} -> {n} x {heads} heads)", nb, placed,
-            lambda: triton_rows.gather_rows(recv.view(w * n, h * d), place).view(1, n, heads, d))
+            lambda: triton_rows.take_rows(recv.view(w * n, h * d), place).view(1, n, heads, d))
         whole = torch.randn(1, w * n, h, d, dtype=torch.bfloat16, device=dev)
         order = torch.randperm(w * n, device=dev)
         row(f"reorder {label} ({w * n} rows x {h} heads)", 2 * whole.numel() * 2,
             lambda: whole.index_select(1, order),
-            lambda: triton_rows.gather_rows(whole.view(w * n, h * d), order).view(1, w * n, h, d))
+            lambda: triton_rows.take_rows(whole.view(w * n, h * d), order).view(1, w * n, h, d))
 
     h = a.heads // w
     out = torch.randn(1, w * n, h, d, dtype=torch.bfloat16, device=dev)

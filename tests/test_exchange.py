@@ -42,6 +42,12 @@ def _random_docs(rng, seq_len):
     return tuple([0] + cuts + [seq_len])
 
 
+def _case_rng(layout, world, local_len) -> random.Random:
+    """The random cases of one parametrisation, the same in every process: seeded by a string (hashed with
+    SHA-512 by ``random``), not by ``hash()``, which PYTHONHASHSEED salts for str."""
+    return random.Random(f"{layout}-{world}-{local_len}")
+
+
 CASES = [(layout, w, n) for layout in ("contiguous", "zigzag", "striped", "balanced") for w, n in ((2, 8), (3, 6), (4, 4))]
 
 
@@ -49,7 +55,7 @@ CASES = [(layout, w, n) for layout in ("contiguous", "zigzag", "striped", "balan
 def test_plan_is_exactly_the_rows_some_query_sees(layout, world, local_len):
     """need[s][d] holds a row of s exactly when some query of d sees that key (brute force over all pairs),
     for random documents, windows and causal/full masks."""
-    rng = random.Random(hash((layout, world, local_len)) % 1000)
+    rng = _case_rng(layout, world, local_len)
     seq_len = world * local_len
     for _ in range(6):
         docs = _random_docs(rng, seq_len) if rng.random() < 0.7 else None
@@ -69,6 +75,20 @@ def test_plan_is_exactly_the_rows_some_query_sees(layout, world, local_len):
                 wanted = seen[pos[d]][:, pos[s]].any(0).nonzero().flatten().tolist()
                 got = [i for a, b in ex.need[s][d] for i in range(a, b)]
                 assert got == wanted, (vis, s, d, got, wanted)
+
+
+def test_random_cases_are_the_same_in_every_process():
+    """The random cases above do not depend on PYTHONHASHSEED (random in every process unless set): two
+    processes with different hash seeds draw the same ones."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = "from tests.test_exchange import CASES, _case_rng; print([_case_rng(*c).random() for c in CASES])"
+    drawn = [subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, "PYTHONHASHSEED": seed},
+                            capture_output=True, text=True, check=True, timeout=120).stdout for seed in ("1", "2")]
+    assert drawn[0] == drawn[1] and drawn[0].startswith("["), drawn
 
 
 def test_documents_on_one_rank_move_nothing():

@@ -79,7 +79,7 @@ def test_ulysses_packs_and_places_by_row_gather_match_the_permuted_copies(monkey
     heads = degree * groups * 2
     x = torch.randn(b, n, heads, d, generator=g).to(torch.bfloat16)
     copies = ulysses._post(_Mirror(), x, degree, group, groups).wait()[0]
-    monkeypatch.setattr(ulysses, "_gathers", lambda t: t.is_contiguous())
+    monkeypatch.setattr(ulysses, "_gathers", lambda t, row_elems=None: t.is_contiguous())
     gathered = ulysses._post(_Mirror(), x, degree, group, groups).wait()[0]
     assert gathered.shape == copies.shape == (degree, b, n, heads // (degree * groups), d)
     assert torch.equal(gathered, copies)

@@ -196,8 +196,11 @@ def _packed_varlen(call: PackedCall, batch: int, n: int, nk: int, device: torch.
     return _Packed(varlen, rows, keys, (r_lo, r_hi), (lo, hi), index, key_at)
 
 
+@functools.lru_cache(maxsize=256)
 def window_calls(pieces: tuple[Piece, ...]) -> tuple[WindowCall, ...]:
-    """Group band pieces into kernel calls (Note [Window calls])."""
+    """Group band pieces into kernel calls (Note [Window calls]); cached: a plan's block asks again on every
+    call (the one-block backward of a ring of one, Ulysses' inner), and grouping hundreds of documents' pieces
+    takes milliseconds of host time."""
     calls: list[list[Piece]] = []
     for p in pieces:
         group = calls[-1] if calls else None

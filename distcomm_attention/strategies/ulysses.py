@@ -153,17 +153,22 @@ def _place_index(rows: int, degree: int, device: torch.device) -> torch.Tensor:
     return (r * rows + j).reshape(-1)
 
 
-def _gathers(x: torch.Tensor) -> bool:
-    """Whether the packs and places of ``x`` run as one row gather with a computed index (on CUDA:
-    ``triton_rows.take_rows``, 1.3-1.5x PyTorch's permuted copies on one H100, docs/bench/row_copies.md)."""
-    return x.is_cuda and x.is_contiguous()
+def _gathers(x: torch.Tensor, row_elems: int | None = None) -> bool:
+    """Whether rows of ``x`` move as one row gather with a computed index (``triton_rows.take_rows``, CUDA): the
+    reorders always, the all-to-alls' packs and places (``row_elems`` elements a row) from rows of 1 KB, where
+    it is 1.3-1.8x PyTorch's permuted copies (below, those are as fast; docs/bench/row_copies.md)."""
+    if not (x.is_cuda and x.is_contiguous()):
+        return False
+    from distcomm_attention.kernels import triton_rows
+
+    return row_elems is None or row_elems * x.element_size() >= triton_rows.FAST_INDEX_ROW_BYTES
 
 
 def _post(t, x: torch.Tensor, degree: int, group: int, groups: int):
     """Post the all-to-all of head group ``group`` of sequence-sharded x (B, n, H, D)."""
     b, n, h, d = x.shape
     hs = h // (degree * groups)
-    if _gathers(x):
+    if _gathers(x, hs * d):
         from distcomm_attention.kernels import triton_rows
 
         send = triton_rows.take_rows(x.view(-1, hs * d), _pack_index(b * n, degree, group, groups, x.device))
@@ -192,7 +197,7 @@ def _place(handles, b: int, n: int, h: int, d: int, degree: int, dtype, device) 
     out = torch.empty(b, n, degree, groups, h // (degree * groups), d, dtype=dtype, device=device)
     for g, handle in enumerate(handles):
         (recv,) = handle.wait()
-        if groups == 1 and _gathers(recv):
+        if groups == 1 and _gathers(recv, recv.shape[-2] * recv.shape[-1]):
             from distcomm_attention.kernels import triton_rows
 
             triton_rows.take_rows(recv.view(degree * b * n, -1), _place_index(b * n, degree, device),
@@ -269,7 +274,7 @@ def _post_part(t, x: torch.Tensor, degree: int, split: Halves, part: int):
     hs, rows = h // degree, split.rows(t.rank, part)
     start, stop, _ = rows.indices(n)
     m = stop - start
-    if b == 1 and _gathers(x):
+    if b == 1 and _gathers(x, hs * d):
         from distcomm_attention.kernels import triton_rows
 
         send = triton_rows.take_rows(x.view(-1, hs * d), _pack_rows_index(start, m, degree, x.device))
@@ -314,7 +319,7 @@ def _place_part(handle, out: torch.Tensor, degree: int, rows: slice) -> None:
     m = stop - start
     if m == 0:
         return
-    if b == 1 and _gathers(recv) and out.is_contiguous():
+    if b == 1 and _gathers(recv, (h // degree) * d) and out.is_contiguous():
         from distcomm_attention.kernels import triton_rows
 
         triton_rows.take_rows(recv.view(degree * m, -1), _place_index(m, degree, recv.device),
