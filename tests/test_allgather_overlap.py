@@ -138,9 +138,10 @@ class _RecordingBackward:
         return self._inner.packed_step(dout, q, k, *args, **kwargs)
 
 
-def _overlap_rank(rank, world, layout, causal, window, docs, masked, sparse):
+def _overlap_rank(rank, world, layout, causal, window, docs, masked, sparse, runs=True):
     from distcomm_attention import transport
     from distcomm_attention.kernels.torch_exact import TorchBackward, TorchForward
+    from distcomm_attention.strategies import allgather as strategy, sparse_gather
     from distcomm_attention.strategies.allgather import allgather_attention
     from distcomm_attention.transport import TorchTransport
     from tests.counting import reference_errors
@@ -160,6 +161,14 @@ def _overlap_rank(rank, world, layout, causal, window, docs, masked, sparse):
     pos = layouts.positions(concrete, seq_len, world, rank)
     local = [t[:, pos].clone().requires_grad_() for t in (q, k, v)]
     log = []
+    sparse_gather.MAX_RUNS = 16 if runs else 0  # 0: own rows by index gather / scatter, summed in the buffer
+    own_sums = strategy.AllGatherKV._own_sums
+
+    def recorded(self, *args):
+        log.append(("own sums", None))
+        return own_sums(self, *args)
+
+    strategy.AllGatherKV._own_sums = recorded
     bwd = _RecordingBackward(TorchBackward(), local[1].detach(), log)
     with transport.using(lambda group: _RecordingTransport(TorchTransport(group), log)):
         key_mask = None if mask is None else mask[:, pos]
@@ -171,25 +180,30 @@ def _overlap_rank(rank, world, layout, causal, window, docs, masked, sparse):
     return {"errors": errors, "log": log[log.index(("backward", None)) + 1:]}
 
 
-OVERLAP = [  # (layout, causal, window, documents, key padding, world, sparse exchange)
-    ("zigzag", True, (-1, -1), None, False, 3, False),             # the whole sequence gathered again
-    ("striped", True, (-1, -1), None, True, 2, False),             # buffer in source order, kept, padding
-    ("contiguous", True, (-1, -1), (0, 5, 13, 24), True, 3, True),  # documents across boundaries, padding
-    ("balanced", True, (-1, -1), (0, 2, 9, 10, 24), False, 3, True),
-    ("zigzag", True, (3, -1), None, False, 3, True),               # a window: blocks across rank boundaries
+OVERLAP = [  # (layout, causal, window, documents, key padding, world, sparse exchange, own rows by runs)
+    ("zigzag", True, (-1, -1), None, False, 3, False, True),             # the whole sequence gathered again
+    ("striped", True, (-1, -1), None, True, 2, False, True),             # buffer in source order, kept, padding
+    ("contiguous", True, (-1, -1), (0, 5, 13, 24), True, 3, True, True),  # documents across boundaries, padding
+    ("contiguous", True, (-1, -1), (0, 5, 13, 24), True, 3, True, False),  # the same, own rows by index
+    ("balanced", True, (-1, -1), (0, 2, 9, 10, 24), False, 3, True, True),
+    ("zigzag", True, (3, -1), None, False, 3, True, True),               # a window: blocks across rank boundaries
+    ("zigzag", True, (3, -1), None, False, 3, True, False),
 ]
 
 
-@pytest.mark.parametrize("layout, causal, window, docs, masked, world, sparse", OVERLAP)
-def test_dkv_reduction_is_posted_before_the_own_key_blocks(layout, causal, window, docs, masked, world, sparse):
+@pytest.mark.parametrize("layout, causal, window, docs, masked, world, sparse, runs", OVERLAP)
+def test_dkv_reduction_is_posted_before_the_own_key_blocks(layout, causal, window, docs, masked, world, sparse,
+                                                           runs):
     """In the backward, the dK/dV reduction (reduce-scatter, or the sparse exchange's all-to-all-v) is the last
     thing posted; every block reading another rank's key runs before it is posted, every block reading only
-    this rank's keys after it and before its wait: that is the overlap. Out, dQ, dK, dV stay exact."""
-    got = run_world(_overlap_rank, world, layout, causal, window, docs, masked, sparse, timeout=90)
+    this rank's keys after it and before its wait: that is the overlap. Out, dQ, dK, dV stay exact, with the
+    sparse exchange's own rows summed per shard row (by runs: ``_own_sums``) or in the buffer (by index)."""
+    got = run_world(_overlap_rank, world, layout, causal, window, docs, masked, sparse, runs, timeout=90)
     reduction = "all_to_all_v" if sparse else "reduce_scatter"
     for r, g in enumerate(got):
         assert max(g["errors"]) < 1e-10, (r, g["errors"])
         log = g["log"]
+        assert (("own sums", None) in log) == (sparse and runs), (r, log)
         posts = [i for i, (what, _) in enumerate(log) if what == "post"]
         first, second = posts[-2:]  # dK's, then dV's
         assert log[first] == log[second] == ("post", reduction), (r, log)

@@ -49,6 +49,7 @@ from torch.autograd.function import once_differentiable
 from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention import transport
+from distcomm_attention.kernels.contract import RowSum
 from distcomm_attention.planning.exchange import Exchange
 from distcomm_attention.planning.plans import gathered_in_natural_order, natural_order, own_rows, split_local
 from distcomm_attention.planning.visibility import RingPlan
@@ -119,6 +120,17 @@ def local_backward(dout, q, k, v, out, lse, key_mask, plan: RingPlan, softcap: f
     return _dq_result(dq, q.dtype), dk, dv
 
 
+def _union(slices) -> list[tuple[int, int]]:
+    """The rows of some slices as sorted disjoint [start, stop) runs."""
+    runs: list[list[int]] = []
+    for a, b in sorted((sl.start or 0, sl.stop) for sl in slices):
+        if runs and a <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], b)
+        elif b > a:
+            runs.append([a, b])
+    return [(a, b) for a, b in runs]
+
+
 KEEP_ROWS = 2  # sparse buffers of at most this many times the local rows (on every rank) are kept for the backward
 
 
@@ -182,6 +194,26 @@ class AllGatherKV:
         return self.plan.cached("own rows before", lambda: torch.cat(
             [torch.zeros(1, dtype=torch.int64), self._own().to(torch.int64).cumsum(0)]))
 
+    def _own_sums(self, own_grads, step1, pending, plan: RingPlan, k, v, acc_dtype):
+        """dk, dv of this rank's keys in the inputs' dtypes (Note [Sparse gather]: own rows by runs): every term
+        added into a ``RowSum`` over the shard's rows, so that a row one call reached keeps the kernel's result
+        and only rows two terms reached are summed in fp32: the own-key calls' gradients first, then step 1's
+        sums on own rows (``step1``: buffer-shaped, zero where it wrote nothing), then what the other ranks sent
+        back."""
+        sparse = self.sparse
+        acc = (RowSum(k.shape, acc_dtype, k.device), RowSum(v.shape, acc_dtype, v.device))
+        for kv, *grads in own_grads:
+            for a, z, off in sparse.own_ranges(kv.start, kv.stop):
+                for sums, g in zip(acc, grads):
+                    sums.add(a, z, g[:, off:off + z - a])
+        for k0, k1 in _union(block.kv for block in plan.blocks[1]):
+            for a, z, off in sparse.own_ranges(k0, k1):
+                for sums, g in zip(acc, step1):
+                    sums.add(a, z, g[:, k0 + off:k0 + off + z - a])
+        for returning, sums in zip(pending, acc):
+            returning.add_returned(sums)
+        return acc[0].result(k.dtype), acc[1].result(v.dtype)
+
     @property
     def group(self):
         return _groups.unhold(self._group)
@@ -228,7 +260,9 @@ class AllGatherKV:
                 del dk_all, dv_all
             own_grads = block_grads(*step, 0, *kernel)
             del step, k_all, v_all
-            if self.sparse is not None:  # into the buffer's own rows, which the wait reads
+            if self.sparse is not None and self.sparse.own_all and self.sparse.back_runs is not None:
+                dk, dv = self._own_sums(own_grads, (dk_all, dv_all), pending, plan, k, v, acc_dtype)
+            elif self.sparse is not None:  # into the buffer's own rows, which the wait reads
                 for kv, dk_b, dv_b in own_grads:
                     dk_all[:, kv] += dk_b
                     dv_all[:, kv] += dv_b

@@ -37,13 +37,13 @@ __all__ = ["SparseGather"]
 MAX_RUNS = 16  # own rows forming at most this many runs are moved by slice copies (Note [Sparse gather])
 
 
-def _runs(src: torch.Tensor, dst: torch.Tensor) -> tuple[tuple[int, int, int], ...] | None:
+def _runs(src: torch.Tensor, dst: torch.Tensor, limit: int | None = None) -> tuple[tuple[int, int, int], ...] | None:
     """(src start, dst start, length) of the runs where both row indices step by one, or None when there are
-    more than ``MAX_RUNS`` (host tensors)."""
+    more than ``limit`` (default ``MAX_RUNS``; host tensors)."""
     if src.numel() == 0:
         return ()
     breaks = ((src[1:] - src[:-1] != 1) | (dst[1:] - dst[:-1] != 1)).nonzero().flatten() + 1
-    if breaks.numel() >= MAX_RUNS:
+    if breaks.numel() >= (MAX_RUNS if limit is None else limit):
         return None
     starts = [0] + breaks.tolist()
     stops = starts[1:] + [src.numel()]
@@ -87,6 +87,8 @@ class SparseGather:
          self.buffer_len) = _indices(ex, layout, transport.rank)
         self.own_runs = _runs(self.own_index, self.place_own)  # (shard row, buffer row, length), or None
         self.own_all = self.own_runs is not None and self.own_index.numel() == ex.local_len
+        # (shard row, row of what comes back, length) of the rows other ranks return gradients for
+        self.back_runs = _runs(self.send_index, torch.arange(self.send_index.numel()), limit=4 * MAX_RUNS)
         self._on: dict = {}
 
     def _index(self, name: str, device: torch.device) -> torch.Tensor:
@@ -94,6 +96,15 @@ class SparseGather:
         if key not in self._on:
             self._on[key] = getattr(self, name).to(device, non_blocking=True)
         return self._on[key]
+
+    def own_ranges(self, k0: int, k1: int) -> list[tuple[int, int, int]]:
+        """The own rows among buffer rows [k0, k1) as (shard row start, stop, offset from k0), by ``own_runs``."""
+        out = []
+        for a, at, length in self.own_runs:
+            lo, hi = max(k0, at), min(k1, at + length)
+            if lo < hi:
+                out.append((a + lo - at, a + hi - at, lo - k0))
+        return out
 
     def is_own(self) -> torch.Tensor:
         """(m,) bool: which buffer rows hold this rank's own keys."""
@@ -173,6 +184,16 @@ class _Returning:
             out.index_add_(0, sparse._index("send_index", device), back)
         self._handle = self._rows = None
         return out.transpose(0, 1).contiguous()
+
+    def add_returned(self, acc) -> None:
+        """Wait and add what the other ranks sent back for this rank's keys into ``acc`` (a ``RowSum`` over the
+        shard's rows), one term per run of ``back_runs``; the buffer's own rows are not read."""
+        if self._handle is not None:
+            (back,) = self._handle.wait()
+            back = back.transpose(0, 1)
+            for a, at, length in self._sparse.back_runs:
+                acc.add(a, a + length, back[:, at:at + length])
+        self._handle = self._rows = None
 
 
 @functools.lru_cache(maxsize=64)
