@@ -831,3 +831,22 @@ def test_row_sum_rounds_each_row_once(first_whole):
     never = [i for i in range(n) if reached[i] == 0]
     assert [i for i in range(n) if reached[i] == 1] and (out[:, never] == 0).all()
     assert bool(never) == (not first_whole)
+
+
+def test_row_sum_of_mixed_dtypes_rounds_each_row_once():
+    """RowSum with bf16 kernel outputs and fp32 partial sums (the all-gather's own rows): a first fp32 term is
+    not rounded into the bf16 rows, so every row is its fp32 sum rounded once; rows one bf16 term reached stay
+    that term."""
+    from distcomm_attention.kernels.contract import RowSum
+
+    g = torch.Generator().manual_seed(9)
+    b, n, h, d = 1, 4, 1, 4096
+    first = torch.randn(b, 2, h, d, generator=g).to(BF16)
+    parts = [torch.randn(b, 2, h, d, generator=g) * 3 for _ in range(2)]  # fp32, rows 2-3, twice
+    total = RowSum(torch.Size((b, n, h, d)), torch.float32, torch.device("cpu"))
+    total.add(0, 2, first)
+    for p in parts:
+        total.add(2, 4, p)
+    out = total.result(BF16)
+    assert torch.equal(out[:, :2], first)
+    assert torch.equal(out[:, 2:], (parts[0] + parts[1]).to(BF16))  # rounding twice differs in ~1/4 of them

@@ -35,10 +35,17 @@ def test_gather_rows_is_indexing(device, dtype, cols):
         assert torch.equal(triton_rows.take_rows(x, index), want)  # index_select from 1 KB rows (cols 300, fp32)
 
 
-def test_gather_rows_refuses_non_contiguous_input():
+def test_gather_rows_refuses_what_it_would_misread():
+    """Strided inputs, indices or outputs (the kernel assumes stride 1) are refused, naming the argument."""
     x = torch.zeros(4, 6)
-    with pytest.raises(ValueError, match="contiguous 2-D tensor"):
+    with pytest.raises(ValueError, match="x must be a contiguous 2-D tensor"):
         triton_rows.gather_rows(x.t(), torch.arange(2))
+    with pytest.raises(ValueError, match="index must be a contiguous 1-D int64"):
+        triton_rows.gather_rows(x, torch.arange(4)[::2])
+    with pytest.raises(ValueError, match="index must be a contiguous 1-D int64"):
+        triton_rows.gather_rows(x, torch.arange(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        triton_rows.gather_rows(x, torch.arange(2), out=torch.zeros(6, 2).t())
 
 
 @pytest.mark.parametrize("device", DEVICES)

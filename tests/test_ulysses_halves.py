@@ -77,12 +77,14 @@ def test_no_halves_where_a_query_sees_a_later_key(vis):
     assert half_plans(vis, 20, 10) is None
 
 
-def _rank(rank, world, n, layout, causal, window, docs, masked, heads, kv_heads, batch, split=True):
+def _rank(rank, world, n, layout, causal, window, docs, masked, heads, kv_heads, batch, split=True, gathers=False):
     import distcomm_attention as da
     from distcomm_attention.strategies import ulysses
     from tests.counting import counted, reference_errors
 
     ulysses.HALVES = split  # the strategy's switch (off by default)
+    if gathers:  # the row gathers CUDA takes, run by the Triton interpreter (TRITON_INTERPRET, tests/conftest.py)
+        ulysses._gathers = lambda t, row_elems=None: t.is_contiguous()
 
     seq = world * n
     g = torch.Generator().manual_seed(7)
@@ -105,7 +107,7 @@ def _rank(rank, world, n, layout, causal, window, docs, masked, heads, kv_heads,
 CASES = [  # world, n, layout, causal, window, docs, masked, heads, kv_heads, batch
     (2, 8, "zigzag", True, (-1, -1), None, False, 4, 2, 2),
     (4, 6, "zigzag", True, (-1, -1), None, True, 8, 2, 1),            # kv heads replicated, padding
-    (3, 8, "contiguous", True, (5, -1), (0, 7, 13, 24), False, 6, 3, 1),  # a window, documents, kv expanded
+    (3, 8, "contiguous", True, (5, -1), (0, 7, 13, 24), False, 6, 2, 1),  # a window, documents, kv expanded
     (4, 8, "balanced", True, (-1, -1), (0, 3, 20, 21, 32), False, 4, 4, 2),
     (2, 6, "striped", True, (-1, -1), None, False, 2, 2, 1),
 ]
@@ -125,6 +127,17 @@ def test_ulysses_in_halves_matches_float64(world, n, layout, causal, window, doc
     for g, h in zip(got, one_piece):
         assert max(h["errors"]) < 1e-10 and (h["fwd"], h["bwd"]) == (4, 4), h
         assert g["sent"] == h["sent"], (g["sent"], h["sent"])
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_ulysses_in_halves_through_the_row_gathers(kv_heads):
+    """The halves' packs, reorders and places through the row gathers CUDA tensors take (the Triton
+    interpreter on CPU): float64 exact, batch 1, kv heads split and replicated."""
+    pytest.importorskip("triton")
+    got = run_world(_rank, 4, 6, "zigzag", True, (-1, -1), (0, 5, 17, 24), True, 4, kv_heads, 1, True, True,
+                    timeout=120)
+    for g in got:
+        assert max(g["errors"]) < 1e-10 and (g["fwd"], g["bwd"]) == (8, 8), g
 
 
 def test_attention_that_sees_later_keys_runs_in_one_piece():
@@ -154,3 +167,24 @@ def test_cost_model_counts_the_halves():
     full = dataclasses.replace(one, vis=Visibility(False))
     assert cost.predict(full, "ulysses", slow) == cost.predict(dataclasses.replace(full, ulysses_halves=True),
                                                                "ulysses", slow)
+
+
+def _mismatched_rank(rank, world):
+    import distcomm_attention as da
+    from distcomm_attention.strategies import ulysses
+
+    ulysses.HALVES = rank == 0  # one rank in halves, the other in one piece: different collectives
+    q, k, v = (torch.randn(1, 6, 4, 8, dtype=torch.float64) for _ in range(3))
+    try:
+        da.context_parallel_attn(q, k, v, strategy="ulysses", causal=True, layout="zigzag")
+    except Exception as e:  # noqa: BLE001 - the message is what is checked
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_ranks_that_disagree_on_the_halves_get_one_clear_error():
+    """The switch decides how many all-to-alls a rank posts: ranks that disagree get the same clear error
+    naming it, before any all-to-all, instead of a hang."""
+    got = run_world(_mismatched_rank, 2, timeout=60)
+    assert all("ulysses_halves" in g for g in got), got
+    assert got[0].split(":")[0] == got[1].split(":")[0] != "no error", got

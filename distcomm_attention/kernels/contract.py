@@ -287,6 +287,8 @@ class RowSum:
     in ``dtype`` (fp32; ``acc``, allocated once, never filled). The same values as summing every term into a
     zero-filled fp32 buffer and rounding, without the fill, the first addition or the rounding of rows no
     second call reached. ``add(r0, r1, term)`` adds term (B, r1 - r0, ...) to rows [r0, r1); ``result(dtype)``.
+    Terms may differ in dtype (the all-gather's own rows: bf16 kernel outputs and fp32 partial sums): a first
+    term whose dtype is not the kept rows' goes to the sums, never rounded into the kept rows.
     """
 
     __slots__ = ("shape", "dtype", "device", "base", "acc", "touched", "in_acc")
@@ -314,13 +316,16 @@ class RowSum:
                 continue
             for a2, z2, seen in _split_runs(a, z, self.touched):
                 t2 = t[:, a2 - a:z2 - a]
-                if not seen:  # the first term of these rows: kept as given
+                if not seen and t2.dtype == self.base.dtype:  # the first term of these rows: kept as given
                     self.base[:, a2:z2] = t2
                     continue
                 if self.acc is None:
                     self.acc = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-                self.acc[:, a2:z2] = self.base[:, a2:z2]
-                self.acc[:, a2:z2] += t2
+                if seen:
+                    self.acc[:, a2:z2] = self.base[:, a2:z2]
+                    self.acc[:, a2:z2] += t2
+                else:  # a first term of another dtype (an fp32 partial sum beside bf16 kernel outputs): kept in
+                    self.acc[:, a2:z2] = t2  # the sums, so that it is rounded once, at the result
                 self.in_acc = list(_runs(self.in_acc + [(a2, z2)]))
         self.touched = list(_runs(self.touched + [(r0, r1)]))
 

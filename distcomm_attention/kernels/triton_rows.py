@@ -56,9 +56,15 @@ def gather_rows(x: Tensor, index: Tensor, out: Tensor | None = None, config: tup
     if x.dim() != 2 or not x.is_contiguous():
         raise ValueError(f"gather_rows: x must be a contiguous 2-D tensor, got shape {tuple(x.shape)} "
                          f"strides {tuple(x.stride())}")
+    if index.dim() != 1 or not index.is_contiguous() or index.dtype != torch.int64 or index.device != x.device:
+        raise ValueError(f"gather_rows: index must be a contiguous 1-D int64 tensor on {x.device}, got shape "
+                         f"{tuple(index.shape)}, {index.dtype} on {index.device}")
     m, c = index.shape[0], x.shape[1]
     if out is None:
         out = torch.empty(m, c, dtype=x.dtype, device=x.device)
+    elif out.shape != (m, c) or not out.is_contiguous() or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"gather_rows: out must be a contiguous ({m}, {c}) {x.dtype} tensor on {x.device}, got "
+                         f"shape {tuple(out.shape)} strides {tuple(out.stride())}, {out.dtype} on {out.device}")
     if m == 0 or c == 0:
         return out
     block_r, block_c, warps = config or _gather_config(c, x.element_size())

@@ -77,10 +77,9 @@ def gathered_plan(layout: str, vis: Visibility, ring_size: int, rank: int, local
     return _rows_plan(vis, seq_len, layouts.positions(layout, seq_len, ring_size, rank))
 
 
-def _rows_plan(vis: Visibility, seq_len: int, pos: torch.Tensor, split_causal: bool = True) -> RingPlan:
+def _rows_plan(vis: Visibility, seq_len: int, pos: torch.Tensor) -> RingPlan:
     """One step: queries at the increasing global positions ``pos`` (row i of the call: pos[i]) against keys
-    in natural order (see Note [Gathered plans]); ``split_causal`` False: a causal run stays one "interval"
-    block (one window call for kernels that take windows) instead of a full and a causal one."""
+    in natural order (see Note [Gathered plans])."""
     n = pos.numel()
     cu = None if vis.cu_seqlens is None else torch.tensor(vis.cu_seqlens, dtype=torch.int64)
     first, stop = _query_bounds(vis, pos, cu)
@@ -92,7 +91,7 @@ def _rows_plan(vis: Visibility, seq_len: int, pos: torch.Tensor, split_causal: b
     if whole is not None and whole.mode == "full" and whole.q == slice(0, n):
         return RingPlan((0,), ((whole,),))
     for s, e in zip(cuts, cuts[1:]):
-        split = _causal_split(s, lo[s:e], hi[s:e]) if split_causal and vis.plain and vis.causal else None
+        split = _causal_split(s, lo[s:e], hi[s:e]) if vis.plain and vis.causal else None
         if split is not None:
             blocks.extend(split)
             continue
@@ -112,7 +111,7 @@ def half_plans(vis: Visibility, seq_len: int, cut: int) -> tuple[RingPlan, RingP
     first = _rows_plan(vis, seq_len, torch.arange(cut))
     if any(block.kv.stop > cut for block in first.blocks[0]):
         return None
-    return first, _rows_plan(vis, seq_len, torch.arange(cut, seq_len), split_causal=False)
+    return first, _rows_plan(vis, seq_len, torch.arange(cut, seq_len))
 
 
 def local_plan(vis: Visibility, seq_len: int) -> RingPlan:

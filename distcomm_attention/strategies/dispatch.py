@@ -176,7 +176,8 @@ def choose(q, k, *, group, layout: str, causal: bool, window, attention_mask, cu
     concrete = concrete_layout(layout, _verification_comm(group), q.shape[1] * world, world // u, docs,
                                "which_strategy")
     call = cost.Call(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.element_size(), concrete, vis,
-                     world, u, _packs(backend, q, vis, softcap) and attention_mask is None)
+                     world, u, _packs(backend, q, vis, softcap) and attention_mask is None,
+                     ulysses_halves=_ulysses.HALVES)
     return cost.choose(call, candidates, hardware or cost.Hardware())
 
 
@@ -268,7 +269,9 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
 
     comm = RingComm(group)
     world, rank = comm.size, comm.rank
-    extra = {"strategy": _CODES[strategy], **auto}
+    # every 1-D strategy verifies the same fields; Ulysses' all-to-alls are posted in one piece or in two
+    # (Note [Ulysses halves])
+    extra = {"strategy": _CODES[strategy], "ulysses_halves": bool(_ulysses.HALVES), **auto}
     n = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
     if strategy == "ring":
         planned, scale, fwd, bwd, _ = prepare(q, k, v, comm, extra=extra, **common, planner=ring_planner(comm, q))

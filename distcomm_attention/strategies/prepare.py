@@ -109,6 +109,7 @@ def prepare(
         "strategy": "ring",
         "ulysses": 0,
         "ring": 0,
+        "ulysses_halves": False,  # Note [Ulysses halves]: the 1-D strategies pass the switch
         **(extra or {}),
     }
     if fields.pop("auto", False):  # the pick counted the backend's packed calls: the ranks must agree on them

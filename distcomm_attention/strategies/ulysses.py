@@ -67,7 +67,9 @@ Note [Ulysses halves]
     work is the one call's (the plans split the same visible pairs, ``plans.half_plans``); dK, dV of keys
     before h are two calls' partial sums, added in fp32 (Note [Merging block outputs]'s rule). Used when the
     split exists, the heads are not pipelined and the inner computation is local (plain Ulysses); the
-    hybrids' inner attention communicates itself and runs in one piece.
+    hybrids' inner attention communicates itself and runs in one piece. Off by default (``HALVES``; measured
+    in docs/bench/emulated.md, run 6); the ranks verify that they agree on the switch, which decides how many
+    all-to-alls each posts, and ``auto``'s cost model predicts the schedule the switch selects.
 """
 
 from __future__ import annotations
@@ -136,7 +138,7 @@ def _kv_of(group: int, size: int, ratio: int) -> slice:
     return slice(group * size // ratio, ((group + 1) * size - 1) // ratio + 1)
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=8)
 def _pack_index(rows: int, degree: int, group: int, groups: int, device: torch.device) -> torch.Tensor:
     """Row (r, j) of an all-to-all's send buffer <- row ((j degree + r) groups + group) of x viewed as rows of one
     group's heads (j: a (batch element, token) of ``rows``), made on the device once per shape."""
@@ -145,7 +147,7 @@ def _pack_index(rows: int, degree: int, group: int, groups: int, device: torch.d
     return ((j * degree + r) * groups + group).reshape(-1)
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=8)
 def _place_index(rows: int, degree: int, device: torch.device) -> torch.Tensor:
     """Row (j, r) of a (B, n, H, D) tensor <- row (r, j) of what the all-to-all back brought (one head group)."""
     j = torch.arange(rows, device=device).unsqueeze(1)
@@ -259,7 +261,7 @@ def halves(layout, ranks: int, local_len: int) -> Halves | None:
     return Halves(natural_order(layout, ranks, local_len), ranks, local_len, seq_len // 2)
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=8)
 def _pack_rows_index(start: int, rows: int, degree: int, device: torch.device) -> torch.Tensor:
     """Row (r, i) of a part's send buffer <- row ((start + i) degree + r) of x viewed as rows of a rank's heads."""
     r = torch.arange(degree, device=device).unsqueeze(1)
