@@ -15,6 +15,7 @@ import statistics
 import torch
 
 from distcomm_attention.kernels import triton_rows
+from distcomm_attention.strategies.ulysses import _pack_index, _place_index
 
 
 def _time(fn, iters: int) -> float:
@@ -29,18 +30,6 @@ def _time(fn, iters: int) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
     return statistics.median(times)
-
-
-def _pack_index(n: int, degree: int, device) -> torch.Tensor:
-    """Rows of x (n, degree) -> (degree, n): out row r * n + i <- x row i * degree + r."""
-    r, i = torch.meshgrid(torch.arange(degree), torch.arange(n), indexing="ij")
-    return (i * degree + r).reshape(-1).to(device)
-
-
-def _place_index(n: int, degree: int, device) -> torch.Tensor:
-    """Rows of recv (degree, n) -> (n, degree): out row i * degree + r <- recv row r * n + i."""
-    i, r = torch.meshgrid(torch.arange(n), torch.arange(degree), indexing="ij")
-    return (r * n + i).reshape(-1).to(device)
 
 
 def main() -> None:
@@ -70,7 +59,7 @@ def main() -> None:
     for heads, label in ((a.heads, "q"), (a.kv_heads, "k")):
         h = heads // w
         x = torch.randn(1, n, heads, d, dtype=torch.bfloat16, device=dev)
-        pack = _pack_index(n, w, dev)
+        pack = _pack_index(0, n, w, 0, 1, dev)  # the indices Ulysses gathers its all-to-alls by
         nb = 2 * x.numel() * x.element_size()
         row(f"all-to-all pack {label} ({n} x {heads} heads -> {w} x {n} x {h})", nb,
             lambda: x.reshape(1, n, w, h, d).permute(2, 0, 1, 3, 4).contiguous(),

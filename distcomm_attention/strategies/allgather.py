@@ -49,7 +49,7 @@ from torch.autograd.function import once_differentiable
 from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention import transport
-from distcomm_attention.kernels.contract import RowSum
+from distcomm_attention.kernels.contract import RowSum, _runs
 from distcomm_attention.planning.exchange import Exchange
 from distcomm_attention.planning.plans import gathered_in_natural_order, natural_order, own_rows, split_local
 from distcomm_attention.planning.visibility import RingPlan
@@ -118,17 +118,6 @@ def local_backward(dout, q, k, v, out, lse, key_mask, plan: RingPlan, softcap: f
     dout, acc_dtype, delta, dq = backward_start(dout, q, out, bwd)
     dk, dv = step_grads(dout, q, k, v, out, lse, delta, key_mask, dq, plan, 0, softcap, scale, bwd, acc_dtype)
     return _dq_result(dq, q.dtype), dk, dv
-
-
-def _union(slices) -> list[tuple[int, int]]:
-    """The rows of some slices as sorted disjoint [start, stop) runs."""
-    runs: list[list[int]] = []
-    for a, b in sorted((sl.start or 0, sl.stop) for sl in slices):
-        if runs and a <= runs[-1][1]:
-            runs[-1][1] = max(runs[-1][1], b)
-        elif b > a:
-            runs.append([a, b])
-    return [(a, b) for a, b in runs]
 
 
 KEEP_ROWS = 2  # sparse buffers of at most this many times the local rows (on every rank) are kept for the backward
@@ -206,7 +195,7 @@ class AllGatherKV:
             for a, z, off in sparse.own_ranges(kv.start, kv.stop):
                 for sums, g in zip(acc, grads):
                     sums.add(a, z, g[:, off:off + z - a])
-        for k0, k1 in _union(block.kv for block in plan.blocks[1]):
+        for k0, k1 in _runs((block.kv.start or 0, block.kv.stop) for block in plan.blocks[1]):
             for a, z, off in sparse.own_ranges(k0, k1):
                 for sums, g in zip(acc, step1):
                     sums.add(a, z, g[:, k0 + off:k0 + off + z - a])

@@ -139,11 +139,12 @@ def _kv_of(group: int, size: int, ratio: int) -> slice:
 
 
 @functools.lru_cache(maxsize=8)
-def _pack_index(rows: int, degree: int, group: int, groups: int, device: torch.device) -> torch.Tensor:
+def _pack_index(start: int, rows: int, degree: int, group: int, groups: int, device: torch.device) -> torch.Tensor:
     """Row (r, j) of an all-to-all's send buffer <- row ((j degree + r) groups + group) of x viewed as rows of one
-    group's heads (j: a (batch element, token) of ``rows``), made on the device once per shape."""
+    group's heads, for j in [start, start + rows) (a (batch element, token) each), made on the device once per
+    shape."""
     r = torch.arange(degree, device=device).unsqueeze(1)
-    j = torch.arange(rows, device=device).unsqueeze(0)
+    j = torch.arange(start, start + rows, device=device).unsqueeze(0)
     return ((j * degree + r) * groups + group).reshape(-1)
 
 
@@ -166,14 +167,19 @@ def _gathers(x: torch.Tensor, row_elems: int | None = None) -> bool:
     return row_elems is None or row_elems * x.element_size() >= triton_rows.FAST_INDEX_ROW_BYTES
 
 
+def _take(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``triton_rows.take_rows`` (imported on first use: Triton is needed on CUDA only)."""
+    from distcomm_attention.kernels import triton_rows
+
+    return triton_rows.take_rows(x, index, out)
+
+
 def _post(t, x: torch.Tensor, degree: int, group: int, groups: int):
     """Post the all-to-all of head group ``group`` of sequence-sharded x (B, n, H, D)."""
     b, n, h, d = x.shape
     hs = h // (degree * groups)
     if _gathers(x, hs * d):
-        from distcomm_attention.kernels import triton_rows
-
-        send = triton_rows.take_rows(x.view(-1, hs * d), _pack_index(b * n, degree, group, groups, x.device))
+        send = _take(x.view(-1, hs * d), _pack_index(0, b * n, degree, group, groups, x.device))
         return t.all_to_all_v(send.view(degree, b, n, hs, d), [1] * degree, [1] * degree)
     send = x.reshape(b, n, degree, groups, hs, d)[:, :, :, group]
     return t.all_to_all_v(send.permute(2, 0, 1, 3, 4).contiguous(), [1] * degree, [1] * degree)
@@ -200,10 +206,7 @@ def _place(handles, b: int, n: int, h: int, d: int, degree: int, dtype, device) 
     for g, handle in enumerate(handles):
         (recv,) = handle.wait()
         if groups == 1 and _gathers(recv, recv.shape[-2] * recv.shape[-1]):
-            from distcomm_attention.kernels import triton_rows
-
-            triton_rows.take_rows(recv.view(degree * b * n, -1), _place_index(b * n, degree, device),
-                                  out=out.view(b * n * degree, -1))
+            _take(recv.view(degree * b * n, -1), _place_index(b * n, degree, device), out=out.view(b * n * degree, -1))
             continue
         out[:, :, :, g] = recv.permute(1, 2, 0, 3, 4)
     return out.view(b, n, h, d)
@@ -261,14 +264,6 @@ def halves(layout, ranks: int, local_len: int) -> Halves | None:
     return Halves(natural_order(layout, ranks, local_len), ranks, local_len, seq_len // 2)
 
 
-@functools.lru_cache(maxsize=8)
-def _pack_rows_index(start: int, rows: int, degree: int, device: torch.device) -> torch.Tensor:
-    """Row (r, i) of a part's send buffer <- row ((start + i) degree + r) of x viewed as rows of a rank's heads."""
-    r = torch.arange(degree, device=device).unsqueeze(1)
-    i = torch.arange(start, start + rows, device=device).unsqueeze(0)
-    return (i * degree + r).reshape(-1)
-
-
 def _post_part(t, x: torch.Tensor, degree: int, split: Halves, part: int):
     """Post the all-to-all of one part of sequence-sharded x (B, n, H, D): to rank r its heads of this rank's
     rows in the part, token-major ((tokens, B, h, D) per rank)."""
@@ -277,9 +272,7 @@ def _post_part(t, x: torch.Tensor, degree: int, split: Halves, part: int):
     start, stop, _ = rows.indices(n)
     m = stop - start
     if b == 1 and _gathers(x, hs * d):
-        from distcomm_attention.kernels import triton_rows
-
-        send = triton_rows.take_rows(x.view(-1, hs * d), _pack_rows_index(start, m, degree, x.device))
+        send = _take(x.view(-1, hs * d), _pack_index(start, m, degree, 0, 1, x.device))
     else:
         send = x[:, rows].reshape(b, m, degree, hs, d).permute(2, 1, 0, 3, 4).contiguous()
     return t.all_to_all_v(send.view(degree * m, b, hs, d), [m] * degree, split.splits(part, n))
@@ -291,9 +284,7 @@ def _natural_part(handle, split: Halves, part: int, out: torch.Tensor) -> torch.
     (recv,) = handle.wait()
     index = split.index("order", part, recv.device)
     if out.shape[0] == 1 and out.is_contiguous() and _gathers(recv):
-        from distcomm_attention.kernels import triton_rows
-
-        triton_rows.take_rows(recv.view(recv.shape[0], -1), index, out=out.view(out.shape[1], -1))
+        _take(recv.view(recv.shape[0], -1), index, out=out.view(out.shape[1], -1))
     else:
         out.copy_(recv.index_select(0, index).transpose(0, 1))
     return out
@@ -304,9 +295,7 @@ def _post_part_back(t, y: torch.Tensor, degree: int, split: Halves, part: int, l
     b, m, hs, d = y.shape
     index = split.index("inverse", part, y.device)
     if b == 1 and _gathers(y):
-        from distcomm_attention.kernels import triton_rows
-
-        send = triton_rows.take_rows(y.view(m, -1), index).view(m, b, hs, d)
+        send = _take(y.view(m, -1), index).view(m, b, hs, d)
     else:
         send = y.transpose(0, 1).index_select(0, index)
     mine = split.splits(part, local_len)[t.rank]
@@ -322,10 +311,8 @@ def _place_part(handle, out: torch.Tensor, degree: int, rows: slice) -> None:
     if m == 0:
         return
     if b == 1 and _gathers(recv, (h // degree) * d) and out.is_contiguous():
-        from distcomm_attention.kernels import triton_rows
-
-        triton_rows.take_rows(recv.view(degree * m, -1), _place_index(m, degree, recv.device),
-                              out=out.view(n * degree, -1)[start * degree:stop * degree])
+        _take(recv.view(degree * m, -1), _place_index(m, degree, recv.device),
+              out=out.view(n * degree, -1)[start * degree:stop * degree])
     else:
         out[:, rows] = recv.view(degree, m, b, h // degree, d).permute(2, 1, 0, 3, 4).reshape(b, m, h, d)
 
