@@ -1,7 +1,7 @@
 """distcomm_attention: context-parallel flash attention over a sequence sharded across ranks.
 
 Public API: :func:`context_parallel_attn` (ring, Ulysses, all-gather KV, hybrids, or the cost model's pick),
-:func:`which_strategy`, :func:`ring_flash_attn`, :func:`which_kernels`, :func:`cu_seqlens_from_position_ids`,
+:func:`which_strategy` (and :class:`Hardware`, what its cost model predicts with), :func:`ring_flash_attn`, :func:`which_kernels`, :func:`cu_seqlens_from_position_ids`,
 :func:`shard_sequence`, :func:`gather_sequence`, :func:`position_ids`, :class:`Sharding` (layout, group and
 ring size in one handle), :class:`RingAttention`, and the accepted names ``LAYOUTS`` and ``BACKENDS``.
 Importing needs neither triton nor flash_attn: kernels are imported when a backend is first used.
@@ -13,6 +13,7 @@ from distcomm import __version__  # one distribution ships both packages
 from distcomm_attention.api import context_parallel_attn, ring_flash_attn, which_kernels, which_strategy
 from distcomm_attention.kernels.dispatch import BACKENDS, KernelChoice
 from distcomm_attention.modules import RingAttention
+from distcomm_attention.planning.cost import Hardware
 from distcomm_attention.planning.layouts import LAYOUTS
 from distcomm_attention.planning.visibility import cu_seqlens_from_position_ids
 from distcomm_attention.strategies.dispatch import STRATEGIES
@@ -22,6 +23,7 @@ __all__ = [
     "ring_flash_attn",
     "context_parallel_attn",
     "which_strategy",
+    "Hardware",
     "STRATEGIES",
     "which_kernels",
     "KernelChoice",

@@ -8,6 +8,7 @@ import torch
 from distcomm_attention import _validation
 from distcomm_attention.kernels import dispatch
 from distcomm_attention.planning import layouts
+from distcomm_attention.planning.cost import Hardware
 from distcomm_attention.kernels.dispatch import KernelChoice
 from distcomm_attention.strategies import dispatch as strategies
 from distcomm_attention.strategies.sparse_ring import ring_planner, run_ring
@@ -18,11 +19,18 @@ from distcomm_attention.sharding import Sharding, merge_sharding
 __all__ = ["ring_flash_attn", "context_parallel_attn", "which_kernels", "which_strategy"]
 
 
+def _check_hardware(hardware) -> None:
+    if hardware is not None and not isinstance(hardware, Hardware):
+        raise TypeError(f"`hardware` must be a distcomm_attention.planning.cost.Hardware or None, got "
+                        f"{type(hardware).__name__}")
+
+
 def _check_arguments(q, k, v, *, causal, layout, group, ring_size, sharding, backend, window_size, softcap,
-                     strategy="ring"):
+                     strategy="ring", hardware=None):
     """The entry points' argument checks: (layout, group, ring_size, window, softcap) or an input error."""
     if strategy != "ring":
         strategies.check_strategy(strategy)
+    _check_hardware(hardware)
     layout, group, ring_size = merge_sharding(sharding, layout, group, ring_size)
     if strategy != "ring" and ring_size is not None:
         raise ValueError(
@@ -212,6 +220,7 @@ def context_parallel_attn(
     softcap: float = 0.0,
     cu_seqlens: torch.Tensor | list[int] | None = None,
     sharding: Sharding | None = None,
+    hardware: Hardware | None = None,
 ) -> torch.Tensor:
     """Exact softmax attention over a sequence sharded across ranks, by any context-parallel strategy.
 
@@ -245,6 +254,11 @@ def context_parallel_attn(
         group: a process group or 1-D DeviceMesh (``None``: the default group), or a 2-D DeviceMesh with
             dimensions "ulysses" and "ring" for the hybrids.
         sharding: a :class:`Sharding` giving layout and group at once (its ``ring_size`` must be ``None``).
+        hardware: what ``strategy="auto"`` predicts with (see ``which_strategy``): ``None``, one node's
+            NVLink-class links; e.g. ``Hardware(across=Hardware(p2p_gbps=50, a2a_gbps=50, allgather_gbps=50,
+            reduce_scatter_gbps=50))`` for a mesh whose "ring" dimension crosses nodes. Every rank passes the
+            same (the pick is verified across ranks). Ignored by the other strategies and in a compiled
+            region, where "auto" runs the ring.
 
     Returns:
         (batch, local_seq, heads, head_dim), like q.
@@ -256,7 +270,8 @@ def context_parallel_attn(
     """
     options, error = _validation.verdict(_check_arguments, q, k, v, causal=causal, layout=layout, group=group,
                                          ring_size=None, sharding=sharding, backend=backend,
-                                         window_size=window_size, softcap=softcap, strategy=strategy)
+                                         window_size=window_size, softcap=softcap, strategy=strategy,
+                                         hardware=hardware)
     layout, group, _, window, softcap = options or (layout, _fallback_group(sharding, group), None, (-1, -1), 0.0)
     compiling = torch.compiler.is_compiling()
     if compiling and error is not None:  # into the operator, raised by every rank there
@@ -290,7 +305,7 @@ def context_parallel_attn(
     return strategies.run(q, k, v, strategy=strategy if error is None else "ring", group=group, layout=layout,
                           causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
                           attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
-                          requires_grad=requires_grad, error=error)
+                          requires_grad=requires_grad, error=error, hardware=hardware)
 
 
 def which_strategy(
@@ -320,7 +335,8 @@ def which_strategy(
         hardware: a ``distcomm_attention.planning.cost.Hardware`` (kernel throughput, link bandwidths);
             ``None``: the measured defaults (one H100 / H200 node with NVLink). Pass your own for other
             machines, e.g. ``Hardware(p2p_gbps=50, a2a_gbps=50, allgather_gbps=50, reduce_scatter_gbps=50)``
-            across nodes.
+            for a group spanning nodes, or ``Hardware(across=that)`` for a 2-D mesh whose "ulysses" dimension
+            stays inside a node and whose "ring" dimension crosses nodes.
 
     Returns:
         ``StrategyChoice(strategy, predictions, reason)``: the pick, and for every applicable strategy a
@@ -328,6 +344,7 @@ def which_strategy(
         in distcomm_attention/planning/cost.py).
     """
     _validation.check_flag("causal", causal)
+    _check_hardware(hardware)
     if layout is not None:
         layouts.check_layout(layout)
     window = _validation.check_window(window_size)

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -46,16 +47,15 @@ import bench_strategies as bs  # noqa: E402
 
 from distcomm_attention.kernels import dispatch  # noqa: E402
 from distcomm_attention.planning import cost  # noqa: E402
-from distcomm_attention.planning.exchange import compact_gathered_plan, gathered_exchange, sparse_ring  # noqa: E402
+from distcomm_attention.planning.exchange import sparse_ring  # noqa: E402
 from distcomm_attention.strategies.sparse_ring import sparse_ring_backward, sparse_ring_forward  # noqa: E402
-from distcomm_attention.planning.plans import gathered_plan  # noqa: E402
 from distcomm_attention.planning.visibility import Visibility, ring_plan  # noqa: E402
-from distcomm_attention.strategies.allgather import AllGatherKV, local_backward  # noqa: E402
+from distcomm_attention.strategies.allgather import AllGatherKV  # noqa: E402
 from distcomm_attention.strategies.ring import ring_backward, ring_forward  # noqa: E402
 from distcomm.ring import RingComm  # noqa: E402
 from distcomm_attention import transport  # noqa: E402
 from distcomm_attention.transport import CountingTransport  # noqa: E402
-from distcomm_attention.strategies.dispatch import ulysses_inner  # noqa: E402
+from distcomm_attention.strategies.dispatch import _gathered, _Ring, ulysses_inner  # noqa: E402
 from distcomm_attention.strategies.ulysses import ulysses  # noqa: E402
 from distcomm_attention.transport.emulated import INTER_NODE, NVLINK, EmulatedLink, InstantLink, Links  # noqa: E402
 
@@ -70,12 +70,6 @@ class _Sent(CountingTransport):
             return super().send_recv(*tensors)
         shapes = None if recv_like is None else [tuple(getattr(r, "shape", r)) for r in recv_like]
         return super().send_recv(tensors, shift, shapes)
-
-
-class _One:
-    """A ring of one for the single-step loops (nothing moves)."""
-
-    size, rank = 1, 0
 
 
 def _ring_step(t, q, k, v, dout, plan, fwd, bwd, scale):
@@ -96,37 +90,71 @@ def _sparse_ring_step(t, q, k, v, dout, sp, fwd, bwd, scale):
     return step
 
 
-def _allgather_step(t, q, k, v, dout, concrete, vis, world, rank, fwd, bwd, scale):
-    n = q.shape[1]
-    plan = gathered_plan(concrete, vis, world, rank, n)
-    ex = gathered_exchange(concrete, vis, world, n)
-    if ex is not None:  # the strategy's own computation (own keys first, buffers kept when small)
-        with transport.using(lambda group: t):
-            computation = AllGatherKV(None, concrete, n, compact_gathered_plan(concrete, vis, world, rank, n), 0.0,
-                                      scale, fwd, bwd, ex)
+class _Groups:
+    """A simulated rank's process groups and the link each one's transfers take: the factory of
+    ``transport.using`` (it keeps the groups alive: the strategies hold groups weakly)."""
 
-        def step():
+    def __init__(self, *pairs):
+        self.pairs = pairs  # (group, transport)
+
+    def __call__(self, group):
+        for g, t in self.pairs:
+            if g is group:
+                return t
+        raise KeyError(f"no simulated link for group {group!r}")
+
+
+def _group(size: int, rank: int) -> dist.ProcessGroup:
+    """A simulated process group: its size and this rank, nothing behind it (a link stands in for it)."""
+    return dist.ProcessGroup(dist.HashStore(), rank, size)
+
+
+def _gathered_computation(t, concrete, vis, world: int, rank: int, n: int, fwd, bwd, scale):
+    """(the all-gather strategy's own computation over a simulated group whose transfers take ``t``, the
+    groups' factory, whether it gathers sparsely): dense or sparse as the strategy decides (Note [Sparse
+    gather]), own keys first, reduction overlapped (Note [All-gather KV])."""
+    group = _group(world, rank)
+    groups = _Groups((group, t))
+    plan, ex = _gathered(concrete, vis, world, rank, n)
+    with transport.using(groups):
+        computation = AllGatherKV(group, concrete, n, plan, 0.0, scale, fwd, bwd, ex)
+    return computation, groups, ex is not None
+
+
+def _allgather_step(t, q, k, v, dout, concrete, vis, world, rank, fwd, bwd, scale):
+    computation, groups, sparse = _gathered_computation(t, concrete, vis, world, rank, q.shape[1], fwd, bwd, scale)
+
+    def step():
+        with transport.using(groups):
             out, lse = computation.forward(q, k, v, None)
             return (out,) + tuple(computation.backward(dout, q, k, v, out, lse, None))
 
-        return step, True
-    else:
-        def gather():
-            hk, hv = t.all_gather(k[0]), t.all_gather(v[0])
-            return hk.wait()[0].unsqueeze(0), hv.wait()[0].unsqueeze(0)
+    return step, sparse
 
-        def reduce(dk, dv):
-            hk, hv = t.reduce_scatter(dk[0]), t.reduce_scatter(dv[0])
-            return hk.wait()[0].unsqueeze(0), hv.wait()[0].unsqueeze(0)
+
+def _hybrid_step(strategy, t_ulysses, t_ring, q, k, v, dout, concrete, vis, degree: int, rings: int,
+                 ring_rank: int, fwd, bwd, scale):
+    """(step, whether its all-gather is sparse) of a hybrid's rank, Ulysses rank 0 of ``degree`` on ring rank
+    ``ring_rank`` of ``rings``, as the strategy runs it: Ulysses' autograd Function over ``t_ulysses`` around
+    the ring ("hybrid": the relaying ring loop) or the all-gather computation ("hybrid_allgather") over
+    ``t_ring``; ``concrete``: the layout over the ring dimension, shards of ``degree`` x the local rows."""
+    m = degree * q.shape[1]
+    ulysses_group = _group(degree, 0)
+    if strategy == "hybrid":
+        inner = _Ring(t_ring, ring_plan(concrete, vis, rings, ring_rank, m), 0.0, scale, fwd, bwd)
+        groups, sparse = _Groups((ulysses_group, t_ulysses)), False
+    else:
+        inner, ring_groups, sparse = _gathered_computation(t_ring, concrete, vis, rings, ring_rank, m, fwd, bwd,
+                                                           scale)
+        groups = _Groups((ulysses_group, t_ulysses), *ring_groups.pairs)
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
 
     def step():
-        kg, vg = gather()
-        out, lse = ring_forward(q, kg, vg, None, _One(), plan, 0.0, scale, fwd)
-        kg, vg = gather()
-        dq, dk, dv = local_backward(dout, q, kg, vg, out, lse, None, plan, 0.0, scale, bwd)
-        return (out, dq) + reduce(dk, dv)
+        with transport.using(groups):
+            out = ulysses(q, k, v, None, ulysses_group, degree, inner)
+            return (out.detach(),) + torch.autograd.grad(out, (q, k, v), dout)
 
-    return step, ex is not None
+    return step, sparse
 
 
 def _ulysses_step(t, q, k, v, dout, concrete, vis, world, fwd, bwd, scale, pipelined: bool, split: bool = False):
@@ -144,7 +172,8 @@ def _ulysses_step(t, q, k, v, dout, concrete, vis, world, fwd, bwd, scale, pipel
     return step
 
 
-STRATEGIES = ("ring", "allgather", "ulysses", "ulysses_halves", "ulysses_pipelined")
+STRATEGIES = ("ring", "allgather", "ulysses", "ulysses_halves", "ulysses_pipelined", "hybrid", "hybrid_allgather")
+HYBRIDS = ("hybrid", "hybrid_allgather")
 
 
 def plan_case(seq: int, world: int, mix: str, layout: str):
@@ -155,12 +184,15 @@ def plan_case(seq: int, world: int, mix: str, layout: str):
     return docs, vis, bs.plan_layout(layout, seq, world, docs, True)["concrete"]
 
 
-def rank_step(strategy: str, t, q, k, v, dout, concrete, vis, world: int, rank: int, fwd, bwd, scale: float):
+def rank_step(strategy: str, t, q, k, v, dout, concrete, vis, world: int, rank: int, fwd, bwd, scale: float, *,
+              degree: int = 1, t_ring=None):
     """Simulated rank ``rank`` of ``world`` running ``strategy`` over transport ``t`` (a ``_Sent``) on its
     shards q, dout (1, n, H, D) and k, v (1, n, Hkv, D) -> (path, step): the path the strategy takes on this
     rank ("ring", "sparse_ring", "allgather", "sparse_allgather", "ulysses", "ulysses_halves",
-    "ulysses_pipelined") and a
-    function that runs its forward + backward once and returns (out, dq, dk, dv)."""
+    "ulysses_pipelined", "hybrid", "hybrid_allgather", "hybrid_sparse_allgather") and a function that runs its
+    forward + backward once and returns (out, dq, dk, dv). The hybrids: Ulysses of ``degree`` over ``t``
+    around ``world / degree`` rings over ``t_ring``; ``rank`` the ring rank, ``concrete`` the layout over the
+    ring dimension."""
     n = q.shape[1]
     if strategy == "ring":
         sp = sparse_ring(concrete, vis, world, rank, n)
@@ -173,13 +205,39 @@ def rank_step(strategy: str, t, q, k, v, dout, concrete, vis, world: int, rank: 
     if strategy in ("ulysses", "ulysses_halves", "ulysses_pipelined"):
         return strategy, _ulysses_step(t, q, k, v, dout, concrete, vis, world, fwd, bwd, scale,
                                        pipelined=strategy == "ulysses_pipelined", split=strategy == "ulysses_halves")
+    if strategy in HYBRIDS:
+        if degree < 2 or world % degree or t_ring is None:
+            raise ValueError(f"strategy {strategy!r} needs a Ulysses degree >= 2 dividing the world ({world}) and a "
+                             f"ring link, got degree={degree}, t_ring={t_ring!r}")
+        step, sparse = _hybrid_step(strategy, t, t_ring, q, k, v, dout, concrete, vis, degree, world // degree,
+                                    rank, fwd, bwd, scale)
+        return ("hybrid_sparse_allgather" if sparse else strategy), step
     raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
 
 
+def _hardware(links: Links, across: Links | None = None) -> cost.Hardware:
+    """The cost model's hardware for emulated links (``across``: the hybrids' ring dimension's)."""
+    hw = cost.Hardware(p2p_gbps=links.p2p_gbps, a2a_gbps=links.a2a_gbps, allgather_gbps=links.allgather_gbps,
+                       reduce_scatter_gbps=links.reduce_scatter_gbps, latency_s=links.latency_us * 1e-6)
+    return hw if across is None else dataclasses.replace(hw, across=_hardware(across))
+
+
+def _inside(link_name: str) -> Links:
+    """The hybrids' Ulysses dimension's links (inside a node): NVLink-class, or none for the ideal link."""
+    return LINKS["ideal"] if link_name == "ideal" else NVLINK
+
+
 def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
+    """One row: every strategy's slowest timed rank per link, beside one flash-attn-4 call. The hybrids run
+    Ulysses of degree ``args.ulysses`` inside a node (NVLink-class links) around rings of ``world /
+    args.ulysses`` ranks over the row's link."""
     dev, dt, d = torch.device("cuda"), torch.bfloat16, args.head_dim
     scale = d ** -0.5
     docs, vis, concrete = plan_case(seq, world, mix, layout)
+    degree = getattr(args, "ulysses", 0) or 0
+    mesh = 2 <= degree < world and world % degree == 0 and heads % degree == 0
+    rings = world // degree if mesh else 1
+    concrete_mesh = plan_case(seq, rings, mix, layout)[2] if mesh else None
     n = seq // world
     g = torch.Generator(device=dev).manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, device=dev, dtype=dt, generator=g)  # noqa: E731
@@ -187,28 +245,44 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
                                       True, docs), args.iters, args.warmup)
     row = {"seq": seq, "world": world, "heads": heads, "kv_heads": kv_heads, "documents": mix,
            "layout": bs.layout_name(concrete), "single_s": single, "links": {}}
+    if mesh:
+        row.update(ulysses=degree, rings=rings, mesh_layout=bs.layout_name(concrete_mesh))
     q, k, v, dout = rnd(1, n, heads, d), rnd(1, n, kv_heads, d), rnd(1, n, kv_heads, d), rnd(1, n, heads, d)
+    kv_sent = cost._kv_sent(heads, kv_heads, degree) if mesh else kv_heads
     for link_name in ["ideal"] + links:
         per = {}
         for strategy in args.strategies:
-            if strategy.startswith("ulysses") and heads % world:
+            if strategy.startswith("ulysses") and heads % world or strategy in HYBRIDS and not mesh:
                 continue
             if strategy.startswith("ulysses"):
                 ranks = [0]  # every rank the same
+            elif strategy in HYBRIDS:  # ring ranks; every Ulysses rank of one ring rank the same
+                ranks = bs.pick_ranks(bs.planned_rank_s("ring" if strategy == "hybrid" else "allgather", concrete_mesh,
+                                                        vis, rings, degree * n, heads // degree, kv_sent // degree, d),
+                                      args.ranks)
             else:
                 ranks = bs.pick_ranks(bs.planned_rank_s(strategy, concrete, vis, world, n, heads, kv_heads, d),
                                       args.ranks)
             times, sent, sparse = [], 0, None
             for r in ranks:
-                t = _Sent(EmulatedLink(world, r, LINKS[link_name]))
-                path, f = rank_step(strategy, t, q, k, v, dout, concrete, vis, world, r, fwd, bwd, scale)
-                if strategy == "allgather":
-                    sparse = path == "sparse_allgather"
+                if strategy in HYBRIDS:
+                    t = _Sent(EmulatedLink(degree, 0, _inside(link_name)))
+                    t_ring = _Sent(EmulatedLink(rings, r, LINKS[link_name]))
+                    path, f = rank_step(strategy, t, q, k, v, dout, concrete_mesh, vis, world, r, fwd, bwd, scale,
+                                        degree=degree, t_ring=t_ring)
+                    counted = (t, t_ring)
+                else:
+                    t = _Sent(EmulatedLink(world, r, LINKS[link_name]))
+                    path, f = rank_step(strategy, t, q, k, v, dout, concrete, vis, world, r, fwd, bwd, scale)
+                    counted = (t,)
+                if strategy in ("allgather", "hybrid_allgather"):
+                    sparse = "sparse" in path
                 times.append(bs._timed(f, args.iters, args.warmup))
-                t.sent.clear()
+                for c in counted:
+                    c.sent.clear()
                 f()
                 torch.cuda.synchronize()
-                sent = max(sent, t.total)
+                sent = max(sent, sum(c.total for c in counted))
             per[strategy] = {"ranks": ranks, "rank_s": times, "max_s": max(times), "bytes_sent": sent,
                              "efficiency": single / (world * max(times))}
             if sparse is not None:
@@ -216,21 +290,32 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
         row["links"][link_name] = per
     for link_name in links:
         per, ideal = row["links"][link_name], row["links"]["ideal"]
-        lk = LINKS[link_name]
-        hw = cost.Hardware(p2p_gbps=lk.p2p_gbps, a2a_gbps=lk.a2a_gbps, allgather_gbps=lk.allgather_gbps,
-                           reduce_scatter_gbps=lk.reduce_scatter_gbps)
-        call = cost.Call(1, n, heads, kv_heads, d, 2, concrete, vis, world, packs=getattr(args, "packs", False))
+        hw = _hardware(LINKS[link_name])
+        packs = getattr(args, "packs", False)
+        call = cost.Call(1, n, heads, kv_heads, d, 2, concrete, vis, world, packs=packs)
+        if mesh:
+            hw_mesh = _hardware(_inside(link_name), across=LINKS[link_name])
+            call_mesh = cost.Call(1, n, heads, kv_heads, d, 2, concrete_mesh, vis, world, degree, packs=packs)
         for s, m in per.items():
-            p = cost.predict(dataclasses.replace(call, ulysses_halves=s == "ulysses_halves"),
-                             "ulysses" if s.startswith("ulysses") else s, hw)
+            if s in HYBRIDS:
+                p = cost.predict(call_mesh, s, hw_mesh)
+            else:
+                p = cost.predict(dataclasses.replace(call, ulysses_halves=s == "ulysses_halves"),
+                                 "ulysses" if s.startswith("ulysses") else s, hw)
             m["exposed_comm_s"] = m["max_s"] - ideal[s]["max_s"]
             m["predicted_s"] = p.seconds
             m["prediction_error"] = p.seconds / m["max_s"] - 1
         fastest = min(per, key=lambda s: per[s]["max_s"])
-        pick = cost.choose(call, tuple(s for s in per if s not in ("ulysses_pipelined", "ulysses_halves")),
-                           hw).strategy
-        row[f"{link_name}_fastest"], row[f"{link_name}_pick"] = fastest, pick
-        row[f"{link_name}_pick_vs_fastest"] = per[pick]["max_s"] / per[fastest]["max_s"]
+        row[f"{link_name}_fastest"] = fastest
+        picks = {"": tuple(s for s in per if s in ("ring", "allgather", "ulysses")),
+                 "mesh_": tuple(s for s in per if s in HYBRIDS)}
+        for prefix, candidates in picks.items():
+            if not candidates:
+                continue
+            pick = cost.choose(call_mesh if prefix else call, candidates, hw_mesh if prefix else hw).strategy
+            row[f"{link_name}_{prefix}pick"] = pick
+            row[f"{link_name}_{prefix}pick_vs_fastest"] = per[pick]["max_s"] / per[fastest]["max_s"]
+            row[f"{link_name}_{prefix}pick_efficiency"] = per[pick]["efficiency"]
     return row
 
 
@@ -300,7 +385,8 @@ def _line(row) -> str:
                                                             if "prediction_error" in m else "")
                           for s, m in per.items())
         parts.append(f"  {link}: {shown}" + (f"; pick {row[link + '_pick']}, fastest {row[link + '_fastest']}"
-                                              if link + "_pick" in row else ""))
+                                              if link + "_pick" in row else "")
+                     + (f"; mesh pick {row[link + '_mesh_pick']}" if link + "_mesh_pick" in row else ""))
     return "\n".join(parts)
 
 
@@ -313,6 +399,8 @@ def main():
     parser.add_argument("--links", default="nvlink,internode")
     parser.add_argument("--strategies", default="ring,allgather,ulysses,ulysses_pipelined",
                         help="ulysses: as the strategy runs (one head group); ulysses_pipelined: by head groups")
+    parser.add_argument("--ulysses", type=int, default=0,
+                        help="the hybrids' Ulysses degree (inside a node, NVLink-class links; the rings over --links)")
     parser.add_argument("--heads", default="32/8")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--ranks", type=int, default=2, help="time the k busiest ranks (by plan) and rank 0")

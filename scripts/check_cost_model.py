@@ -4,7 +4,8 @@ Reads the JSON of scripts/bench_emulated.py (one H100, simulated ranks, emulated
 call (its document mix, layout and links) and prints, per (row, link, strategy), the measured seconds of the
 slowest timed rank beside ``cost.predict`` for the same call and link, and per (row, link) whether the
 model's pick is the measured fastest or within 5% of it (issue targets: every prediction within 15%, every
-pick within 5%). The rows are taken as bench_emulated.py records them: batch 1, head dim 128, bf16,
+pick within 5%); the hybrids, where a row ran them, as a candidate set of their own (a 2-D mesh's "auto").
+The rows are taken as bench_emulated.py records them: batch 1, head dim 128, bf16,
 flash-attn-4 blocks (so the model counts packed calls).
 
     python scripts/check_cost_model.py docs/bench/emulated_run2.json docs/bench/emulated_run4.json \
@@ -22,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_strategies as bs  # noqa: E402
+from bench_emulated import _hardware, _inside  # noqa: E402
 
 from distcomm_attention.planning import cost  # noqa: E402
 from distcomm_attention.planning.visibility import Visibility  # noqa: E402
@@ -29,46 +31,56 @@ from distcomm_attention.transport.emulated import INTER_NODE, NVLINK  # noqa: E4
 
 LINKS = {"nvlink": NVLINK, "internode": INTER_NODE}
 STRATEGIES = ("ring", "allgather", "ulysses")
+HYBRIDS = ("hybrid", "hybrid_allgather")
 
 
-def hardware(link) -> cost.Hardware:
-    return cost.Hardware(p2p_gbps=link.p2p_gbps, a2a_gbps=link.a2a_gbps, allgather_gbps=link.allgather_gbps,
-                         reduce_scatter_gbps=link.reduce_scatter_gbps)
-
-
-def call_of(row: dict, head_dim: int = 128) -> cost.Call:
-    seq, world = row["seq"], row["world"]
-    docs = None if row["documents"] == "one" else bs.documents(row["documents"], seq)
-    name = row["layout"]
-    concrete = bs.plan_layout(name if name in ("contiguous", "zigzag", "striped") else "auto", seq, world, docs,
+def _concrete(name: str, seq: int, ranks: int, docs, row: dict):
+    concrete = bs.plan_layout(name if name in ("contiguous", "zigzag", "striped") else "auto", seq, ranks, docs,
                               True)["concrete"]
     if bs.layout_name(concrete) != name:
-        raise SystemExit(f"row {row['documents']} S={seq} W={world}: layout {name!r} is not rebuilt "
-                         f"(got {bs.layout_name(concrete)!r})")
+        raise SystemExit(f"row {row['documents']} S={seq} W={row['world']}: layout {name!r} over {ranks} ranks is "
+                         f"not rebuilt (got {bs.layout_name(concrete)!r})")
+    return concrete
+
+
+def call_of(row: dict, head_dim: int = 128, mesh: bool = False) -> cost.Call:
+    """The row's call: over the whole world, or (``mesh``) the hybrids' on its Ulysses x ring mesh."""
+    seq, world = row["seq"], row["world"]
+    docs = None if row["documents"] == "one" else bs.documents(row["documents"], seq)
+    ranks, degree = (row["rings"], row["ulysses"]) if mesh else (world, 1)
+    concrete = _concrete(row["mesh_layout"] if mesh else row["layout"], seq, ranks, docs, row)
     vis = Visibility(True, cu_seqlens=None if docs is None else tuple(docs))
-    return cost.Call(1, seq // world, row["heads"], row["kv_heads"], head_dim, 2, concrete, vis, world,
+    return cost.Call(1, seq // world, row["heads"], row["kv_heads"], head_dim, 2, concrete, vis, world, degree,
                      packs=True)
 
 
 def check(paths: list[str], exclude: tuple[str, ...] = ()) -> list[dict]:
+    """Per (row, link, candidate set): the 1-D strategies over the whole world, and the hybrids where the row
+    ran them (their Ulysses dimension on NVLink-class links, the ring dimension on the row's link)."""
     out = []
     for path in paths:
         for row in json.loads(Path(path).read_text())["rows"]:
             if f"{Path(path).name}:{row['documents']}" in exclude:
                 continue
-            call = None
+            calls = {}
             for link_name, per in row["links"].items():
                 if link_name not in LINKS:
                     continue
-                call = call or call_of(row)
-                hw = hardware(LINKS[link_name])
-                measured = {s: per[s]["max_s"] for s in STRATEGIES if s in per and cost.predict(call, s, hw)}
-                predicted = {s: cost.predict(call, s, hw).seconds for s in measured}
-                pick = cost.choose(call, tuple(measured), hw).strategy
-                fastest = min(measured, key=measured.get)
-                out.append(dict(file=Path(path).name, documents=row["documents"], seq=row["seq"], world=row["world"],
-                                layout=row["layout"], link=link_name, measured=measured, predicted=predicted,
-                                pick=pick, fastest=fastest, pick_vs_fastest=measured[pick] / measured[fastest]))
+                sets = [("1-D", STRATEGIES, _hardware(LINKS[link_name]), False)]
+                if "ulysses" in row:
+                    sets.append(("mesh", HYBRIDS, _hardware(_inside(link_name), across=LINKS[link_name]), True))
+                for kind, names, hw, mesh in sets:
+                    call = calls[mesh] = calls.get(mesh) or call_of(row, mesh=mesh)
+                    measured = {s: per[s]["max_s"] for s in names if s in per and cost.predict(call, s, hw)}
+                    if not measured:
+                        continue
+                    predicted = {s: cost.predict(call, s, hw).seconds for s in measured}
+                    pick = cost.choose(call, tuple(measured), hw).strategy
+                    fastest = min(measured, key=measured.get)
+                    out.append(dict(file=Path(path).name, documents=row["documents"], seq=row["seq"],
+                                    world=row["world"], layout=row["layout"], link=link_name, group=kind,
+                                    measured=measured, predicted=predicted, pick=pick, fastest=fastest,
+                                    pick_vs_fastest=measured[pick] / measured[fastest]))
     return out
 
 
@@ -87,7 +99,7 @@ def main():
             errors.append(abs(e))
             parts.append(f"{s} {m * 1e3:6.2f} ms pred {r['predicted'][s] * 1e3:6.2f} ({e:+.0%})")
         print(f"{r['file']:22s} {r['documents']:9s} S={r['seq']:>6} W={r['world']:<2} {r['layout']:10s} "
-              f"{r['link']:9s} " + " | ".join(parts)
+              f"{r['link']:9s} {r['group']:4s} " + " | ".join(parts)
               + f" || pick {r['pick']}, fastest {r['fastest']}, pick/fastest {r['pick_vs_fastest']:.2f}")
     within = sum(e <= 0.15 for e in errors)
     picks = sum(r["pick_vs_fastest"] <= 1.05 for r in rows)

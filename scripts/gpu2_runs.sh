@@ -9,6 +9,11 @@
 #   bash scripts/gpu2_runs.sh real         # every strategy on real links (scripts/bench_real.py), dense + packed
 #   bash scripts/gpu2_runs.sh emulated     # the same rows on one GPU with emulated links, for the comparison
 #
+# "real" and "emulated" take the world from WORLD (default 2: 8k-64k tokens with and without the causal mask, and
+# the packs, into real_w2.json); "real" also takes MESH=RxU (R rings x U-way Ulysses, R * U = WORLD) to run the
+# hybrid strategies over that 2-D mesh too:
+#   WORLD=4 MESH=2x2 bash scripts/gpu2_runs.sh real       # -> real_w4.json: packs, then 8k, 16k, 32k tokens per GPU
+# SEQS (total dense tokens, e.g. 32k,64k,128k) and FULL=1 (dense rows also without the mask) override the rows.
 # Logs and results go to $OUT (default ./gpu2_out). With flash-attn-4 installed (pip install "distcomm[fa4]")
 # the fa4 backend and the FA4 single-GPU baseline are measured too; otherwise they are skipped with a reason.
 set -uo pipefail
@@ -18,6 +23,13 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export DISTCOMM_COMMIT=${DISTCOMM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+WORLD=${WORLD:-2}
+MESH=${MESH:-}
+if [[ $WORLD == 2 ]]; then
+  SEQS=${SEQS:-8k,16k,32k,64k} FULL=${FULL:-1}
+else
+  SEQS=${SEQS:-$((8 * WORLD))k,$((16 * WORLD))k,$((32 * WORLD))k} FULL=${FULL:-0}
+fi
 
 case "${1:-}" in
   tests)
@@ -42,17 +54,34 @@ case "${1:-}" in
     timeout 500 python scripts/profile_ring_attention.py --seqs 8k --iters 5 --out "$OUT" 2>&1 | tee "$OUT/profile.log" | tail -30
     ;;
   real)
-    timeout 420 python scripts/bench_real.py --world 2 --seqs 8k,16k,32k,64k --full --docs one,lognormal,pareto \
-      --out "$OUT/real_w2.json" 2>&1 | tee "$OUT/real.log" | grep -v Warning
+    args=(--world "$WORLD" --seqs "$SEQS")
+    [[ $FULL == 1 ]] && args+=(--full)
+    [[ -n $MESH ]] && args+=(--mesh "$MESH")
+    if [[ $WORLD == 2 ]]; then
+      limit=420 log=real.log args+=(--docs one,lognormal,pareto)
+    else  # packs first; rows that would start after 400 s are skipped, and the JSON is rewritten after each row
+      limit=540 log=real_w$WORLD.log args+=(--docs lognormal,pareto,one --budget 400)
+    fi
+    timeout $limit python scripts/bench_real.py "${args[@]}" --out "$OUT/real_w$WORLD.json" 2>&1 \
+      | tee "$OUT/$log" | grep -v Warning
     ;;
   emulated)
-    timeout 150 python scripts/bench_emulated.py --cases 8192x2,16384x2,32768x2,65536x2 --docs one --links nvlink \
-      --strategies ring,allgather,ulysses --out "$OUT/emulated_w2_dense.json" 2>&1 | tee "$OUT/emulated.log"
-    timeout 100 python scripts/bench_emulated.py --cases 131072x2 --docs lognormal,pareto --links nvlink \
-      --strategies ring,allgather,ulysses --out "$OUT/emulated_w2_packed.json" 2>&1 | tee -a "$OUT/emulated.log"
+    dense=()
+    for s in ${SEQS//,/ }; do
+      n=${s%[kK]}
+      [[ $n != "$s" ]] && n=$((n * 1024))
+      dense+=("${n}x$WORLD")
+    done
+    cases=$(IFS=,; echo "${dense[*]}")
+    if [[ $WORLD == 2 ]]; then limits=(150 100) log=emulated.log; else limits=(300 250) log=emulated_w$WORLD.log; fi
+    timeout ${limits[0]} python scripts/bench_emulated.py --cases "$cases" --docs one --links nvlink \
+      --strategies ring,allgather,ulysses --out "$OUT/emulated_w${WORLD}_dense.json" 2>&1 | tee "$OUT/$log"
+    timeout ${limits[1]} python scripts/bench_emulated.py --cases "131072x$WORLD" --docs lognormal,pareto \
+      --links nvlink --strategies ring,allgather,ulysses --out "$OUT/emulated_w${WORLD}_packed.json" 2>&1 \
+      | tee -a "$OUT/$log"
     ;;
   *)
-    sed -n 2,13p "$0"
+    sed -n 2,18p "$0"
     exit 2
     ;;
 esac

@@ -29,12 +29,34 @@ def test_rows_are_the_recorded_ones_and_predictions_the_models():
         source = next(x for p in RUNS if p.name == r["file"] for x in json.loads(p.read_text())["rows"]
                       if x["documents"] == r["documents"] and x["seq"] == r["seq"])
         call = m.call_of(source)
-        hw = m.hardware(m.LINKS[r["link"]])
+        hw = m._hardware(m.LINKS[r["link"]])
         for s, seconds in r["measured"].items():
             assert seconds == source["links"][r["link"]][s]["max_s"]
             assert r["predicted"][s] == cost.predict(call, s, hw).seconds
         assert r["pick"] == cost.choose(call, tuple(r["measured"]), hw).strategy
         assert r["pick_vs_fastest"] >= 1.0
+
+
+def test_hybrid_rows_are_predicted_on_their_mesh():
+    """A row with the hybrids (W = 16: Ulysses of 8 inside a node around 2 rings between nodes) gives a "mesh"
+    entry of its own: the hybrids' measured times, predicted on the mesh's call (the layout over the 2 rings)
+    with the ring dimension's links across, and the pick among them."""
+    m = _module()
+    path = ROOT / "docs" / "bench" / "emulated_w16_dense.json"
+    (source,) = json.loads(path.read_text())["rows"]
+    rows = m.check([str(path)])
+    assert [(r["link"], r["group"]) for r in rows] == [("internode", "1-D"), ("internode", "mesh")]
+    mesh = rows[1]
+    call = m.call_of(source, mesh=True)
+    assert (call.world, call.ulysses, call.local_len) == (16, 8, source["seq"] // 16)
+    hw = cost.Hardware(a2a_gbps=250.0, p2p_gbps=360.0, allgather_gbps=277.0, reduce_scatter_gbps=272.0,
+                       latency_s=10e-6, across=cost.Hardware(p2p_gbps=50.0, a2a_gbps=50.0, allgather_gbps=50.0,
+                                                             reduce_scatter_gbps=50.0, latency_s=20e-6))
+    assert set(mesh["measured"]) == {"hybrid", "hybrid_allgather"}
+    for s, seconds in mesh["measured"].items():
+        assert seconds == source["links"]["internode"][s]["max_s"]
+        assert mesh["predicted"][s] == cost.predict(call, s, hw).seconds
+    assert mesh["pick"] == cost.choose(call, ("hybrid", "hybrid_allgather"), hw).strategy
 
 
 def test_cli_summary():

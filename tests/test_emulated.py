@@ -199,28 +199,29 @@ def test_cases_take_the_paths_of_the_gpu_table(case):
     (q, q, k, v) after sending bytes."""
     mix, layout = gpu.CASES[case]
     for strategy, expected in zip(gpu.STRATEGIES, gpu.PATHS[case]):
-        path, grads, sent = gpu.simulated_rank(strategy, InstantLink(gpu.WORLD, gpu.RANK), mix, layout,
-                                               head_dim=16, dtype=torch.float32, **CPU)
+        path, grads, sent = gpu.simulated_rank(strategy, InstantLink, mix, layout, head_dim=16, dtype=torch.float32,
+                                               **CPU)
         assert path == expected, strategy
         n = gpu.SEQ // gpu.WORLD
         assert [tuple(x.shape) for x in grads] == [(1, n, h, 16) for h in (gpu.HEADS,) * 2 + (gpu.KV_HEADS,) * 2]
-        assert all(torch.isfinite(x).all() for x in grads) and sent.total > 0, strategy
+        assert all(torch.isfinite(x).all() for x in grads) and all(s.total > 0 for s in sent), strategy
     assert {p for paths in gpu.PATHS.values() for p in paths} == {
-        "ring", "sparse_ring", "allgather", "sparse_allgather", "ulysses", "ulysses_halves", "ulysses_pipelined"}
+        "ring", "sparse_ring", "allgather", "sparse_allgather", "ulysses", "ulysses_halves", "ulysses_pipelined",
+        "hybrid", "hybrid_allgather", "hybrid_sparse_allgather"}
 
 
 def test_simulated_strategies_agree_where_they_compute_the_same():
     """With a contiguous layout every stand-in peer's keys are this rank's own at that peer's positions, both
     for the ring's hops and the all-gather's buffer: the two give the same out and dq (their dk, dv sum
-    stand-in contributions differently). Ulysses gives the same with and without its pipeline (in halves its
+    stand-in contributions differently), and so do the two hybrids. Ulysses gives the same with and without its pipeline (in halves its
     stand-in peers send other rows: what it computes is checked in tests/test_ulysses_halves.py)."""
-    runs = {s: gpu.simulated_rank(s, InstantLink(gpu.WORLD, gpu.RANK), "one", "contiguous", seq=1024, head_dim=32,
-                                  dtype=torch.float64, **CPU)
+    runs = {s: gpu.simulated_rank(s, InstantLink, "one", "contiguous", seq=1024, head_dim=32, dtype=torch.float64,
+                                  **CPU)
             for s in gpu.STRATEGIES}
     assert [runs[s][0] for s in gpu.STRATEGIES] == ["ring", "allgather", "ulysses", "ulysses_halves",
-                                                    "ulysses_pipelined"]
-    ring, gathered = runs["ring"][1], runs["allgather"][1]
-    for a, b in zip(ring[:2], gathered[:2]):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+                                                    "ulysses_pipelined", "hybrid", "hybrid_allgather"]
+    for ring, gathered in (("ring", "allgather"), ("hybrid", "hybrid_allgather")):  # the hybrids: their ring dimension
+        for a, b in zip(runs[ring][1][:2], runs[gathered][1][:2]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     for a, b in zip(runs["ulysses"][1], runs["ulysses_pipelined"][1]):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

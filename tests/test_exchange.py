@@ -248,8 +248,7 @@ def test_allgather_strategy_moves_only_the_plan(layout, causal, window, docs, ma
     reference, and each rank's counted bytes are exactly the exchange plan's (its needed rows out, the
     received rows' gradients back, the keys' rows again for the backward unless the buffers are small enough
     to keep): zero when every document stays on one rank."""
-    from distcomm_attention.planning.exchange import gathered_exchange
-    from distcomm_attention.strategies.allgather import KEEP_ROWS
+    from distcomm_attention.planning.exchange import GATHER_KEEP_ROWS, gathered_exchange
 
     world = 3
     got = run_world(_allgather_rank, world, layout, causal, window, docs, masked, timeout=90)
@@ -260,8 +259,9 @@ def test_allgather_strategy_moves_only_the_plan(layout, causal, window, docs, ma
     assert ex is not None
     kv_row, grad_row = 2 * 2 * 8 * 8, 2 * 2 * 8 * 8  # (batch 2) x kv heads 2 x head_dim 8 x float64, per k or v
     mask_row = 2 if masked else 0  # (batch 2) x one byte
-    # buffers of at most KEEP_ROWS x the local rows on every rank are kept: the backward gathers nothing again
-    gathers = 1 if max(map(ex.buffer_len, range(world))) <= KEEP_ROWS * 8 else 2
+    # buffers of at most GATHER_KEEP_ROWS x the local rows on every rank are kept: the backward gathers nothing
+    # again
+    gathers = 1 if max(map(ex.buffer_len, range(world))) <= GATHER_KEEP_ROWS * 8 else 2
     for r, g in enumerate(got):
         assert max(g["errors"]) < 1e-10, g["errors"]
         sent, received = ex.remote_rows(r)

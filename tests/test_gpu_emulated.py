@@ -2,7 +2,8 @@
 numbers it computes (Note [Emulated links]).
 
 scripts/bench_emulated.py times each strategy's simulated rank (``rank_step``: the ring, the sparse ring, the
-dense and the sparse all-gather, Ulysses with and without its head-group pipeline) on an ``EmulatedLink``:
+dense and the sparse all-gather, Ulysses with and without its head-group pipeline and in halves, the hybrids
+around a ring and a dense or sparse all-gather) on ``EmulatedLink``s:
 every transfer runs on a side stream behind a sleep of its link time, and the rank's stream waits for it
 where the real code waits for NCCL. A wait in the wrong place, or a buffer reused before the link has read
 it, shows only when transfers take time. So each rank runs twice with the Triton kernels (on every CUDA
@@ -15,11 +16,14 @@ dK/dV, Ulysses' replicated kv heads) otherwise adds in any order on CUDA.
 The cases (W = 4, rank 3, S = 4096, heads 8 / 2, head_dim 128, bf16, causal) and the paths the strategies
 take on them (``PATHS``; tests/test_emulated.py checks the table and runs the same ranks on CPU):
 
-    causal          one sequence, zigzag                 ring, all-gather, Ulysses (both)
-    packed zigzag   7 documents ("pareto"), zigzag       sparse ring, sparse all-gather, Ulysses (both)
-    packed auto     the same documents, the layout       ring, sparse all-gather, Ulysses (both)
-                    bench_emulated.py gives them
+    causal          one sequence, zigzag                 ring, all-gather, Ulysses (3 ways), the hybrids
+    packed zigzag   7 documents ("pareto"), zigzag       sparse ring, sparse all-gather, Ulysses (3 ways),
+                                                         hybrid, hybrid with a sparse all-gather
+    packed auto     the same documents, the layout       ring, sparse all-gather, Ulysses (3 ways),
+                    bench_emulated.py gives them         hybrid, hybrid with a sparse all-gather
                     ("auto": contiguous here)
+
+The hybrids (Ulysses of DEGREE = 2 around 2 rings) plan the layout over the ring dimension.
 
 The kernels are the project's Triton ones, chosen by name: "auto" would take flash-attn-4 where it is
 installed, whose backward may accumulate dQ with atomic adds (then not bitwise the same from run to run).
@@ -37,16 +41,19 @@ from tests.scripts import import_script
 pytestmark = pytest.mark.gpu
 
 SEQ, WORLD, RANK, HEADS, KV_HEADS, HEAD_DIM = 4096, 4, 3, 8, 2, 128
+DEGREE = 2  # the hybrids' Ulysses degree: 2 rings of 2; the timed rank is ring rank RANK // DEGREE
 CASES = {  # name: (document mix of scripts/bench_strategies.py, layout)
     "causal": ("one", "zigzag"),
     "packed zigzag": ("pareto", "zigzag"),
     "packed auto": ("pareto", "auto"),
 }
-STRATEGIES = ("ring", "allgather", "ulysses", "ulysses_halves", "ulysses_pipelined")
+STRATEGIES = ("ring", "allgather", "ulysses", "ulysses_halves", "ulysses_pipelined", "hybrid", "hybrid_allgather")
 PATHS = {
-    "causal": ("ring", "allgather", "ulysses", "ulysses_halves", "ulysses_pipelined"),
-    "packed zigzag": ("sparse_ring", "sparse_allgather", "ulysses", "ulysses_halves", "ulysses_pipelined"),
-    "packed auto": ("ring", "sparse_allgather", "ulysses", "ulysses_halves", "ulysses_pipelined"),
+    "causal": ("ring", "allgather", "ulysses", "ulysses_halves", "ulysses_pipelined", "hybrid", "hybrid_allgather"),
+    "packed zigzag": ("sparse_ring", "sparse_allgather", "ulysses", "ulysses_halves", "ulysses_pipelined", "hybrid",
+                      "hybrid_sparse_allgather"),
+    "packed auto": ("ring", "sparse_allgather", "ulysses", "ulysses_halves", "ulysses_pipelined", "hybrid",
+                    "hybrid_sparse_allgather"),
 }
 LINKS = {"nvlink": NVLINK, "slow": Links(1.0, 1.0, 1.0, 1.0, latency_us=200.0)}
 
@@ -55,21 +62,29 @@ def _bench():
     return import_script("bench_emulated")
 
 
-def simulated_rank(strategy: str, link, mix: str, layout: str, *, device, dtype, backend: str, seq: int = SEQ,
+def simulated_rank(strategy: str, make_link, mix: str, layout: str, *, device, dtype, backend: str, seq: int = SEQ,
                    head_dim: int = HEAD_DIM):
     """Rank RANK of WORLD running ``strategy`` once, forward and backward, on a causal row of ``seq`` tokens
-    (``mix``, ``layout`` as scripts/bench_emulated.py plans them) over transport ``link``, its bytes counted,
-    on random shards (seed 0): q, dout (1, n, HEADS, head_dim), k, v (1, n, KV_HEADS, head_dim) ->
-    (path taken, (out, dq, dk, dv), the counting transport)."""
+    (``mix``, ``layout`` as scripts/bench_emulated.py plans them) over links ``make_link(size, rank)``, their
+    bytes counted, on random shards (seed 0): q, dout (1, n, HEADS, head_dim), k, v (1, n, KV_HEADS,
+    head_dim) -> (path taken, (out, dq, dk, dv), the counting transports). The hybrids run Ulysses rank 0 of
+    DEGREE on ring rank RANK // DEGREE, as the benchmark times them."""
     be = _bench()
-    _, vis, concrete = be.plan_case(seq, WORLD, mix, layout)
+    hybrid = strategy.startswith("hybrid")
+    _, vis, concrete = be.plan_case(seq, WORLD // DEGREE if hybrid else WORLD, mix, layout)
     n = seq // WORLD
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v, dout = (torch.randn(1, n, h, head_dim, generator=g, device=device, dtype=dtype)
                      for h in (HEADS, KV_HEADS, KV_HEADS, HEADS))
     _, fwd, bwd = dispatch.select_kernels(backend, q, vis, 0.0)
-    sent = be._Sent(link)
-    path, step = be.rank_step(strategy, sent, q, k, v, dout, concrete, vis, WORLD, RANK, fwd, bwd, head_dim ** -0.5)
+    scale = head_dim ** -0.5
+    if hybrid:
+        sent = (be._Sent(make_link(DEGREE, 0)), be._Sent(make_link(WORLD // DEGREE, RANK // DEGREE)))
+        path, step = be.rank_step(strategy, sent[0], q, k, v, dout, concrete, vis, WORLD, RANK // DEGREE, fwd, bwd,
+                                  scale, degree=DEGREE, t_ring=sent[1])
+    else:
+        sent = (be._Sent(make_link(WORLD, RANK)),)
+        path, step = be.rank_step(strategy, sent[0], q, k, v, dout, concrete, vis, WORLD, RANK, fwd, bwd, scale)
     return path, step(), sent
 
 
@@ -97,14 +112,19 @@ def test_emulated_link_changes_no_bit(case, strategy, link_name):
     at once, and the link spent time: its streams, events and waits put every read after its write."""
     mix, layout = CASES[case]
     run = dict(device=torch.device("cuda"), dtype=torch.bfloat16, backend="triton")
-    link = EmulatedLink(WORLD, RANK, LINKS[link_name])
+    links = []
+
+    def emulated_link(size, rank):
+        links.append(EmulatedLink(size, rank, LINKS[link_name]))
+        return links[-1]
+
     with _deterministic():
-        path, instant, sent_instant = simulated_rank(strategy, InstantLink(WORLD, RANK), mix, layout, **run)
-        path_emulated, emulated, sent = simulated_rank(strategy, link, mix, layout, **run)
+        path, instant, sent_instant = simulated_rank(strategy, InstantLink, mix, layout, **run)
+        path_emulated, emulated, sent = simulated_rank(strategy, emulated_link, mix, layout, **run)
         torch.cuda.synchronize()
     assert path == path_emulated == PATHS[case][STRATEGIES.index(strategy)]
-    assert sent.total > 0 and sent.sent == sent_instant.sent
-    assert link.seconds > 0
+    assert all(s.total > 0 and s.sent == i.sent for s, i in zip(sent, sent_instant, strict=True))
+    assert all(link.seconds > 0 for link in links)
     for name, a, b in zip(("out", "dq", "dk", "dv"), instant, emulated):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert torch.isfinite(a).all(), f"{name}: not finite with the instant link"

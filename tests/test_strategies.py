@@ -14,7 +14,9 @@ hybrids on 2-D DeviceMeshes sharded by ``hybrid_positions``; bad calls raise bef
 cross-rank disagreements (the strategy included) raise the same error on every rank instead of hanging.
 """
 
+import dataclasses
 import itertools
+import math
 
 import pytest
 import torch
@@ -230,6 +232,34 @@ def test_predict_refuses_ulysses_when_heads_do_not_divide():
     assert cost.predict(_call(world=8, heads=6, kv_heads=2, ulysses=2), "hybrid") is not None
 
 
+def test_hybrids_ring_dimension_takes_the_links_across():
+    """``Hardware.across``: the hybrids' ring dimension moves at its links (between nodes), their all-to-alls
+    and every 1-D strategy at the hardware's own. Across links equal to the hardware's change nothing; slower
+    ones add exactly the ring dimension's slower transfers, computed here from the ring's own prediction on
+    those links."""
+    fast = cost.Hardware()
+    slow = cost.Hardware(p2p_gbps=50, a2a_gbps=50, allgather_gbps=50, reduce_scatter_gbps=50, latency_s=30e-6)
+    mixed = dataclasses.replace(fast, across=slow)
+    same = dataclasses.replace(fast, across=dataclasses.replace(fast, tflops=1.0))  # only its links are read
+    for c in (_call(world=8, ulysses=2, heads=8, kv_heads=2), _call(world=8, ulysses=4, heads=8, kv_heads=8,
+                                                                     vis=Visibility(causal=True, window=(300, 0)))):
+        for strategy in ("hybrid", "hybrid_allgather"):
+            assert cost.predict(c, strategy, same) == cost.predict(c, strategy, fast)
+            p_fast, p_mixed = cost.predict(c, strategy, fast), cost.predict(c, strategy, mixed)
+            assert p_mixed.compute_s == p_fast.compute_s and p_mixed.comm_s > p_fast.comm_s
+            # the mixed prediction is the all-to-alls at the fast links plus the ring dimension at the slow
+            # ones, i.e. the slow hardware's prediction less its all-to-all term plus the fast one's
+            a2a = {hw: cost._a2a_s(c, c.ulysses, c.heads, cost._kv_sent(c.heads, c.kv_heads, c.ulysses), hw)
+                   for hw in (fast, slow)}
+            want = cost.predict(c, strategy, slow).comm_s - a2a[slow] + a2a[fast]
+            assert math.isclose(p_mixed.comm_s, want, rel_tol=1e-12), (strategy, p_mixed.comm_s, want)
+        one_d = dataclasses.replace(c, ulysses=1)
+        for strategy in ("ring", "allgather", "ulysses"):
+            assert cost.predict(one_d, strategy, mixed) == cost.predict(one_d, strategy, fast)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        mixed.across = None
+
+
 CALLS = [
     _call(world=w, heads=h, kv_heads=hkv, layout=layout, vis=vis, local_len=n)
     for w in (2, 4, 8)
@@ -324,6 +354,60 @@ def test_which_strategy_counts_the_named_backend_calls():
     q = torch.zeros(1, 16, 4, 8)
     with pytest.raises(ValueError, match=r"Invalid backend 'fa5'. Must be one of: 'auto', 'torch'"):
         which_strategy(q, q, causal=True, backend="fa5")
+
+
+SLOW_LINKS = cost.Hardware(tflops=1e9, call_overhead_s=0.0, p2p_gbps=1e-3, a2a_gbps=1e-3, allgather_gbps=1e-3,
+                           reduce_scatter_gbps=1e-3, latency_s=0.0)
+
+
+def _auto_hardware_rank(rank, world):
+    """"auto" with and without ``hardware``: the picks which_strategy names, the operations each call posted,
+    its errors against the float64 reference; then ranks passing different hardware, and a bad one."""
+    from distcomm_attention.transport import CountingTransport, TorchTransport, using
+
+    seq = 64 * world
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, seq, 8, 16, dtype=torch.float64, generator=g) for _ in range(3))
+    ref = attention_reference(q, k, v, causal=True)
+    shard = lambda x: da.shard_sequence(x, "zigzag").detach().requires_grad_()  # noqa: E731
+    out = {}
+    for name, hw in (("default", None), ("slow", SLOW_LINKS)):
+        xs = [shard(x) for x in (q, k, v)]
+        counting = []
+        with using(lambda group: counting.append(CountingTransport(TorchTransport(group))) or counting[-1]):
+            y = context_parallel_attn(*xs, strategy="auto", causal=True, layout="zigzag", hardware=hw)
+        pick = which_strategy(*xs[:2], causal=True, layout="zigzag", hardware=hw).strategy
+        ops = sorted({op for c in counting for op, n in c.calls.items() if n})
+        out[name] = {"pick": pick, "ops": ops,
+                     "error": float((y.detach() - da.shard_sequence(ref, "zigzag")).abs().max())}
+    errors = {}
+    try:
+        context_parallel_attn(*(shard(x) for x in (q, k, v)), strategy="auto", causal=True, layout="zigzag",
+                              hardware=SLOW_LINKS if rank == 0 else None)
+    except ValueError as e:
+        errors["mismatch"] = str(e)
+    try:
+        context_parallel_attn(*(shard(x) for x in (q, k, v)), strategy="auto", causal=True, layout="zigzag",
+                              hardware={"a2a_gbps": 50})
+    except TypeError as e:
+        errors["type"] = str(e)
+    return out, errors
+
+
+def test_auto_predicts_with_the_hardware_passed():
+    """context_parallel_attn(strategy="auto", hardware=...) runs the pick which_strategy names for that
+    hardware (here Ulysses by default, the all-gather on links so slow that bytes decide), seen in the
+    operations it posts, and both equal the float64 reference. Ranks passing different hardware pick
+    differently: the same error on every rank. A hardware that is not a Hardware is refused by name."""
+    got = run_world(_auto_hardware_rank, 2)
+    for out, errors in got:
+        assert out["default"]["pick"] == "ulysses" and out["slow"]["pick"] == "allgather"
+        assert out["default"]["ops"] == ["all_to_all_v"]
+        assert "all_gather" in out["slow"]["ops"] and "all_to_all_v" not in out["slow"]["ops"]
+        assert out["default"]["error"] < 1e-12 and out["slow"]["error"] < 1e-12
+        assert "strategy" in errors["mismatch"], errors
+        assert "`hardware` must be a distcomm_attention.planning.cost.Hardware or None, got dict" in errors["type"]
+    assert got[0][1] == got[1][1]
 
 
 def test_predictions_are_positive_and_choose_takes_the_minimum():

@@ -20,11 +20,16 @@ Note [Cost model]
                   (U - 1) / U of each tensor leaves the rank, at a2a_bw, not overlapped; in two halves
                   (Note [Ulysses halves]) the two parts' calls, and of each direction's transfers the first
                   piece in and the last piece out, the others less the kernels they hide behind
-        allgather compute + k, v gathered twice (forward, backward) at allgather_bw + fp32 dK, dV
-                  reduce-scattered at reduce_scatter_bw, less the backward of the blocks on the rank's own
-                  keys, which runs while it is in flight (Note [All-gather KV]: "others first"; 2.5 / 3.5 of
-                  their step's cost); the backward's calls those of its two steps (own keys, the rest)
-        hybrids   Ulysses over the "ulysses" dimension around a ring / all-gather over "ring"
+        allgather compute + k, v gathered twice (forward, backward; once where the buffer is kept) at
+                  allgather_bw + fp32 dK, dV reduce-scattered at reduce_scatter_bw, less the backward of the
+                  blocks on the rank's own keys, which runs while it is in flight (Note [All-gather KV]:
+                  "others first"; 2.5 / 3.5 of their step's cost); the backward's calls those of its two
+                  steps (own keys, the rest). Sparse (Note [Sparse gather]): the exchange plan's rows at
+                  a2a_bw, the forward's exchange less the forward of the blocks on own keys (1 / 3.5), which
+                  run while it arrives
+        hybrids   Ulysses over the "ulysses" dimension around a ring / all-gather over "ring"; the ring
+                  dimension's transfers at ``Hardware.across``'s links where given (between nodes), the
+                  all-to-alls at the hardware's own
 
         memory    the strategy's extra buffers per rank: ring 2 k/v blocks in flight + fp32 dK/dV
                   accumulators; all-gather S x Hkv x D keys and values (+ fp32 dK/dV in the backward);
@@ -60,6 +65,7 @@ Note [Cost model]
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -67,7 +73,7 @@ from typing import NamedTuple
 import torch
 
 from distcomm_attention.planning.calls import step_calls
-from distcomm_attention.planning.exchange import gathered_exchange, sparse_ring
+from distcomm_attention.planning.exchange import gather_keeps, gathered_exchange, sparse_ring
 from distcomm_attention.planning import layouts
 from distcomm_attention.planning.plans import gathered_plan, half_plans, local_plan, own_rows, split_local
 from distcomm_attention.planning.visibility import RingPlan, Visibility, ring_plan
@@ -88,6 +94,9 @@ class Hardware:
         state_gbps: rate at which a block call's fp32 state (out, dQ, dK, dV accumulators) is touched.
         p2p_gbps, a2a_gbps, allgather_gbps, reduce_scatter_gbps: link bandwidths per GPU, GB/s.
         latency_s: fixed cost of one collective or ring hop.
+        across: the links of the hybrids' "ring" dimension where they differ from these (a mesh whose
+            "ulysses" dimension stays inside a node and whose "ring" dimension crosses nodes); only its link
+            fields are read. None: the same links.
     """
 
     tflops: float = 615.0
@@ -98,6 +107,17 @@ class Hardware:
     allgather_gbps: float = 277.0
     reduce_scatter_gbps: float = 272.0
     latency_s: float = 20e-6
+    across: Hardware | None = None
+
+
+_LINK_FIELDS = ("p2p_gbps", "a2a_gbps", "allgather_gbps", "reduce_scatter_gbps", "latency_s")
+
+
+def _ring_dimension(hw: Hardware) -> Hardware:
+    """The hardware the hybrids' ring dimension runs on: ``hw`` with ``hw.across``'s links, if any."""
+    if hw.across is None:
+        return hw
+    return dataclasses.replace(hw, across=None, **{f: getattr(hw.across, f) for f in _LINK_FIELDS})
 
 
 class Prediction(NamedTuple):
@@ -233,32 +253,34 @@ def _issued(plan: RingPlan, i: int, packs: bool, backward: bool) -> int:
 
 
 def _gathered_rank_s(c: Call, ranks: int, rank: int, local_len: int, heads: int, kv_heads: int, hw: Hardware):
-    """(compute, backward of the blocks on own keys only) seconds of one rank's gathered plan: the forward's
-    calls those of the one step, the backward's those of its two (Note [All-gather KV])."""
+    """(compute, forward of the blocks on own keys only, backward of them) seconds of one rank's gathered plan:
+    the forward's calls those of the one step, the backward's those of its two (Note [All-gather KV])."""
     plan = gathered_plan(c.layout, c.vis, ranks, rank, local_len)
     split = split_local(plan, own_rows(c.layout, ranks, rank, local_len))
     pairs, _, rows, keys = _step_costs(plan)[0]
     calls = (_issued(plan, 0, c.packs, False) + sum(_issued(split, i, c.packs, True) for i in (0, 1))) / 2
     own_pairs, _, own_q, own_kv = _step_costs(split)[0]
-    own_bwd = _compute_s(own_pairs, _issued(split, 0, c.packs, True), own_q, own_kv, c, heads, kv_heads, hw)
-    return _compute_s(pairs, calls, rows, keys, c, heads, kv_heads, hw), own_bwd * 2.5 / 3.5
+    own = _compute_s(own_pairs, _issued(split, 0, c.packs, True), own_q, own_kv, c, heads, kv_heads, hw)
+    return _compute_s(pairs, calls, rows, keys, c, heads, kv_heads, hw), own / 3.5, own * 2.5 / 3.5
 
 
 def _gathered_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: Hardware):
     row = 2 * c.batch * kv_heads * c.head_dim  # k and v elements of one token
     ex = gathered_exchange(c.layout, c.vis, ranks, local_len)
     per_rank = [_gathered_rank_s(c, ranks, r, local_len, heads, kv_heads, hw) for r in range(ranks)]
-    if ex is None:  # all-gather (again in the backward beyond 2 ranks), reduce-scatter of dK, dV in fp32
+    gathers = 1 if gather_keeps(ex, ranks, local_len) else 2  # again in the backward unless the buffer is kept
+    if ex is None:  # all-gathers waited before any block, reduce-scatter of dK, dV in fp32
         kv = row * local_len * (ranks - 1)
-        gathers = 1 if ranks <= 2 else 2
         gather = [gathers * _transfer_s(kv * c.itemsize, hw.allgather_gbps, hw)] * ranks
         reduce = [_transfer_s(kv * 4, hw.reduce_scatter_gbps, hw)] * ranks
-    else:  # the exchange plan's rows (Note [Sparse gather]): the busiest rank's link, k and v each an exchange
+    else:  # the exchange plan's rows (Note [Sparse gather]): the busiest rank's link, k and v each an exchange,
+        # the forward's behind the blocks on own keys, the backward's (if any) waited before its first block
         moved = [max(ex.remote_rows(r)) * row / 2 for r in range(ranks)]
-        gather = [2 * 2 * _transfer_s(m * c.itemsize, hw.a2a_gbps, hw) for m in moved]
+        one = [2 * _transfer_s(m * c.itemsize, hw.a2a_gbps, hw) for m in moved]
+        gather = [max(0.0, g - own_fwd) + (gathers - 1) * g for g, (_, own_fwd, _) in zip(one, per_rank)]
         reduce = [2 * _transfer_s(m * 4, hw.a2a_gbps, hw) for m in moved]
-    comm = max(g + max(0.0, d - own_bwd) for g, d, (_, own_bwd) in zip(gather, reduce, per_rank))
-    return max(compute for compute, _ in per_rank), comm if ranks > 1 else 0.0
+    comm = max(g + max(0.0, d - own_bwd) for g, d, (_, _, own_bwd) in zip(gather, reduce, per_rank))
+    return max(compute for compute, _, _ in per_rank), comm if ranks > 1 else 0.0
 
 
 def _a2a_s(c: Call, degree: int, heads: int, kv_heads: int, hw: Hardware) -> float:
@@ -327,7 +349,7 @@ def predict(c: Call, strategy: str, hw: Hardware = Hardware()) -> Prediction | N
         else:
             rings = c.world // u
             inner = functools.partial(_ring_s, sparse_sends=False) if strategy == "hybrid" else _gathered_s
-            compute, inner_comm = inner(c, rings, u * n, heads, kv_heads, hw)
+            compute, inner_comm = inner(c, rings, u * n, heads, kv_heads, _ring_dimension(hw))
             comm += inner_comm
             mem = b * u * n * d * item * (2 * heads + 2 * kv_heads)
     else:

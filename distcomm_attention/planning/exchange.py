@@ -162,6 +162,18 @@ def compact_gathered_plan(layout, vis: Visibility, ring_size: int, rank: int, lo
     return compact_plan(gathered_plan(layout, vis, ring_size, rank, local_len), ex, rank)
 
 
+GATHER_KEEP_ROWS = 2  # the all-gather's buffer is kept for the backward up to this many shards on every rank
+
+
+def gather_keeps(ex: Exchange | None, ring_size: int, local_len: int) -> bool:
+    """Whether the all-gather (Note [All-gather KV]) keeps its forward's buffer for the backward instead of
+    gathering again: the whole sequence, or with ``ex`` (Note [Sparse gather]) every rank's compacted buffer,
+    at most GATHER_KEEP_ROWS shards. Decided from the plan, alike on every rank."""
+    if ex is None:
+        return ring_size <= GATHER_KEEP_ROWS
+    return max(map(ex.buffer_len, range(ring_size))) <= GATHER_KEEP_ROWS * local_len
+
+
 # The ring with direct sparse sends (Note [Sparse ring] in strategies/sparse_ring.py): its schedule.
 
 RING_KEEP_ROWS = 2  # the forward's received rows are kept for the backward up to this many shards on every rank

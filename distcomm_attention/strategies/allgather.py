@@ -50,7 +50,7 @@ from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention import transport
 from distcomm_attention.kernels.contract import RowSum, _runs
-from distcomm_attention.planning.exchange import Exchange
+from distcomm_attention.planning.exchange import Exchange, gather_keeps
 from distcomm_attention.planning.plans import gathered_in_natural_order, natural_order, own_rows, split_local
 from distcomm_attention.planning.visibility import RingPlan
 from distcomm_attention.strategies.sparse_gather import SparseGather
@@ -120,7 +120,6 @@ def local_backward(dout, q, k, v, out, lse, key_mask, plan: RingPlan, softcap: f
     return _dq_result(dq, q.dtype), dk, dv
 
 
-KEEP_ROWS = 2  # sparse buffers of at most this many times the local rows (on every rank) are kept for the backward
 
 
 class _Arriving:
@@ -153,8 +152,8 @@ class AllGatherKV:
         # only the keys the plan reads (Note [Sparse gather]); ``plan`` then indexes the compacted buffer
         self.sparse = None if exchange is None else SparseGather(transport.for_group(group), exchange, layout)
         if self.sparse is not None:  # decided from the plan, alike on every rank (the second exchange is collective)
-            self.sparse.keep = max(map(exchange.buffer_len, range(world))) <= KEEP_ROWS * local_len
-        self.keep_gathered = exchange is None and world <= KEEP_ROWS  # the whole sequence is at most KEEP_ROWS shards
+            self.sparse.keep = gather_keeps(exchange, world, local_len)
+        self.keep_gathered = exchange is None and gather_keeps(None, world, local_len)
         self._kept = None  # a buffer small enough to keep for the backward (no second exchange)
 
     def _gather(self, k, v, key_mask):

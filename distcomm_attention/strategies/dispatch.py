@@ -222,8 +222,9 @@ def _group_error(strategy: str, group) -> ValueError | None:
 
 
 def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_scale, window, softcap,
-        attention_mask, cu_seqlens, backend: str, requires_grad: bool, error: BaseException | None = None):
-    """Validate, verify, plan and run one call of ``strategy`` ("auto": the cost model's pick).
+        attention_mask, cu_seqlens, backend: str, requires_grad: bool, error: BaseException | None = None,
+        hardware: cost.Hardware | None = None):
+    """Validate, verify, plan and run one call of ``strategy`` ("auto": the cost model's pick on ``hardware``).
 
     ``error``: an input error the caller found; like every input error it is raised on every rank after the
     exchange (Note [Collective verdicts]).
@@ -235,7 +236,7 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
         # Input errors make choose fail; ``prepare`` then raises them on every rank after the exchange.
         picked, _ = _validation.verdict(choose, q, k, group=group, layout=layout, causal=causal, window=window,
                                         attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
-                                        softcap=softcap)
+                                        softcap=softcap, hardware=hardware)
         strategy = "ring" if picked is None else picked.strategy
         auto = {"auto": True}
     else:

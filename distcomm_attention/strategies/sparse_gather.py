@@ -18,6 +18,9 @@ Note [Sparse gather]
     its boundaries: when they form at most ``MAX_RUNS`` runs (both in the shard and in the buffer) they are
     placed and read back by one slice copy per run instead of an index gather and scatter, and when they are
     every row of the shard the gradient's rows are all written by those copies (no zero fill, no index_add).
+    The rows that travel form runs too (the keys of documents crossing a boundary): up to 4 x MAX_RUNS runs,
+    what is sent is taken by one concatenation of slices and what arrives is placed by one slice copy per
+    run, instead of an index gather and an index put (which reads every element through its index).
     An exchange in which no rank sends another anything (every document on one rank) is skipped by every
     rank: rank r's buffer is then its own rows.
 """
@@ -50,6 +53,16 @@ def _runs(src: torch.Tensor, dst: torch.Tensor, limit: int | None = None) -> tup
     return tuple((int(src[a]), int(dst[a]), b - a) for a, b in zip(starts, stops))
 
 
+def _take(rows: torch.Tensor, runs, index) -> torch.Tensor:
+    """Rows of ``rows`` (dim 0) in order, as one new contiguous tensor: by ``runs`` ((source row, destination
+    row, length), the destinations consecutive from 0) in one concatenation of slices, else by ``index()``."""
+    if runs is None:
+        return rows.index_select(0, index())
+    if not runs:
+        return rows[:0].contiguous()
+    return torch.cat([rows[a:a + length] for a, _, length in runs])
+
+
 def _index(ranges) -> torch.Tensor:
     """The row indices of ranges [start, stop), as one int64 tensor."""
     if not ranges:
@@ -71,7 +84,11 @@ class _Arrival:
         for i, handle in enumerate(self._handles):
             if handle is not None:
                 (recv,) = handle.wait()
-                self._buffers[i][self._place] = recv
+                if isinstance(self._place, tuple):  # runs: (arrived row, buffer row, length)
+                    for a, at, length in self._place:
+                        self._buffers[i][at:at + length] = recv[a:a + length]
+                else:
+                    self._buffers[i][self._place] = recv
         self._handles = []
         return tuple(None if b is None else (b.view(torch.uint8) if bool_ else b).transpose(0, 1)
                      for b, bool_ in zip(self._buffers, self._bools))
@@ -89,6 +106,8 @@ class SparseGather:
         self.own_all = self.own_runs is not None and self.own_index.numel() == ex.local_len
         # (shard row, row of what comes back, length) of the rows other ranks return gradients for
         self.back_runs = _runs(self.send_index, torch.arange(self.send_index.numel()), limit=4 * MAX_RUNS)
+        # (arrived row, buffer row, length) of the other ranks' rows
+        self.place_runs = _runs(torch.arange(self.place.numel()), self.place, limit=4 * MAX_RUNS)
         self._on: dict = {}
 
     def _index(self, name: str, device: torch.device) -> torch.Tensor:
@@ -131,10 +150,11 @@ class SparseGather:
                 buffer[self._index("place_own", device)] = rows.index_select(0, self._index("own_index", device))
             handle = None
             if not self.skip:
-                send = rows.index_select(0, self._index("send_index", device))
+                send = _take(rows, self.back_runs, lambda: self._index("send_index", device))
                 handle = self.transport.all_to_all_v(send, self.send_splits, self.recv_splits)
             buffers.append(buffer), handles.append(handle), bools.append(t.dtype == torch.bool)
-        return _Arrival(buffers, handles, self._index("place", device), bools)
+        place = self.place_runs if self.place_runs is not None else self._index("place", device)
+        return _Arrival(buffers, handles, place, bools)
 
     def gather(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         """(B, n, ...) local tensors -> (B, m, ...) buffers of the needed keys (None stays None)."""
@@ -151,7 +171,8 @@ class SparseGather:
         rows = grad.transpose(0, 1)
         handle = None
         if not self.skip:
-            remote = rows.index_select(0, self._index("place", device)).contiguous()
+            remote = _take(rows, None if self.place_runs is None else tuple((at, a, n) for a, at, n in self.place_runs),
+                           lambda: self._index("place", device))
             handle = self.transport.all_to_all_v(remote, self.recv_splits, self.send_splits)
         return _Returning(self, rows, handle, local_len)
 
