@@ -425,6 +425,14 @@ def check_attention_mask(attention_mask, q: torch.Tensor) -> None:
         raise ValueError(f"`attention_mask` is on {attention_mask.device}, but q is on {q.device}")
 
 
+def boundaries_on_host(cu_seqlens):
+    """``cu_seqlens`` on the host for a whole call: a 1-D tensor on a device is read back once here (one sync)
+    instead of by every step that plans from it; anything else as given (``check_cu_seqlens`` judges it)."""
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type != "cpu" and cu_seqlens.dim() == 1:
+        return cu_seqlens.cpu()
+    return cu_seqlens
+
+
 def check_cu_seqlens(cu_seqlens, global_len: int) -> tuple[int, ...] | None:
     """``cu_seqlens`` as a tuple of ints: 0, strictly increasing, ending at ``global_len``.
 

@@ -123,7 +123,8 @@ def ring_flash_attn(
             (flash-attn's varlen convention: 0, ..., global length; the same on every rank; applies to every
             batch row). Attention never crosses a boundary; documents may have any lengths (one token, or
             spanning several ranks) with every layout. Pass a CPU tensor or a list: a CUDA tensor is read
-            back to the host (one sync). ``cu_seqlens_from_position_ids`` builds it from position ids that
+            back to the host once per call (one sync: the GPU's queue drains and the call's host work is
+            no longer hidden behind the GPU's; docs/bench/real.md measures it). ``cu_seqlens_from_position_ids`` builds it from position ids that
             restart at 0 for each document.
         sharding: a :class:`Sharding` (layout, group and ring size in one handle: the explicit way to attend
             with the layout the inputs were sharded with, ``s.shard(x)``). ``layout``, ``group`` or
@@ -158,6 +159,7 @@ def ring_flash_attn(
         )
     comm, ring_error = ring_comm(group, ring_size)
     error = error or ring_error
+    cu_seqlens = _validation.boundaries_on_host(cu_seqlens)
     requires_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     planned, scale, fwd, bwd, _ = prepare(
@@ -300,6 +302,7 @@ def context_parallel_attn(
             q, k, v, strategy=strategy, group=group, layout=layout, causal=causal, softmax_scale=softmax_scale,
             window=window, softcap=softcap, attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
         )
+    cu_seqlens = _validation.boundaries_on_host(cu_seqlens)
     requires_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     return strategies.run(q, k, v, strategy=strategy if error is None else "ring", group=group, layout=layout,

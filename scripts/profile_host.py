@@ -5,6 +5,7 @@ Python loop's wall time when the host does not wait: with ``torch.cuda._sleep`` 
 never starves the host), and on rank 0 a cProfile of a few calls (top functions by cumulative time).
 
     python scripts/profile_host.py --world 2 --seq 8k --strategies ring,ulysses,allgather,auto --out prof.txt
+    python scripts/profile_host.py --world 4 --seq 128k --docs lognormal --layout balanced   # a packed mix
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import _bench_util as U  # noqa: E402
+import bench_strategies as bs  # noqa: E402
 
 from distcomm_attention import context_parallel_attn, shard_sequence  # noqa: E402
 
@@ -33,12 +35,13 @@ def run_rank(rank: int, world: int, cfg: dict) -> dict:
     heads, kv_heads, d, seq = cfg["heads"], cfg["kv_heads"], cfg["head_dim"], cfg["seq"]
     g = torch.Generator(device=device).manual_seed(0)
     full = [torch.randn(1, seq, h, d, device=device, dtype=dt, generator=g) for h in (heads, kv_heads, kv_heads, heads)]
-    q, k, v, dout = (shard_sequence(x, "zigzag").contiguous() for x in full)
+    layout, docs = cfg["layout"], None if cfg["docs"] == "one" else bs.documents(cfg["docs"], seq)
+    q, k, v, dout = (shard_sequence(x, layout, cu_seqlens=docs).contiguous() for x in full)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     out = {}
     for strategy in cfg["strategies"]:
         def step():
-            o = context_parallel_attn(q, k, v, strategy=strategy, causal=True, layout="zigzag")
+            o = context_parallel_attn(q, k, v, strategy=strategy, causal=True, layout=layout, cu_seqlens=docs)
             o.backward(dout)
             q.grad = k.grad = v.grad = None
 
@@ -77,6 +80,8 @@ def main():
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--seq", default="8k")
     p.add_argument("--strategies", default="ring,ulysses,allgather,auto")
+    p.add_argument("--docs", default="one", help=f"document mix ({', '.join(bs.MIXES)}); one: a single sequence")
+    p.add_argument("--layout", default="zigzag")
     p.add_argument("--heads", default="32/8")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=20)
@@ -86,7 +91,7 @@ def main():
     a = p.parse_args()
     heads, kv_heads = map(int, a.heads.split("/"))
     cfg = {"seq": U.parse_count(a.seq), "strategies": a.strategies.split(","), "heads": heads, "kv_heads": kv_heads,
-           "head_dim": a.head_dim, "iters": a.iters, "top": a.top,
+           "head_dim": a.head_dim, "iters": a.iters, "top": a.top, "docs": a.docs, "layout": a.layout,
            "backend": "nccl" if a.device == "cuda" else "gloo"}
     res = U.launch(run_rank, a.world, cfg, backend=cfg["backend"], timeout=600)
     if not res:

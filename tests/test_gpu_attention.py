@@ -325,3 +325,28 @@ def test_ring_flash_attn_two_gpus():
                 if not dtype_ok or err > bound:
                     failures.append(f"rank {rank} {row['case']} {name}: {err:.3e} > {bound:.3e} (plain {err_low:.3e})")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
+def test_cuda_boundaries_are_read_once_per_call(monkeypatch):
+    """cu_seqlens given as a CUDA tensor is read back once at the entry of a call: every step that plans from it
+    then gets the host copy, so a call waits for the GPU once, whichever strategy runs (and ring_flash_attn)."""
+    from distcomm_attention import _validation, context_parallel_attn, ring_flash_attn
+
+    seen = []
+    check = _validation.check_cu_seqlens
+
+    def recorded(cu, global_len):
+        seen.append(cu.device.type if isinstance(cu, torch.Tensor) else type(cu).__name__)
+        return check(cu, global_len)
+
+    monkeypatch.setattr(_validation, "check_cu_seqlens", recorded)
+    q = torch.randn(1, 256, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cu = torch.tensor([0, 100, 256], device="cuda", dtype=torch.int32)
+    calls = {s: (lambda s=s: context_parallel_attn(q, q, q, strategy=s, causal=True, cu_seqlens=cu))
+             for s in ("ring", "ulysses", "allgather", "auto")}
+    calls["ring_flash_attn"] = lambda: ring_flash_attn(q, q, q, causal=True, cu_seqlens=cu)
+    for name, call in calls.items():
+        seen.clear()
+        call().float().sum().backward()
+        assert seen and set(seen) == {"cpu"}, (name, seen)

@@ -155,6 +155,18 @@ def test_shard_inputs_on_one_process():
     assert got["use_cache"] is False and "cu_seq_lens_q" not in got
 
 
+@pytest.mark.gpu
+def test_shard_inputs_gives_the_boundaries_on_the_host():
+    """Inputs on a GPU: cu_seq_lens_q/k come back on the host, so that no attention layer waits for the GPU to
+    read them (a CUDA tensor is read back on every call)."""
+    ring = ring_hf.register("ring_attention_test_host_bounds", layout="contiguous")
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 8]], device="cuda")
+    got = ring.shard_inputs(input_ids=_ids(1).cuda(), labels=_ids(1).cuda(), position_ids=pos)
+    assert got["input_ids"].is_cuda and got["cu_seq_lens_q"].device.type == "cpu"
+    assert got["cu_seq_lens_q"].tolist() == [0, 3, 7, 16] and got["cu_seq_lens_k"] is got["cu_seq_lens_q"]
+    assert got["shift_labels"].is_cuda and got["shift_labels"][0, [2, 6, 15]].tolist() == [-100, -100, -100]
+
+
 def test_shard_inputs_packed_documents():
     """Position ids restarting at 0 give the global boundaries, and no token is trained to predict the next
     document's first token."""

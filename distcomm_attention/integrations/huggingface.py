@@ -321,8 +321,9 @@ class RingAttentionHF:
                 shifted[:, cu_seqlens[1:].long() - 1] = IGNORE_INDEX
             local = shard(shifted)
             inputs.update(labels=local, shift_labels=local, num_items_in_batch=(shifted != IGNORE_INDEX).sum())
-        if cu_seqlens is not None:
-            inputs.update(cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens)
+        if cu_seqlens is not None:  # on the host: every layer plans from them without waiting for the GPU
+            host = torch.tensor(docs, dtype=cu_seqlens.dtype)
+            inputs.update(cu_seq_lens_q=host, cu_seq_lens_k=host)
         inputs["use_cache"] = False
         return inputs
 
