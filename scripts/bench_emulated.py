@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_strategies as bs  # noqa: E402
 
 from distcomm_attention.kernels import dispatch  # noqa: E402
-from distcomm_attention.planning import cost  # noqa: E402
+from distcomm_attention.planning import cost, layouts  # noqa: E402
 from distcomm_attention.planning.exchange import sparse_ring  # noqa: E402
 from distcomm_attention.strategies.sparse_ring import sparse_ring_backward, sparse_ring_forward  # noqa: E402
 from distcomm_attention.planning.visibility import Visibility, ring_plan  # noqa: E402
@@ -172,8 +172,12 @@ def _ulysses_step(t, q, k, v, dout, concrete, vis, world, fwd, bwd, scale, pipel
     return step
 
 
-STRATEGIES = ("ring", "allgather", "ulysses", "ulysses_halves", "ulysses_pipelined", "hybrid", "hybrid_allgather")
+STRATEGIES = ("ring", "allgather", "ulysses", "ulysses_halves", "ulysses_pipelined", "hybrid", "hybrid_allgather",
+              "ring_mesh", "allgather_mesh", "ulysses_mesh")
 HYBRIDS = ("hybrid", "hybrid_allgather")
+# the 1-D strategies over all the mesh's ranks on its sharding (``layouts.mesh_assignment``): what "auto" on a
+# 2-D mesh also weighs
+ON_MESH = ("ring_mesh", "allgather_mesh", "ulysses_mesh")
 
 
 def plan_case(seq: int, world: int, mix: str, layout: str):
@@ -238,6 +242,8 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
     mesh = 2 <= degree < world and world % degree == 0 and heads % degree == 0
     rings = world // degree if mesh else 1
     concrete_mesh = plan_case(seq, rings, mix, layout)[2] if mesh else None
+    flat = layouts.mesh_assignment(concrete_mesh, seq, tuple(tuple(r * degree + u for u in range(degree))
+                                                             for r in range(rings))) if mesh else None
     n = seq // world
     g = torch.Generator(device=dev).manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, device=dev, dtype=dt, generator=g)  # noqa: E731
@@ -252,17 +258,17 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
     for link_name in ["ideal"] + links:
         per = {}
         for strategy in args.strategies:
-            if strategy.startswith("ulysses") and heads % world or strategy in HYBRIDS and not mesh:
+            if strategy.startswith("ulysses") and heads % world or strategy in HYBRIDS + ON_MESH and not mesh:
                 continue
-            if strategy.startswith("ulysses"):
+            base, lay = (strategy[:-len("_mesh")], flat) if strategy in ON_MESH else (strategy, concrete)
+            if base.startswith("ulysses"):
                 ranks = [0]  # every rank the same
             elif strategy in HYBRIDS:  # ring ranks; every Ulysses rank of one ring rank the same
                 ranks = bs.pick_ranks(bs.planned_rank_s("ring" if strategy == "hybrid" else "allgather", concrete_mesh,
                                                         vis, rings, degree * n, heads // degree, kv_sent // degree, d),
                                       args.ranks)
             else:
-                ranks = bs.pick_ranks(bs.planned_rank_s(strategy, concrete, vis, world, n, heads, kv_heads, d),
-                                      args.ranks)
+                ranks = bs.pick_ranks(bs.planned_rank_s(base, lay, vis, world, n, heads, kv_heads, d), args.ranks)
             times, sent, sparse = [], 0, None
             for r in ranks:
                 if strategy in HYBRIDS:
@@ -273,9 +279,9 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
                     counted = (t, t_ring)
                 else:
                     t = _Sent(EmulatedLink(world, r, LINKS[link_name]))
-                    path, f = rank_step(strategy, t, q, k, v, dout, concrete, vis, world, r, fwd, bwd, scale)
+                    path, f = rank_step(base, t, q, k, v, dout, lay, vis, world, r, fwd, bwd, scale)
                     counted = (t,)
-                if strategy in ("allgather", "hybrid_allgather"):
+                if base in ("allgather", "hybrid_allgather"):
                     sparse = "sparse" in path
                 times.append(bs._timed(f, args.iters, args.warmup))
                 for c in counted:
@@ -296,9 +302,12 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
         if mesh:
             hw_mesh = _hardware(_inside(link_name), across=LINKS[link_name])
             call_mesh = cost.Call(1, n, heads, kv_heads, d, 2, concrete_mesh, vis, world, degree, packs=packs)
+            call_flat = dataclasses.replace(call_mesh, layout=flat, ulysses=1)
         for s, m in per.items():
             if s in HYBRIDS:
                 p = cost.predict(call_mesh, s, hw_mesh)
+            elif s in ON_MESH:
+                p = cost.predict(call_flat, s[:-len("_mesh")], cost.links_across(hw_mesh))
             else:
                 p = cost.predict(dataclasses.replace(call, ulysses_halves=s == "ulysses_halves"),
                                  "ulysses" if s.startswith("ulysses") else s, hw)
@@ -307,12 +316,19 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
             m["prediction_error"] = p.seconds / m["max_s"] - 1
         fastest = min(per, key=lambda s: per[s]["max_s"])
         row[f"{link_name}_fastest"] = fastest
-        picks = {"": tuple(s for s in per if s in ("ring", "allgather", "ulysses")),
-                 "mesh_": tuple(s for s in per if s in HYBRIDS)}
-        for prefix, candidates in picks.items():
-            if not candidates:
+        one_d = tuple(s for s in per if s in ("ring", "allgather", "ulysses"))
+        picks = {"": (one_d and cost.choose(call, one_d, hw).strategy)}
+        if mesh:  # "auto" on the mesh: the hybrids and the 1-D strategies over its ranks that ran
+            hybrids, on_mesh = (tuple(s for s in per if s in names) for names in (HYBRIDS, ON_MESH))
+            asked = [(call_mesh, hybrids, hw_mesh)] if hybrids else []
+            if on_mesh:
+                asked.append((call_flat, tuple(s[:-len("_mesh")] for s in on_mesh), cost.links_across(hw_mesh)))
+            if asked:
+                picked = cost.choose_among(*asked).strategy
+                picks["mesh_"] = picked if picked in HYBRIDS else picked + "_mesh"
+        for prefix, pick in picks.items():
+            if not pick:
                 continue
-            pick = cost.choose(call_mesh if prefix else call, candidates, hw_mesh if prefix else hw).strategy
             row[f"{link_name}_{prefix}pick"] = pick
             row[f"{link_name}_{prefix}pick_vs_fastest"] = per[pick]["max_s"] / per[fastest]["max_s"]
             row[f"{link_name}_{prefix}pick_efficiency"] = per[pick]["efficiency"]

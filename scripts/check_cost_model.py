@@ -15,6 +15,7 @@ flash-attn-4 blocks (so the model counts packed calls).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -25,13 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_strategies as bs  # noqa: E402
 from bench_emulated import _hardware, _inside  # noqa: E402
 
-from distcomm_attention.planning import cost  # noqa: E402
+from distcomm_attention.planning import cost, layouts  # noqa: E402
 from distcomm_attention.planning.visibility import Visibility  # noqa: E402
 from distcomm_attention.transport.emulated import INTER_NODE, NVLINK  # noqa: E402
 
 LINKS = {"nvlink": NVLINK, "internode": INTER_NODE}
 STRATEGIES = ("ring", "allgather", "ulysses")
 HYBRIDS = ("hybrid", "hybrid_allgather")
+ON_MESH = ("ring_mesh", "allgather_mesh", "ulysses_mesh")  # the 1-D strategies over the mesh's ranks
 
 
 def _concrete(name: str, seq: int, ranks: int, docs, row: dict):
@@ -54,9 +56,15 @@ def call_of(row: dict, head_dim: int = 128, mesh: bool = False) -> cost.Call:
                      packs=True)
 
 
+def _predict(call, name: str, hw):
+    return cost.predict(call, name[:-len("_mesh")] if name in ON_MESH else name, hw)
+
+
 def check(paths: list[str], exclude: tuple[str, ...] = ()) -> list[dict]:
-    """Per (row, link, candidate set): the 1-D strategies over the whole world, and the hybrids where the row
-    ran them (their Ulysses dimension on NVLink-class links, the ring dimension on the row's link)."""
+    """Per (row, link, candidate set): the 1-D strategies over the whole world; and where the row ran the
+    hybrids, "auto" on the mesh: the hybrids (their Ulysses dimension on NVLink-class links, the ring dimension
+    on the row's link) and the 1-D strategies over the mesh's ranks on its sharding (``*_mesh``, on the row's
+    link)."""
     out = []
     for path in paths:
         for row in json.loads(Path(path).read_text())["rows"]:
@@ -66,16 +74,23 @@ def check(paths: list[str], exclude: tuple[str, ...] = ()) -> list[dict]:
             for link_name, per in row["links"].items():
                 if link_name not in LINKS:
                     continue
-                sets = [("1-D", STRATEGIES, _hardware(LINKS[link_name]), False)]
+                hw = _hardware(LINKS[link_name])
+                calls[False] = calls.get(False) or call_of(row)
+                sets = [("1-D", {s: (calls[False], hw) for s in STRATEGIES})]
                 if "ulysses" in row:
-                    sets.append(("mesh", HYBRIDS, _hardware(_inside(link_name), across=LINKS[link_name]), True))
-                for kind, names, hw, mesh in sets:
-                    call = calls[mesh] = calls.get(mesh) or call_of(row, mesh=mesh)
-                    measured = {s: per[s]["max_s"] for s in names if s in per and cost.predict(call, s, hw)}
+                    call = calls[True] = calls.get(True) or call_of(row, mesh=True)
+                    flat = dataclasses.replace(call, layout=layouts.mesh_assignment(
+                        call.layout, row["seq"], tuple(tuple(r * row["ulysses"] + u for u in range(row["ulysses"]))
+                                                       for r in range(row["rings"]))), ulysses=1)
+                    hw_mesh = _hardware(_inside(link_name), across=LINKS[link_name])
+                    sets.append(("mesh", {**{s: (call, hw_mesh) for s in HYBRIDS},
+                                          **{s: (flat, cost.links_across(hw_mesh)) for s in ON_MESH}}))
+                for kind, asked in sets:
+                    measured = {s: per[s]["max_s"] for s, (c, h) in asked.items() if s in per and _predict(c, s, h)}
                     if not measured:
                         continue
-                    predicted = {s: cost.predict(call, s, hw).seconds for s in measured}
-                    pick = cost.choose(call, tuple(measured), hw).strategy
+                    predicted = {s: _predict(asked[s][0], s, asked[s][1]).seconds for s in measured}
+                    pick = min(predicted, key=predicted.get)
                     fastest = min(measured, key=measured.get)
                     out.append(dict(file=Path(path).name, documents=row["documents"], seq=row["seq"],
                                     world=row["world"], layout=row["layout"], link=link_name, group=kind,

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import distcomm_attention as da
 from distcomm_attention._reference import attention_reference
 from distcomm_attention.api import context_parallel_attn, which_strategy
-from distcomm_attention.planning import cost, layouts
+from distcomm_attention.planning import balance, cost, layouts
 from distcomm_attention.planning.plans import gathered_in_natural_order, gathered_plan, local_plan
 from distcomm_attention.planning.visibility import Visibility, ring_plan, visible_mask
 from distcomm_attention.strategies import dispatch
@@ -746,6 +746,76 @@ def test_hybrids_match_reference(world, meshes):
                 index = dispatch.hybrid_positions(case["layout"], case["seq"], sizes["ring"], ring_rank,
                                                   sizes["ulysses"], u_rank)
                 _compare(case, results[i], index, f"mesh {shape} {names} coordinate {(ring_rank, u_rank)}")
+
+
+def _mesh_picks_rank(rank, world, meshes):
+    """"auto" on a 2-D mesh whose pick is a 1-D strategy (the pick forced: ``choose`` replaced), every hybrid
+    case's features: this coordinate's outputs and gradients; then which_strategy's predictions on the mesh."""
+    real = dispatch.choose
+    out = []
+    for shape, names in meshes:
+        mesh = _mesh(shape, names)
+        sizes = dict(zip(names, shape))
+        r, u = mesh.get_local_rank("ring"), mesh.get_local_rank("ulysses")
+        results = []
+        for forced in ONE_D:
+            dispatch.choose = lambda *a, forced=forced, **kw: cost.StrategyChoice(forced, {}, "forced")
+            try:
+                for case in _hybrid_cases(sizes["ring"], sizes["ulysses"]):
+                    if case["strategy"] != "hybrid" or forced == "ulysses" and case["h"] % world:
+                        continue
+                    index = dispatch.hybrid_positions(case["layout"], case["seq"], sizes["ring"], r,
+                                                      sizes["ulysses"], u)
+                    results.append(_run_local(dict(case, strategy="auto"), index, group=mesh))
+            finally:
+                dispatch.choose = real
+        q = torch.zeros(1, 16, 8, 8, dtype=torch.float64)
+        choice = which_strategy(q, q[:, :, :2], group=mesh, causal=True, layout="zigzag")
+        out.append(((r, u), results, {k: p.seconds for k, p in choice.predictions.items()}, choice.strategy))
+    return out
+
+
+def test_auto_on_a_mesh_may_run_a_1d_strategy_over_all_its_ranks():
+    """On a 2-D mesh "auto" also weighs the 1-D strategies over all the mesh's ranks, on the mesh's sharding
+    (``layouts.mesh_assignment``): each, when picked, gives every coordinate its tokens' outputs and gradients
+    equal to the float64 reference, with every feature and both orders of the mesh's dimensions; and
+    which_strategy on a mesh predicts the hybrids and the 1-D strategies and picks the least."""
+    meshes = [((2, 2), ("ring", "ulysses")), ((2, 2), ("ulysses", "ring"))]
+    got = run_world(_mesh_picks_rank, 4, meshes, timeout=180)
+    for m, (shape, names) in enumerate(meshes):
+        sizes = dict(zip(names, shape))
+        for r in range(4):
+            (ring_rank, u_rank), results, seconds, pick = got[r][m]
+            cases = [(forced, case) for forced in ONE_D for case in _hybrid_cases(sizes["ring"], sizes["ulysses"])
+                     if case["strategy"] == "hybrid" and not (forced == "ulysses" and case["h"] % 4)]
+            assert len(results) == len(cases) > 0
+            for (forced, case), result in zip(cases, results):
+                index = dispatch.hybrid_positions(case["layout"], case["seq"], sizes["ring"], ring_rank,
+                                                  sizes["ulysses"], u_rank)
+                _compare(case, result, index, f"{forced} over mesh {shape} {names} at {(ring_rank, u_rank)}")
+            assert set(seconds) == {"hybrid", "hybrid_allgather", "ring", "ulysses", "allgather"}
+            assert pick == min(seconds, key=seconds.get) and got[0][m][3] == pick
+
+
+def test_mesh_assignment_is_the_hybrids_sharding():
+    """``mesh_assignment``: rank grid[r][u] holds exactly the positions hybrid_positions gives coordinate (r, u),
+    for static layouts, a balanced Assignment and grids in either order."""
+    docs = (0, 3, 4, 17, 30, 32)
+    for rings, ulysses in ((2, 2), (2, 4), (4, 2), (1, 4)):
+        seq = 4 * rings * ulysses
+        grids = [tuple(tuple(r * ulysses + u for u in range(ulysses)) for r in range(rings)),
+                 tuple(tuple(u * rings + r for u in range(ulysses)) for r in range(rings))]
+        lays = list(layouts.STATIC)
+        if seq == 32:
+            lays.append(balance.resolve("balanced", seq, rings, docs))
+        for layout in lays:
+            for grid in grids:
+                flat = layouts.mesh_assignment(layout, seq, grid)
+                assert flat.ring_size == rings * ulysses and flat.local_len == seq // (rings * ulysses)
+                for r in range(rings):
+                    for u in range(ulysses):
+                        want = layouts.hybrid_positions(layout, seq, rings, r, ulysses, u)
+                        assert torch.equal(flat.positions(grid[r][u]), want), (layout, grid, r, u)
 
 
 def test_hybrid_positions_partition_the_sequence():

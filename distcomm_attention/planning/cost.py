@@ -78,7 +78,8 @@ from distcomm_attention.planning import layouts
 from distcomm_attention.planning.plans import gathered_plan, half_plans, local_plan, own_rows, split_local
 from distcomm_attention.planning.visibility import RingPlan, Visibility, ring_plan
 
-__all__ = ["Hardware", "Prediction", "StrategyChoice", "Call", "predict", "choose", "lower_bound"]
+__all__ = ["Hardware", "Prediction", "StrategyChoice", "Call", "predict", "choose", "choose_among", "links_across",
+           "lower_bound"]
 
 
 _HOST = torch.device("cpu")  # where the model builds the masks it counts pieces of
@@ -113,8 +114,9 @@ class Hardware:
 _LINK_FIELDS = ("p2p_gbps", "a2a_gbps", "allgather_gbps", "reduce_scatter_gbps", "latency_s")
 
 
-def _ring_dimension(hw: Hardware) -> Hardware:
-    """The hardware the hybrids' ring dimension runs on: ``hw`` with ``hw.across``'s links, if any."""
+def links_across(hw: Hardware) -> Hardware:
+    """The hardware of transfers that cross ``across``'s links (the hybrids' ring dimension, a 1-D strategy
+    over a whole mesh): ``hw`` with ``hw.across``'s links, if any."""
     if hw.across is None:
         return hw
     return dataclasses.replace(hw, across=None, **{f: getattr(hw.across, f) for f in _LINK_FIELDS})
@@ -349,7 +351,7 @@ def predict(c: Call, strategy: str, hw: Hardware = Hardware()) -> Prediction | N
         else:
             rings = c.world // u
             inner = functools.partial(_ring_s, sparse_sends=False) if strategy == "hybrid" else _gathered_s
-            compute, inner_comm = inner(c, rings, u * n, heads, kv_heads, _ring_dimension(hw))
+            compute, inner_comm = inner(c, rings, u * n, heads, kv_heads, links_across(hw))
             comm += inner_comm
             mem = b * u * n * d * item * (2 * heads + 2 * kv_heads)
     else:
@@ -365,7 +367,19 @@ def _predictions(c: Call, candidates: tuple[str, ...], hw: Hardware) -> tuple[tu
 
 def choose(c: Call, candidates: tuple[str, ...], hw: Hardware = Hardware()) -> StrategyChoice:
     """The candidate with the least predicted time (ties: the earlier candidate)."""
-    predictions = dict(_predictions(c, tuple(candidates), hw))
+    return _least(dict(_predictions(c, tuple(candidates), hw)))
+
+
+def choose_among(*asked: tuple[Call, tuple[str, ...], Hardware]) -> StrategyChoice:
+    """``choose`` over several (call, candidates, hardware): the least predicted time of all (the names must
+    differ; ties: the earlier). A 2-D mesh asks for the hybrids on it and the 1-D strategies over its ranks."""
+    predictions: dict = {}
+    for c, candidates, hw in asked:
+        predictions.update(_predictions(c, tuple(candidates), hw))
+    return _least(predictions)
+
+
+def _least(predictions: dict) -> StrategyChoice:
     best = min(predictions, key=lambda name: predictions[name].seconds)
     others = ", ".join(f"{k} {v.seconds * 1e3:.3f} ms" for k, v in predictions.items())
     return StrategyChoice(best, predictions, f"least predicted fwd+bwd time ({others})")

@@ -61,6 +61,7 @@ __all__ = [
     "unshard_concat",
     "hybrid_positions",
     "Assignment",
+    "mesh_assignment",
     "STATIC",
     "DATA_DEPENDENT",
     "split_spec",
@@ -283,6 +284,21 @@ def block_plan(layout: str, causal: bool, ring_size: int, rank: int, src: int, l
     if src < rank:
         return (Block(everything, everything, True),)
     return (Block(slice(1, None), slice(0, local_len - 1), True),) if local_len > 1 else ()
+
+
+def mesh_assignment(layout, seq_len: int, grid: tuple[tuple[int, ...], ...]) -> Assignment:
+    """The hybrids' sharding as one layout over every rank of their mesh: rank ``grid[r][u]`` (of the group the
+    mesh spans) holds ``hybrid_positions`` of coordinate (r, u), for ``layout`` over the ``len(grid)`` ring
+    positions. What a 1-D strategy runs on over the whole mesh (``strategy="auto"`` on a 2-D mesh)."""
+    rings, ulysses = len(grid), len(grid[0])
+    ranges: list = [None] * (rings * ulysses)
+    for r, row in enumerate(grid):
+        for u, rank in enumerate(row):
+            pos = hybrid_positions(layout, seq_len, rings, r, ulysses, u)
+            cuts = [0] + ((pos[1:] - pos[:-1]) != 1).nonzero().flatten().add(1).tolist() + [pos.numel()]
+            ranges[rank] = tuple((int(pos[a]), int(pos[b - 1]) + 1) for a, b in zip(cuts, cuts[1:]) if b > a)
+    name = layout.name if isinstance(layout, Assignment) else str(layout)
+    return Assignment(f"{name} on a {rings} x {ulysses} mesh", tuple(ranges), seq_len)
 
 
 def hybrid_positions(layout: str, seq_len: int, ring_size: int, ring_rank: int, ulysses_size: int,

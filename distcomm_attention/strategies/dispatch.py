@@ -17,6 +17,8 @@ pieces over the "ulysses" dimension (``hybrid_positions``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from distcomm import _groups
@@ -40,6 +42,15 @@ __all__ = ["STRATEGIES", "check_strategy", "is_2d_mesh", "resolve_mesh", "hybrid
 STRATEGIES = ("auto", "ring", "ulysses", "allgather", "hybrid", "hybrid_allgather")
 _CODES = {name: i for i, name in enumerate(STRATEGIES)}
 _HYBRID = ("hybrid", "hybrid_allgather")
+_ONE_D = ("ring", "ulysses", "allgather")
+
+
+def _mesh_grid(mesh) -> tuple[tuple[int, ...], ...]:
+    """The default group's rank at each (ring, ulysses) coordinate of a hybrid mesh (``resolve_mesh``'s)."""
+    grid = mesh.mesh
+    if tuple(mesh.mesh_dim_names).index("ring") != 0:
+        grid = grid.t()
+    return tuple(tuple(int(x) for x in row) for row in grid.tolist())
 
 
 def check_strategy(strategy) -> None:
@@ -166,10 +177,10 @@ def choose(q, k, *, group, layout: str, causal: bool, window, attention_mask, cu
     if is_2d_mesh(group):
         ulysses_group, _ = resolve_mesh(group)
         u, world = _groups.group_size(ulysses_group), group.size()
-        candidates = ("hybrid", "hybrid_allgather")
+        candidates = _HYBRID
     else:
         u, world = 1, RingComm(group).size
-        candidates = ("ring", "ulysses", "allgather")
+        candidates = _ONE_D
     docs = _validation.check_cu_seqlens(cu_seqlens, q.shape[1] * world)
     vis = Visibility(causal, window, docs, attention_mask is not None)
     layouts.check_local_length(layout, q.shape[1] * u, world // u)
@@ -178,7 +189,13 @@ def choose(q, k, *, group, layout: str, causal: bool, window, attention_mask, cu
     call = cost.Call(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.element_size(), concrete, vis,
                      world, u, _packs(backend, q, vis, softcap) and attention_mask is None,
                      ulysses_halves=_ulysses.HALVES)
-    return cost.choose(call, candidates, hardware or cost.Hardware())
+    hw = hardware or cost.Hardware()
+    if not is_2d_mesh(group):
+        return cost.choose(call, candidates, hw)
+    # a 2-D mesh: also the 1-D strategies over all its ranks, on its sharding, over the links across
+    flat = dataclasses.replace(call, layout=layouts.mesh_assignment(concrete, q.shape[1] * world, _mesh_grid(group)),
+                               ulysses=1)
+    return cost.choose_among((call, candidates, hw), (flat, _ONE_D, cost.links_across(hw)))
 
 
 def _packs(backend: str, q, vis: Visibility, softcap: float) -> bool:
@@ -237,20 +254,22 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
         picked, _ = _validation.verdict(choose, q, k, group=group, layout=layout, causal=causal, window=window,
                                         attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
                                         softcap=softcap, hardware=hardware)
-        strategy = "ring" if picked is None else picked.strategy
+        # an input error (raised by ``prepare`` below) is verified over the group the call was given
+        strategy = ("hybrid" if is_2d_mesh(group) else "ring") if picked is None else picked.strategy
         auto = {"auto": True}
     else:
         auto = {}
-    if error is None:
+    over_mesh = bool(auto) and strategy in _ONE_D and is_2d_mesh(group)  # auto's 1-D pick over a whole mesh
+    if error is None and not over_mesh:
         error = _group_error(strategy, group)
     if error is not None:
         prepare(q, k, v, _verification_comm(group), error=error, **common)  # raises on every rank
+    n = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
     if strategy in _HYBRID:
         ulysses_group, ring_group = resolve_mesh(group)
         comm = RingComm(None)  # verification over the default group: every rank of the mesh
         wu, wr = _groups.group_size(ulysses_group), _groups.group_size(ring_group)
         ring_rank = _groups.group_rank(ring_group)
-        n = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
         extra = {"strategy": _CODES[strategy], "ulysses": wu, "ring": wr, **auto}
 
         def planner(vis, concrete):
@@ -268,25 +287,40 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
                                            fwd, bwd, exchange)
         return _ulysses.ulysses(q, k, v, attention_mask, ulysses_group, wu, inner)
 
-    comm = RingComm(group)
-    world, rank = comm.size, comm.rank
     # every 1-D strategy verifies the same fields; Ulysses' all-to-alls are posted in one piece or in two
     # (Note [Ulysses halves])
     extra = {"strategy": _CODES[strategy], "ulysses_halves": bool(_ulysses.HALVES), **auto}
-    n = q.shape[1] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
+    if over_mesh:  # the default group in the mesh's sharding (``layouts.mesh_assignment``), verified as the hybrids
+        ulysses_group, ring_group = resolve_mesh(group)
+        comm = RingComm(None)
+        wu, wr = _groups.group_size(ulysses_group), _groups.group_size(ring_group)
+        extra.update(ulysses=wu, ring=wr)
+        shards, grid = (wr, wu * n), _mesh_grid(group)
+    else:
+        comm, shards, grid = RingComm(group), None, None
+    world, rank = comm.size, comm.rank
+
+    def planned(make):
+        """``prepare`` with the strategy's planner ``make(vis, layout)`` on the layout it runs on: (its plan,
+        that layout, scale, fwd, bwd)."""
+        def planner(vis, lay):
+            lay = lay if grid is None else layouts.mesh_assignment(lay, world * n, grid)
+            return make(vis, lay), lay
+
+        (plan, lay), scale, fwd, bwd, _ = prepare(q, k, v, comm, extra=extra, shards=shards, planner=planner,
+                                                  **common)
+        return plan, lay, scale, fwd, bwd
+
     if strategy == "ring":
-        planned, scale, fwd, bwd, _ = prepare(q, k, v, comm, extra=extra, **common, planner=ring_planner(comm, q))
-        return run_ring(q, k, v, comm, planned, key_mask=attention_mask, softcap=softcap, scale=scale, fwd=fwd,
-                        bwd=bwd)
+        plan, _, scale, fwd, bwd = planned(ring_planner(comm, q))
+        return run_ring(q, k, v, comm, plan, key_mask=attention_mask, softcap=softcap, scale=scale, fwd=fwd, bwd=bwd)
     if strategy == "allgather":
-        (plan, exchange), scale, fwd, bwd, layout = prepare(q, k, v, comm, extra=extra, **common,
-                                                            planner=lambda vis, lay: _gathered(lay, vis, world, rank, n))
+        (plan, exchange), layout, scale, fwd, bwd = planned(lambda vis, lay: _gathered(lay, vis, world, rank, n))
         return _allgather.allgather_attention(q, k, v, comm.group, layout=layout, plan=plan, exchange=exchange,
                                               key_mask=attention_mask, softcap=softcap, scale=scale, fwd=fwd,
                                               bwd=bwd)
     if strategy == "ulysses":
-        (plan, vis), scale, fwd, bwd, layout = prepare(q, k, v, comm, extra=extra, **common,
-                                                       planner=lambda vis, lay: (local_plan(vis, world * n), vis))
+        (plan, vis), layout, scale, fwd, bwd = planned(lambda vis, lay: (local_plan(vis, world * n), vis))
         _ulysses.check_heads(q.shape[2], k.shape[2], world)
         one = RingComm(comm.group, 1) if world > 1 else RingComm(None)
         inner = ulysses_inner(one, vis, layout, world, n, softcap, scale, fwd, bwd, plan=plan)
