@@ -8,6 +8,7 @@ from torch import nn
 from distcomm_attention import _validation
 from distcomm_attention.kernels import dispatch
 from distcomm_attention.planning import layouts
+from distcomm_attention.planning.cost import Hardware
 from distcomm_attention.strategies.dispatch import check_strategy
 from distcomm_attention.api import context_parallel_attn, ring_flash_attn
 from distcomm_attention.sharding import Sharding, merge_sharding
@@ -44,6 +45,7 @@ class RingAttention(nn.Module):
         strategy: "ring" (default: ``ring_flash_attn``), or any strategy of ``context_parallel_attn``
             ("ulysses", "allgather", "hybrid", "hybrid_allgather", "auto"), which run over the whole
             ``group`` (``ring_size`` must be None).
+        hardware: what ``strategy="auto"`` predicts with (``context_parallel_attn``'s ``hardware``).
 
     Shapes:
         input (batch, local_seq, dim), this rank's shard of the sequence -> output of the same shape.
@@ -70,6 +72,7 @@ class RingAttention(nn.Module):
         *,
         sharding: Sharding | None = None,
         strategy: str = "ring",
+        hardware: Hardware | None = None,
     ):
         super().__init__()
         _positive_int("dim", dim)
@@ -84,6 +87,9 @@ class RingAttention(nn.Module):
             raise ValueError(f"`strategy`={strategy!r} runs over the whole group: `ring_size`={ring_size} applies to "
                              f"strategy 'ring' only")
         self.strategy = strategy
+        if hardware is not None and not isinstance(hardware, Hardware):
+            raise TypeError(f"`hardware` must be a distcomm_attention.Hardware or None, got {type(hardware).__name__}")
+        self.hardware = hardware
         if layout is not None:
             layouts.check_layout(layout)
         dispatch.check_backend(backend)
@@ -121,7 +127,7 @@ class RingAttention(nn.Module):
         if self.strategy == "ring":
             out = ring_flash_attn(q, k, v, ring_size=self.ring_size, **options)
         else:
-            out = context_parallel_attn(q, k, v, strategy=self.strategy, **options)
+            out = context_parallel_attn(q, k, v, strategy=self.strategy, hardware=self.hardware, **options)
         return self.to_out(out.reshape(b, n, self.heads * self.dim_head))
 
     def extra_repr(self) -> str:

@@ -411,9 +411,14 @@ def test_llama_ring_equals_single_process(check):
 
 def _strategies_rank(rank, world):
     out = {}
-    for strategy in ("ulysses", "allgather", "auto"):
+    from distcomm_attention import Hardware
+
+    slow = Hardware(tflops=1e9, call_overhead_s=0.0, p2p_gbps=1e-3, a2a_gbps=1e-3, allgather_gbps=1e-3,
+                    reduce_scatter_gbps=1e-3, latency_s=0.0)
+    for strategy in ("ulysses", "allgather", "auto", "auto on slow links"):
         for name, layout, full in _cases():
-            ring = ring_hf.register(f"cp_attention_{strategy}_{name}", layout=layout, strategy=strategy)
+            ring = ring_hf.register(f"cp_attention_{strategy.replace(' ', '_')}_{name}", layout=layout,
+                                    strategy=strategy.split()[0], hardware=slow if " " in strategy else None)
             model = _model(ring.name)
             inputs = ring.shard_inputs(**full)
             res = model(**inputs)
@@ -425,13 +430,14 @@ def _strategies_rank(rank, world):
 
 
 def test_llama_strategies_equal_single_process():
-    """register(strategy="ulysses" | "allgather" | "auto"): the Llama model on 2 ranks equals the whole batch in
-    one process (logits, summed losses and parameter gradients) for every case of the ring's test."""
+    """register(strategy="ulysses" | "allgather" | "auto", and "auto" with a hardware of slow links): the Llama
+    model on 2 ranks equals the whole batch in one process (logits, summed losses and parameter gradients) for
+    every case of the ring's test."""
     world = 2
     results = run_world(_strategies_rank, world, timeout=240)
     for name, layout, full in _cases():
         logits, loss, grads, _targets = _reference(name, full)
-        for strategy in ("ulysses", "allgather", "auto"):
+        for strategy in ("ulysses", "allgather", "auto", "auto on slow links"):
             got = [results[r][f"{strategy}-{name}"] for r in range(world)]
             for rank, res in enumerate(got):
                 want = _shard(logits, layout, world, rank, full)
@@ -452,6 +458,8 @@ def test_register_strategy_errors():
         ring_hf.register("cp_attention_bad_strategy", strategy="hybrid")
     with pytest.raises(ValueError, match=r"`strategy`='ulysses' runs over the whole group: `ring_size`=2"):
         ring_hf.register("cp_attention_bad_ring_size", strategy="ulysses", ring_size=2)
+    with pytest.raises(TypeError, match=r"`hardware` must be a distcomm_attention.Hardware or None, got dict"):
+        ring_hf.register("cp_attention_bad_hardware", strategy="auto", hardware={"a2a_gbps": 50})
 
 
 # ------------------------------------------------------------------------------------------------------

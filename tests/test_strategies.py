@@ -958,20 +958,26 @@ def _module_rank(rank, world):
     torch.manual_seed(0)
     out = {}
     x = torch.randn(2, 16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    for strategy in ("ulysses", "allgather", "auto"):
+    from distcomm_attention.transport import CountingTransport, TorchTransport, using
+
+    for strategy in ("ulysses", "allgather", "auto", "auto on slow links"):
         torch.manual_seed(0)
+        hardware = SLOW_LINKS if strategy == "auto on slow links" else None
         layer = da.RingAttention(32, heads=4, dim_head=8, kv_heads=2, causal=True, layout="zigzag",
-                                 strategy=strategy).double()
+                                 strategy=strategy.split()[0], hardware=hardware).double()
         xl = layouts.shard(x, "zigzag", world, rank, 1).clone().requires_grad_()
-        y = layer(xl)
-        y.sum().backward()
-        out[strategy] = {"y": y.detach(), "dx": xl.grad}
+        counting = []
+        with using(lambda group: counting.append(CountingTransport(TorchTransport(group))) or counting[-1]):
+            y = layer(xl)
+            y.sum().backward()
+        ops = sorted({op for c in counting for op, n in c.calls.items() if n})
+        out[strategy] = {"y": y.detach(), "dx": xl.grad, "ops": ops}
     return out
 
 
 def test_ring_attention_module_takes_every_strategy():
     """RingAttention(strategy=...) on 2 ranks equals its own projections around the float64 reference
-    attention of the whole sequence: outputs and input gradients."""
+    attention of the whole sequence: outputs and input gradients; its ``hardware`` reaches "auto"'s pick."""
     results = run_world(_module_rank, 2)
     torch.manual_seed(0)
     layer = da.RingAttention(32, heads=4, dim_head=8, kv_heads=2, causal=True).double()
@@ -980,7 +986,11 @@ def test_ring_attention_module_takes_every_strategy():
     att = attention_reference(q.view(2, 16, 4, 8), k.view(2, 16, 2, 8), v.view(2, 16, 2, 8), causal=True)
     y = layer.to_out(att.reshape(2, 16, 32))
     y.sum().backward()
-    for strategy in ("ulysses", "allgather", "auto"):
+    for rank in range(2):  # the hardware reaches auto's pick: Ulysses by default, the all-gather on slow links
+        assert results[rank]["auto"]["ops"] == results[rank]["ulysses"]["ops"] == ["all_to_all_v"]
+        assert results[rank]["auto on slow links"]["ops"] == results[rank]["allgather"]["ops"]
+        assert "all_gather" in results[rank]["allgather"]["ops"]
+    for strategy in ("ulysses", "allgather", "auto", "auto on slow links"):
         for rank in range(2):
             got = results[rank][strategy]
             torch.testing.assert_close(got["y"], layouts.shard(y.detach(), "zigzag", 2, rank, 1), rtol=1e-10, atol=1e-12)
@@ -993,6 +1003,8 @@ def test_ring_attention_module_strategy_errors():
         da.RingAttention(32, heads=4, strategy="tree")
     with pytest.raises(ValueError, match=r"`strategy`='ulysses' runs over the whole group: `ring_size`=2"):
         da.RingAttention(32, heads=4, ring_size=2, strategy="ulysses")
+    with pytest.raises(TypeError, match=r"`hardware` must be a distcomm_attention.Hardware or None, got dict"):
+        da.RingAttention(32, heads=4, strategy="auto", hardware={"a2a_gbps": 50})
 
 
 def _mesh_sharding_rank(rank, world):

@@ -65,7 +65,7 @@ import torch
 
 import distcomm
 from distcomm.ring import RingComm
-from distcomm_attention import BACKENDS, Sharding, context_parallel_attn, ring_flash_attn
+from distcomm_attention import BACKENDS, Hardware, Sharding, context_parallel_attn, ring_flash_attn
 from distcomm_attention.sharding import merge_sharding
 from distcomm_attention.planning import balance, layouts
 
@@ -93,6 +93,7 @@ def register(
     sharding: Sharding | None = None,
     strategy: str = "ring",
     balance_window: int | None = None,
+    hardware=None,
 ) -> RingAttentionHF:
     """Register ring attention with transformers under ``name``; load models with ``attn_implementation=name``.
 
@@ -114,6 +115,9 @@ def register(
         balance_window: layout "balanced" / "auto": the left window the work is balanced for (a model whose
             layers all use ``sliding_window`` w: w - 1); ``None``: no window (every layer attends the whole
             document). Layers with other windows still run exactly, only less evenly balanced.
+        hardware: what ``strategy="auto"`` predicts with (``context_parallel_attn``'s ``hardware``: e.g.
+            ``Hardware(p2p_gbps=50, a2a_gbps=50, allgather_gbps=50, reduce_scatter_gbps=50)`` for a group
+            spanning nodes).
 
     Returns:
         The registered :class:`RingAttentionHF` (its ``name``, ``sharding`` and ``shard_inputs``).
@@ -126,7 +130,7 @@ def register(
             raise ValueError(f"`balance_window`={balance_window!r} conflicts with `sharding`'s balance_window={window}")
         layout, balance_window = name_of, window
     impl = RingAttentionHF(name, layout=layout, ring_size=ring_size, group=group, backend=backend, strategy=strategy,
-                           balance_window=balance_window)
+                           balance_window=balance_window, hardware=hardware)
     AttentionInterface.register(name, impl)
     AttentionMaskInterface.register(name, impl.mask)
     return impl
@@ -146,6 +150,7 @@ class RingAttentionHF:
     backend: str = "auto"
     strategy: str = "ring"
     balance_window: int | None = None
+    hardware: Any = None  # a distcomm_attention.Hardware for strategy "auto"
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or "flash" in self.name:
@@ -165,6 +170,9 @@ class RingAttentionHF:
         if self.strategy != "ring" and self.ring_size is not None:
             raise ValueError(f"`strategy`={self.strategy!r} runs over the whole group: `ring_size`={self.ring_size} "
                              f"applies to strategy 'ring' only")
+        if self.hardware is not None and not isinstance(self.hardware, Hardware):
+            raise TypeError(f"`hardware` must be a distcomm_attention.Hardware or None, got "
+                            f"{type(self.hardware).__name__}")
 
     @property
     def sharding(self) -> Sharding:
@@ -215,7 +223,7 @@ class RingAttentionHF:
                        softcap=float(kwargs.get("softcap") or 0.0), cu_seqlens=cu_seqlens)
         if self.strategy == "ring":
             return ring_flash_attn(q, k, v, ring_size=self.ring_size, **options), None
-        return context_parallel_attn(q, k, v, strategy=self.strategy, **options), None
+        return context_parallel_attn(q, k, v, strategy=self.strategy, hardware=self.hardware, **options), None
 
     def mask(self, batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
              attention_mask=None, **kwargs) -> torch.Tensor | None:
