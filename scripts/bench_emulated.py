@@ -55,7 +55,7 @@ from distcomm_attention.strategies.ring import ring_backward, ring_forward  # no
 from distcomm.ring import RingComm  # noqa: E402
 from distcomm_attention import transport  # noqa: E402
 from distcomm_attention.transport import CountingTransport  # noqa: E402
-from distcomm_attention.strategies.dispatch import _gathered, _Ring, ulysses_inner  # noqa: E402
+from distcomm_attention.strategies.dispatch import _gathered, _Ring, _SparseRing, ulysses_inner  # noqa: E402
 from distcomm_attention.strategies.ulysses import ulysses  # noqa: E402
 from distcomm_attention.transport.emulated import INTER_NODE, NVLINK, EmulatedLink, InstantLink, Links  # noqa: E402
 
@@ -134,15 +134,17 @@ def _allgather_step(t, q, k, v, dout, concrete, vis, world, rank, fwd, bwd, scal
 
 def _hybrid_step(strategy, t_ulysses, t_ring, q, k, v, dout, concrete, vis, degree: int, rings: int,
                  ring_rank: int, fwd, bwd, scale):
-    """(step, whether its all-gather is sparse) of a hybrid's rank, Ulysses rank 0 of ``degree`` on ring rank
+    """(step, whether its ring dimension sends sparsely) of a hybrid's rank, Ulysses rank 0 of ``degree`` on ring rank
     ``ring_rank`` of ``rings``, as the strategy runs it: Ulysses' autograd Function over ``t_ulysses`` around
     the ring ("hybrid": the relaying ring loop) or the all-gather computation ("hybrid_allgather") over
     ``t_ring``; ``concrete``: the layout over the ring dimension, shards of ``degree`` x the local rows."""
     m = degree * q.shape[1]
     ulysses_group = _group(degree, 0)
-    if strategy == "hybrid":
-        inner = _Ring(t_ring, ring_plan(concrete, vis, rings, ring_rank, m), 0.0, scale, fwd, bwd)
-        groups, sparse = _Groups((ulysses_group, t_ulysses)), False
+    if strategy == "hybrid":  # the relay, or the sparse ring's direct sends where the strategy takes them
+        sp = sparse_ring(concrete, vis, rings, ring_rank, m)
+        inner = (_Ring(t_ring, ring_plan(concrete, vis, rings, ring_rank, m), 0.0, scale, fwd, bwd) if sp is None
+                 else _SparseRing(t_ring, sp, 0.0, scale, fwd, bwd))
+        groups, sparse = _Groups((ulysses_group, t_ulysses)), sp is not None
     else:
         inner, ring_groups, sparse = _gathered_computation(t_ring, concrete, vis, rings, ring_rank, m, fwd, bwd,
                                                            scale)
@@ -193,8 +195,8 @@ def rank_step(strategy: str, t, q, k, v, dout, concrete, vis, world: int, rank: 
     """Simulated rank ``rank`` of ``world`` running ``strategy`` over transport ``t`` (a ``_Sent``) on its
     shards q, dout (1, n, H, D) and k, v (1, n, Hkv, D) -> (path, step): the path the strategy takes on this
     rank ("ring", "sparse_ring", "allgather", "sparse_allgather", "ulysses", "ulysses_halves",
-    "ulysses_pipelined", "hybrid", "hybrid_allgather", "hybrid_sparse_allgather") and a function that runs its
-    forward + backward once and returns (out, dq, dk, dv). The hybrids: Ulysses of ``degree`` over ``t``
+    "ulysses_pipelined", "hybrid", "hybrid_sparse", "hybrid_allgather", "hybrid_sparse_allgather") and a
+    function that runs its forward + backward once and returns (out, dq, dk, dv). The hybrids: Ulysses of ``degree`` over ``t``
     around ``world / degree`` rings over ``t_ring``; ``rank`` the ring rank, ``concrete`` the layout over the
     ring dimension."""
     n = q.shape[1]
@@ -215,7 +217,7 @@ def rank_step(strategy: str, t, q, k, v, dout, concrete, vis, world: int, rank: 
                              f"ring link, got degree={degree}, t_ring={t_ring!r}")
         step, sparse = _hybrid_step(strategy, t, t_ring, q, k, v, dout, concrete, vis, degree, world // degree,
                                     rank, fwd, bwd, scale)
-        return ("hybrid_sparse_allgather" if sparse else strategy), step
+        return (strategy.replace("hybrid", "hybrid_sparse", 1) if sparse else strategy), step
     raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
 
 
@@ -281,7 +283,7 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
                     t = _Sent(EmulatedLink(world, r, LINKS[link_name]))
                     path, f = rank_step(base, t, q, k, v, dout, lay, vis, world, r, fwd, bwd, scale)
                     counted = (t,)
-                if base in ("allgather", "hybrid_allgather"):
+                if base in ("allgather", "hybrid", "hybrid_allgather"):
                     sparse = "sparse" in path
                 times.append(bs._timed(f, args.iters, args.warmup))
                 for c in counted:

@@ -207,7 +207,7 @@ def test_cases_take_the_paths_of_the_gpu_table(case):
         assert all(torch.isfinite(x).all() for x in grads) and all(s.total > 0 for s in sent), strategy
     assert {p for paths in gpu.PATHS.values() for p in paths} == {
         "ring", "sparse_ring", "allgather", "sparse_allgather", "ulysses", "ulysses_halves", "ulysses_pipelined",
-        "hybrid", "hybrid_allgather", "hybrid_sparse_allgather"}
+        "hybrid", "hybrid_sparse", "hybrid_allgather", "hybrid_sparse_allgather"}
 
 
 def test_simulated_strategies_agree_where_they_compute_the_same():

@@ -18,9 +18,9 @@ take on them (``PATHS``; tests/test_emulated.py checks the table and runs the sa
 
     causal          one sequence, zigzag                 ring, all-gather, Ulysses (3 ways), the hybrids
     packed zigzag   7 documents ("pareto"), zigzag       sparse ring, sparse all-gather, Ulysses (3 ways),
-                                                         hybrid, hybrid with a sparse all-gather
+                                                         the hybrids sparse (ring dimension, all-gather)
     packed auto     the same documents, the layout       ring, sparse all-gather, Ulysses (3 ways),
-                    bench_emulated.py gives them         hybrid, hybrid with a sparse all-gather
+                    bench_emulated.py gives them         the hybrids sparse (ring dimension, all-gather)
                     ("auto": contiguous here)
 
 The hybrids (Ulysses of DEGREE = 2 around 2 rings) plan the layout over the ring dimension.
@@ -50,9 +50,9 @@ CASES = {  # name: (document mix of scripts/bench_strategies.py, layout)
 STRATEGIES = ("ring", "allgather", "ulysses", "ulysses_halves", "ulysses_pipelined", "hybrid", "hybrid_allgather")
 PATHS = {
     "causal": ("ring", "allgather", "ulysses", "ulysses_halves", "ulysses_pipelined", "hybrid", "hybrid_allgather"),
-    "packed zigzag": ("sparse_ring", "sparse_allgather", "ulysses", "ulysses_halves", "ulysses_pipelined", "hybrid",
-                      "hybrid_sparse_allgather"),
-    "packed auto": ("ring", "sparse_allgather", "ulysses", "ulysses_halves", "ulysses_pipelined", "hybrid",
+    "packed zigzag": ("sparse_ring", "sparse_allgather", "ulysses", "ulysses_halves", "ulysses_pipelined",
+                      "hybrid_sparse", "hybrid_sparse_allgather"),
+    "packed auto": ("ring", "sparse_allgather", "ulysses", "ulysses_halves", "ulysses_pipelined", "hybrid_sparse",
                     "hybrid_sparse_allgather"),
 }
 LINKS = {"nvlink": NVLINK, "slow": Links(1.0, 1.0, 1.0, 1.0, latency_us=200.0)}

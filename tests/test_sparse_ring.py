@@ -154,9 +154,9 @@ def test_sparse_ring_traffic_is_the_plan_on_packed_documents(layout):
             assert sent <= sp.rows_sent() <= 1.1 * sent + 1 and received <= sp.rows_received() <= 1.1 * received + 1
 
 
-def test_cost_model_counts_the_sparse_rows_for_the_ring_only():
-    """The ring's predicted communication falls with the sparse schedule; the hybrid's ring dimension, which
-    relays whole shards, is predicted as the relay."""
+def test_cost_model_counts_the_sparse_rows():
+    """The ring's predicted communication falls with the sparse schedule, and so does the hybrid's, whose ring
+    dimension sends sparsely too."""
     import functools
 
     from distcomm_attention.planning import cost
@@ -171,6 +171,12 @@ def test_cost_model_counts_the_sparse_rows_for_the_ring_only():
     relay = functools.partial(cost._ring_s, sparse_sends=False)(c, world, n, 32, 8, hw)
     assert sum(sparse) < sum(relay)  # (compute, exposed communication) of each one's slowest rank
     assert cost.predict(c, "ring", hw).seconds == pytest.approx(sum(sparse))
+    mesh = cost.Call(1, n // 2, 32, 8, 128, 2, "contiguous", vis, 2 * world, ulysses=2)  # 4 rings of 2 x n / 2
+    ring_dim = cost._ring_s(mesh, world, n, 16, 4, hw)  # its ring dimension: 4 ranks of n, 16 / 4 heads each
+    relay_dim = functools.partial(cost._ring_s, sparse_sends=False)(mesh, world, n, 16, 4, hw)
+    assert sum(ring_dim) < sum(relay_dim)
+    hybrid = cost.predict(mesh, "hybrid", hw)
+    assert hybrid.comm_s == pytest.approx(cost._a2a_s(mesh, 2, 32, 8, hw) + ring_dim[1])
 
 
 def _sub_ring_rank(rank, world):

@@ -26,6 +26,7 @@ import distcomm_attention as da
 from distcomm_attention._reference import attention_reference
 from distcomm_attention.api import context_parallel_attn, which_strategy
 from distcomm_attention.planning import balance, cost, layouts
+from distcomm_attention.planning.exchange import exchange_plan, sparse_ring
 from distcomm_attention.planning.plans import gathered_in_natural_order, gathered_plan, local_plan
 from distcomm_attention.planning.visibility import Visibility, ring_plan, visible_mask
 from distcomm_attention.strategies import dispatch
@@ -816,6 +817,50 @@ def test_mesh_assignment_is_the_hybrids_sharding():
                     for u in range(ulysses):
                         want = layouts.hybrid_positions(layout, seq, rings, r, ulysses, u)
                         assert torch.equal(flat.positions(grid[r][u]), want), (layout, grid, r, u)
+
+
+def _hybrid_sparse_rank(rank, world, case):
+    from distcomm_attention.transport import CountingTransport, TorchTransport, using
+
+    mesh = _mesh((2, 2), ("ring", "ulysses"))
+    r, u = mesh.get_local_rank("ring"), mesh.get_local_rank("ulysses")
+    ring_group = mesh.get_group("ring")
+    counted = {}
+
+    def factory(group):
+        counted[group is ring_group] = counted.get(group is ring_group) or CountingTransport(TorchTransport(group))
+        return counted[group is ring_group]
+
+    index = dispatch.hybrid_positions(case["layout"], case["seq"], 2, r, 2, u)
+    with using(factory):
+        result = _run_local(case, index, group=mesh)
+    ring = counted.get(True)
+    return (r, u), result, None if ring is None else (dict(ring.calls), ring.total)
+
+
+def test_hybrid_ring_dimension_sends_only_the_rows_read():
+    """With packed documents the hybrid's ring dimension sends each step's rows straight to the ring position
+    that reads them (Note [Sparse ring]), through the transport, instead of relaying whole shards: on a 2 x 2
+    mesh with one document crossing the ring positions' boundary, each rank's ring dimension sends within 1.1x
+    of the rows the receiving ring position's queries need (k, v forward, fp32 dK, dV back), far below a
+    relayed shard, and the outputs and gradients equal the float64 reference."""
+    seq, n = 64, 16  # 4 ranks of 16 tokens; ring shards of 32 (contiguous), the document 28..40 crosses 32
+    docs = [0, 10, 28, 40, 52, seq]
+    case = dict(layout="contiguous", causal=True, b=1, h=4, hkv=2, d=8, seq=seq, strategy="hybrid", seed=91,
+                docs=docs)
+    got = run_world(_hybrid_sparse_rank, 4, case, timeout=60)
+    vis = Visibility(True, cu_seqlens=tuple(docs))
+    for (r, u), result, ring in got:
+        index = dispatch.hybrid_positions("contiguous", seq, 2, r, 2, u)
+        _compare(case, result, index, f"coordinate {(r, u)}")
+        sp = sparse_ring("contiguous", vis, 2, r, 2 * n)
+        assert sp is not None and ring is not None and ring[0].get("send_recv", 0) > 0, (r, u, ring)
+        row = 1 * 1 * 8 * 8  # batch 1 x kv heads per Ulysses rank (2 / 2) x head dim 8 x float64 bytes
+        # k, v of the rows it sends (again in the backward unless kept), dK, dV of the rows it received
+        sent = 2 * row * (sp.rows_sent() * (1 if sp.keep else 2) + sp.rows_received())
+        minimum = 2 * row * sum(exchange_plan("contiguous", vis, 2, 2 * n).remote_rows(r))
+        assert ring[1] == sent and 0 < sent <= 1.1 * minimum * (1 if sp.keep else 1.5), (r, u, ring, sent, minimum)
+        assert sent < 2 * row * 2 * n  # less than one whole ring shard of k, v relayed
 
 
 def test_hybrid_positions_partition_the_sequence():

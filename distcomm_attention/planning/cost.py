@@ -211,8 +211,8 @@ def _transfer_s(nbytes: float, gbps: float, hw: Hardware) -> float:
 def _ring_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: Hardware,
             sparse_sends: bool = True) -> tuple[float, float]:
     """(compute, exposed communication) of the slowest rank of a ring of ``ranks`` over ``local_len`` tokens:
-    whole shards relayed, or the sparse ring's rows (Note [Sparse ring]) where it runs (``sparse_sends``:
-    the ring strategy; the hybrid's ring dimension relays)."""
+    whole shards relayed, or the sparse ring's rows (Note [Sparse ring]) where it runs (the ring strategy and
+    the hybrid's ring dimension; ``sparse_sends=False``: the relay regardless)."""
     row = 2 * c.batch * kv_heads * c.head_dim  # k and v elements of one token
     worst = (0.0, 0.0)
     for r in range(ranks):
@@ -350,7 +350,7 @@ def predict(c: Call, strategy: str, hw: Hardware = Hardware()) -> Prediction | N
             mem = b * s * d * item * (2 * heads + 2 * kv_heads)
         else:
             rings = c.world // u
-            inner = functools.partial(_ring_s, sparse_sends=False) if strategy == "hybrid" else _gathered_s
+            inner = _ring_s if strategy == "hybrid" else _gathered_s
             compute, inner_comm = inner(c, rings, u * n, heads, kv_heads, links_across(hw))
             comm += inner_comm
             mem = b * u * n * d * item * (2 * heads + 2 * kv_heads)

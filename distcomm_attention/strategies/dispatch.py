@@ -6,9 +6,11 @@ Strategies (see each module's Note):
                         sent directly (strategies/sparse_ring.py)
     "ulysses"           all-to-all to head sharding, whole-sequence attention (strategies/ulysses.py)
     "allgather"         k, v gathered once, dK/dV reduce-scattered (strategies/allgather.py)
-    "hybrid"            Ulysses over a mesh dimension "ulysses" x ring over a dimension "ring"
+    "hybrid"            Ulysses over a mesh dimension "ulysses" x ring over a dimension "ring" (relaying, or
+                        the sparse ring's direct sends where the ring strategy would take them)
     "hybrid_allgather"  Ulysses over "ulysses" x all-gather KV over "ring"
-    "auto"              the cheapest applicable one by the cost model (planning/cost.py)
+    "auto"              the cheapest applicable one by the cost model (planning/cost.py); on a 2-D mesh the
+                        hybrids and the 1-D strategies over all the mesh's ranks
 
 Layouts: for "ring", "ulysses" and "allgather" the layout splits the sequence over the whole group; for the
 hybrids it splits it over the "ring" dimension, and each of those shards is cut into equal contiguous
@@ -23,11 +25,11 @@ import torch
 
 from distcomm import _groups
 from distcomm.ring import RingComm
-from distcomm_attention import _validation
+from distcomm_attention import _validation, transport
 from distcomm_attention.kernels import dispatch as kernel_dispatch
 from distcomm_attention.planning import cost, layouts
 from distcomm_attention.planning.layouts import hybrid_positions
-from distcomm_attention.planning.exchange import compact_gathered_plan, gathered_exchange
+from distcomm_attention.planning.exchange import compact_gathered_plan, gathered_exchange, sparse_ring
 from distcomm_attention.planning.plans import gathered_plan, half_plans, local_plan, natural_order
 from distcomm_attention.planning.visibility import Visibility, ring_plan
 from distcomm_attention.strategies import allgather as _allgather
@@ -35,7 +37,8 @@ from distcomm_attention.strategies import ulysses as _ulysses
 from distcomm_attention.sharding import concrete_layout, is_2d_mesh, resolve_layout
 from distcomm_attention.strategies.prepare import prepare
 from distcomm_attention.strategies.ring import ring_backward, ring_forward
-from distcomm_attention.strategies.sparse_ring import ring_planner, run_ring
+from distcomm_attention.strategies.sparse_ring import (ring_planner, run_ring, sparse_ring_backward,
+                                                       sparse_ring_forward)
 
 __all__ = ["STRATEGIES", "check_strategy", "is_2d_mesh", "resolve_mesh", "hybrid_positions", "choose", "run"]
 
@@ -139,6 +142,34 @@ class _Ring:
         """The backward of one part: dq in q's dtype, dk, dv of the keys it read in the accumulation dtype."""
         return _allgather.local_backward(dout, q, k, v, out, lse, key_mask, self._parts[part], self.softcap,
                                          self.scale, self.bwd)
+
+
+class _SparseRing:
+    """The hybrid's ring dimension with direct sparse sends (Note [Sparse ring]) as Ulysses' inner computation,
+    over transport ``t``; rows in source order. One forward, then its backward: the rows the forward keeps for
+    the backward (``sp.keep``) wait on the object in between."""
+
+    def __init__(self, t, sp, softcap: float, scale: float, fwd, bwd):
+        self.t, self.sp, self.softcap, self.scale, self.fwd, self.bwd = t, sp, softcap, scale, fwd, bwd
+        self._kept = None
+
+    @staticmethod
+    def natural(*ts):
+        return ts
+
+    source = natural
+
+    def forward(self, q, k, v, key_mask):
+        if self._kept is not None:
+            raise RuntimeError("the sparse ring's inner computation ran a second forward before its backward")
+        out, lse, self._kept = sparse_ring_forward(q, k.contiguous(), v.contiguous(), key_mask, self.t, self.sp,
+                                                   self.softcap, self.scale, self.fwd)
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, key_mask):
+        kept, self._kept = self._kept, None
+        return sparse_ring_backward(dout, q, k.contiguous(), v.contiguous(), out, lse, key_mask, self.t, self.sp,
+                                    kept, self.softcap, self.scale, self.bwd)
 
 
 def ulysses_inner(comm: RingComm, vis: Visibility, layout, ranks: int, local_len: int, softcap: float, scale: float,
@@ -272,15 +303,18 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
         ring_rank = _groups.group_rank(ring_group)
         extra = {"strategy": _CODES[strategy], "ulysses": wu, "ring": wr, **auto}
 
-        def planner(vis, concrete):
+        def planner(vis, concrete):  # (plan, exchange): the sparse ring's schedule, or the gathered exchange
             if strategy == "hybrid":
-                return ring_plan(concrete, vis, wr, ring_rank, wu * n), None
+                return (ring_plan(concrete, vis, wr, ring_rank, wu * n),
+                        sparse_ring(concrete, vis, wr, ring_rank, wu * n) if wr > 1 else None)
             return _gathered(concrete, vis, wr, ring_rank, wu * n)
 
         (plan, exchange), scale, fwd, bwd, layout = prepare(q, k, v, comm, extra=extra, shards=(wr, wu * n),
                                                             planner=planner, **common)
         _ulysses.check_heads(q.shape[2], k.shape[2], wu)
-        if strategy == "hybrid":
+        if strategy == "hybrid" and exchange is not None:
+            inner = _SparseRing(transport.for_group(ring_group), exchange, softcap, scale, fwd, bwd)
+        elif strategy == "hybrid":
             inner = _Ring(RingComm(ring_group), plan, softcap, scale, fwd, bwd)
         else:
             inner = _allgather.AllGatherKV(_groups.resolve_group(ring_group), layout, wu * n, plan, softcap, scale,
