@@ -202,6 +202,8 @@ _HINTS = {
     "requires_grad": "q, k and v must need grad on every rank or on none (a rank without grads would skip the "
                      "backward its peers wait in)",
     "ring_size": "pass the same `ring_size=` (or `sharding=`) on every rank of the group",
+    "strategy": "pass the same `strategy=` on every rank; with strategy='auto', the same `hardware=`, `backend=` "
+                "and inputs too (the ranks' picks differ)",
 }
 
 

@@ -344,7 +344,10 @@ def which_strategy(
     Returns:
         ``StrategyChoice(strategy, predictions, reason)``: the pick, and for every applicable strategy a
         ``Prediction(seconds, compute_s, comm_s, memory_bytes)`` of one forward + backward (Note [Cost model]
-        in distcomm_attention/planning/cost.py).
+        in distcomm_attention/planning/cost.py). On a 2-D mesh the candidates are the hybrids and "ring",
+        "ulysses" and "allgather" over all the mesh's ranks on the mesh's sharding; a 1-D pick there runs
+        through ``strategy="auto"`` (naming it with the mesh as ``group`` is refused: a 1-D strategy takes
+        a 1-D group).
     """
     _validation.check_flag("causal", causal)
     _check_hardware(hardware)

@@ -328,11 +328,13 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
             if asked:
                 picked = cost.choose_among(*asked).strategy
                 picks["mesh_"] = picked if picked in HYBRIDS else picked + "_mesh"
+        sets = {"": one_d, "mesh_": HYBRIDS + ON_MESH}
         for prefix, pick in picks.items():
             if not pick:
                 continue
+            best = min((s for s in per if s in sets[prefix]), key=lambda s: per[s]["max_s"])  # of its candidates
             row[f"{link_name}_{prefix}pick"] = pick
-            row[f"{link_name}_{prefix}pick_vs_fastest"] = per[pick]["max_s"] / per[fastest]["max_s"]
+            row[f"{link_name}_{prefix}pick_vs_fastest"] = per[pick]["max_s"] / per[best]["max_s"]
             row[f"{link_name}_{prefix}pick_efficiency"] = per[pick]["efficiency"]
     return row
 
@@ -416,9 +418,12 @@ def main():
     parser.add_argument("--dense-layout", default="zigzag", help="the layout of the rows without documents")
     parser.add_argument("--links", default="nvlink,internode")
     parser.add_argument("--strategies", default="ring,allgather,ulysses,ulysses_pipelined",
-                        help="ulysses: as the strategy runs (one head group); ulysses_pipelined: by head groups")
+                        help="ulysses: as the strategy runs (one head group); ulysses_pipelined: by head groups; "
+                             "ulysses_halves: in two halves; with --ulysses U: hybrid, hybrid_allgather and "
+                             "ring_mesh, allgather_mesh, ulysses_mesh (the 1-D strategies on the mesh's sharding)")
     parser.add_argument("--ulysses", type=int, default=0,
-                        help="the hybrids' Ulysses degree (inside a node, NVLink-class links; the rings over --links)")
+                        help="the hybrids' Ulysses degree (inside a node, NVLink-class links; the rings over "
+                             "--links); a row whose world or heads it does not divide runs no mesh strategy")
     parser.add_argument("--heads", default="32/8")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--ranks", type=int, default=2, help="time the k busiest ranks (by plan) and rank 0")

@@ -23,7 +23,8 @@ peak memory.
 (``init_device_mesh(device, (R, U), mesh_dim_names=("ring", "ulysses"))``), each on the shards
 ``shard_sequence(x, layout, group=mesh)`` gives (the layout over the rings, each ring shard cut into U
 contiguous pieces). Rows "hybrid", "hybrid_allgather" and "auto_mesh" (``strategy="auto"`` over the mesh:
-the cost model's pick among the two hybrids, ``pick_mesh``); their predictions are ``which_strategy``'s for
+the cost model's pick among the two hybrids and the 1-D strategies over all the mesh's ranks on its
+sharding, ``pick_mesh``); their predictions are ``which_strategy``'s for
 the mesh, and ``plan_min_bytes`` (the 1-D exchange plan's minimum) does not apply to them.
 
     python scripts/bench_real.py --world 4 --mesh 2x2 --seqs 32k,64k,128k --docs lognormal,pareto,one \

@@ -98,6 +98,10 @@ def _one_rank_rank(rank, world):
             q, k, v, strategy="auto", causal=True, attention_mask=torch.ones(1, 5 if bad else 4, dtype=torch.bool)),
         "auto strategy, cu_seqlens": lambda: da.context_parallel_attn(
             q, k, v, strategy="auto", cu_seqlens=[0, 4 * world + 1] if bad else [0, 4 * world]),
+        "auto strategy, causal not a bool": lambda: da.context_parallel_attn(
+            q, k, v, strategy="auto", causal="yes" if bad else True),
+        "auto strategy, hardware": lambda: da.context_parallel_attn(
+            q, k, v, strategy="auto", causal=True, hardware={"a2a_gbps": 50} if bad else None),
         "ulysses, heads": lambda: da.context_parallel_attn(
             *_qkv(heads=3 if bad else 2), strategy="ulysses"),
         "allgather, softcap": lambda: da.context_parallel_attn(
@@ -128,6 +132,9 @@ ONE_RANK = {
     "layout name": ("ValueError", r"zagzig"),
     "zigzag odd length": ("ValueError", r"zigzag"),
     "auto strategy, mask shape": ("ValueError", r"`attention_mask` must have shape"),
+    "auto strategy, causal not a bool": ("TypeError", r"`causal` must be a bool, got str 'yes'"),
+    "auto strategy, hardware": ("TypeError", r"`hardware` must be a distcomm_attention.planning.cost.Hardware or None, "
+                                             r"got dict"),
     "auto strategy, cu_seqlens": ("ValueError", r"`cu_seqlens` must end at the global sequence length"),
     "ulysses, heads": ("ValueError", r"disagree on `q`, `k`, `v` .*ring position 1: q=\(1, 4, 3, 8\)"),
     "allgather, softcap": ("ValueError", r"`softcap` must be a finite float >= 0 .*got -1.0"),

@@ -17,6 +17,7 @@ cross-rank disagreements (the strategy included) raise the same error on every r
 import dataclasses
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -233,6 +234,20 @@ def test_predict_refuses_ulysses_when_heads_do_not_divide():
     assert cost.predict(_call(world=8, heads=6, kv_heads=2, ulysses=2), "hybrid") is not None
 
 
+def test_hardware_refuses_values_the_model_cannot_divide_by():
+    """A Hardware whose throughputs are not positive and finite, whose fixed costs are negative, or whose
+    ``across`` is not a Hardware is refused when made, naming the field and the value (before any call can
+    reach a collective with it)."""
+    for field, value in (("a2a_gbps", 0.0), ("tflops", -1.0), ("p2p_gbps", math.inf), ("state_gbps", math.nan),
+                         ("latency_s", -1e-6), ("call_overhead_s", math.inf), ("allgather_gbps", True),
+                         ("reduce_scatter_gbps", "50")):
+        with pytest.raises(ValueError, match=rf"Hardware: `{field}` must be a .*got {re.escape(repr(value))}"):
+            cost.Hardware(**{field: value})
+    with pytest.raises(TypeError, match=r"Hardware: `across` must be a Hardware or None, got dict"):
+        cost.Hardware(across={"a2a_gbps": 50})
+    assert cost.Hardware(latency_s=0, call_overhead_s=0).latency_s == 0
+
+
 def test_hybrids_ring_dimension_takes_the_links_across():
     """``Hardware.across``: the hybrids' ring dimension moves at its links (between nodes), their all-to-alls
     and every 1-D strategy at the hardware's own. Across links equal to the hardware's change nothing; slower
@@ -406,7 +421,7 @@ def test_auto_predicts_with_the_hardware_passed():
         assert out["default"]["ops"] == ["all_to_all_v"]
         assert "all_gather" in out["slow"]["ops"] and "all_to_all_v" not in out["slow"]["ops"]
         assert out["default"]["error"] < 1e-12 and out["slow"]["error"] < 1e-12
-        assert "strategy" in errors["mismatch"], errors
+        assert "`strategy`" in errors["mismatch"] and "the same `hardware=`" in errors["mismatch"], errors
         assert "`hardware` must be a distcomm_attention.planning.cost.Hardware or None, got dict" in errors["type"]
     assert got[0][1] == got[1][1]
 

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -109,6 +110,18 @@ class Hardware:
     reduce_scatter_gbps: float = 272.0
     latency_s: float = 20e-6
     across: Hardware | None = None
+
+    def __post_init__(self):
+        for name in ("tflops", "state_gbps", "p2p_gbps", "a2a_gbps", "allgather_gbps", "reduce_scatter_gbps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"Hardware: `{name}` must be a positive finite number, got {value!r}")
+        for name in ("call_overhead_s", "latency_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"Hardware: `{name}` must be a finite number >= 0, got {value!r}")
+        if self.across is not None and not isinstance(self.across, Hardware):
+            raise TypeError(f"Hardware: `across` must be a Hardware or None, got {type(self.across).__name__}")
 
 
 _LINK_FIELDS = ("p2p_gbps", "a2a_gbps", "allgather_gbps", "reduce_scatter_gbps", "latency_s")

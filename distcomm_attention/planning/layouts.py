@@ -286,17 +286,21 @@ def block_plan(layout: str, causal: bool, ring_size: int, rank: int, src: int, l
     return (Block(slice(1, None), slice(0, local_len - 1), True),) if local_len > 1 else ()
 
 
+@functools.lru_cache(maxsize=32)
 def mesh_assignment(layout, seq_len: int, grid: tuple[tuple[int, ...], ...]) -> Assignment:
     """The hybrids' sharding as one layout over every rank of their mesh: rank ``grid[r][u]`` (of the group the
     mesh spans) holds ``hybrid_positions`` of coordinate (r, u), for ``layout`` over the ``len(grid)`` ring
-    positions. What a 1-D strategy runs on over the whole mesh (``strategy="auto"`` on a 2-D mesh)."""
+    positions. What a 1-D strategy runs on over the whole mesh (``strategy="auto"`` on a 2-D mesh). Cached:
+    every call of a model's layers asks for the same one."""
     rings, ulysses = len(grid), len(grid[0])
     ranges: list = [None] * (rings * ulysses)
     for r, row in enumerate(grid):
         for u, rank in enumerate(row):
             pos = hybrid_positions(layout, seq_len, rings, r, ulysses, u)
-            cuts = [0] + ((pos[1:] - pos[:-1]) != 1).nonzero().flatten().add(1).tolist() + [pos.numel()]
-            ranges[rank] = tuple((int(pos[a]), int(pos[b - 1]) + 1) for a, b in zip(cuts, cuts[1:]) if b > a)
+            cut = ((pos[1:] - pos[:-1]) != 1).nonzero().flatten() + 1
+            starts = torch.cat([pos[:1], pos[cut]]).tolist()
+            stops = torch.cat([pos[cut - 1] + 1, pos[-1:] + 1]).tolist()
+            ranges[rank] = tuple(zip(starts, stops))
     name = layout.name if isinstance(layout, Assignment) else str(layout)
     return Assignment(f"{name} on a {rings} x {ulysses} mesh", tuple(ranges), seq_len)
 

@@ -221,9 +221,10 @@ def choose(q, k, *, group, layout: str, causal: bool, window, attention_mask, cu
                      world, u, _packs(backend, q, vis, softcap) and attention_mask is None,
                      ulysses_halves=_ulysses.HALVES)
     hw = hardware or cost.Hardware()
-    if not is_2d_mesh(group):
+    if not is_2d_mesh(group) or concrete == "striped":
         return cost.choose(call, candidates, hw)
-    # a 2-D mesh: also the 1-D strategies over all its ranks, on its sharding, over the links across
+    # a 2-D mesh: also the 1-D strategies over all its ranks, on its sharding, over the links across (not for
+    # "striped", whose pieces of one token each would make thousands of blocks per rank)
     flat = dataclasses.replace(call, layout=layouts.mesh_assignment(concrete, q.shape[1] * world, _mesh_grid(group)),
                                ulysses=1)
     return cost.choose_among((call, candidates, hw), (flat, _ONE_D, cost.links_across(hw)))
@@ -281,11 +282,10 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
                   attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
                   requires_grad=requires_grad, op="context_parallel_attn")
     if error is None and strategy == "auto":
-        # Input errors make choose fail; ``prepare`` then raises them on every rank after the exchange.
-        picked, _ = _validation.verdict(choose, q, k, group=group, layout=layout, causal=causal, window=window,
-                                        attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
-                                        softcap=softcap, hardware=hardware)
-        # an input error (raised by ``prepare`` below) is verified over the group the call was given
+        picked, error = _validation.verdict(choose, q, k, group=group, layout=layout, causal=causal, window=window,
+                                            attention_mask=attention_mask, cu_seqlens=cu_seqlens, backend=backend,
+                                            softcap=softcap, hardware=hardware)
+        # its error (an input's) is raised by ``prepare`` below, on every rank of the group the call was given
         strategy = ("hybrid" if is_2d_mesh(group) else "ring") if picked is None else picked.strategy
         auto = {"auto": True}
     else:
@@ -301,7 +301,8 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
         comm = RingComm(None)  # verification over the default group: every rank of the mesh
         wu, wr = _groups.group_size(ulysses_group), _groups.group_size(ring_group)
         ring_rank = _groups.group_rank(ring_group)
-        extra = {"strategy": _CODES[strategy], "ulysses": wu, "ring": wr, **auto}
+        extra = {"strategy": _CODES[strategy], "ulysses": wu, "ring": wr,
+                 "mesh": tuple(rank for row in _mesh_grid(group) for rank in row), **auto}
 
         def planner(vis, concrete):  # (plan, exchange): the sparse ring's schedule, or the gathered exchange
             if strategy == "hybrid":
@@ -328,8 +329,9 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
         ulysses_group, ring_group = resolve_mesh(group)
         comm = RingComm(None)
         wu, wr = _groups.group_size(ulysses_group), _groups.group_size(ring_group)
-        extra.update(ulysses=wu, ring=wr)
-        shards, grid = (wr, wu * n), _mesh_grid(group)
+        grid = _mesh_grid(group)
+        extra.update(ulysses=wu, ring=wr, mesh=tuple(rank for row in grid for rank in row))  # the same grid
+        shards = (wr, wu * n)
     else:
         comm, shards, grid = RingComm(group), None, None
     world, rank = comm.size, comm.rank

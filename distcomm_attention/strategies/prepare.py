@@ -110,6 +110,10 @@ def prepare(
         "ulysses": 0,
         "ring": 0,
         "ulysses_halves": False,  # Note [Ulysses halves]: the 1-D strategies pass the switch
+        "mesh": (),  # the default group's rank at each (ring, ulysses) coordinate, for a call over a 2-D mesh
+        # "auto"'s picks (below); every call verifies the same fields, so that a rank whose input error made it
+        # skip its strategy still meets its peers' exchange
+        "kernel calls auto counted": _validation.Shown(-1, "not asked"),
         **(extra or {}),
     }
     if fields.pop("auto", False):  # the pick counted the backend's packed calls: the ranks must agree on them
