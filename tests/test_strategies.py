@@ -724,18 +724,25 @@ def _mesh(shape, names):
     return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
-def _hybrid_rank(rank, world, meshes):
+def _on_meshes(meshes, run):
+    """Per (shape, names): this rank's coordinate (r, u) and what ``run(mesh, sizes, r, u)`` returns (a tuple)."""
     out = []
     for shape, names in meshes:
         mesh = _mesh(shape, names)
-        sizes = dict(zip(names, shape))
         r, u = mesh.get_local_rank("ring"), mesh.get_local_rank("ulysses")
-        results = []
-        for case in _hybrid_cases(sizes["ring"], sizes["ulysses"]):
-            index = dispatch.hybrid_positions(case["layout"], case["seq"], sizes["ring"], r, sizes["ulysses"], u)
-            results.append(_run_local(case, index, group=mesh))
-        out.append(((r, u), results))
+        out.append(((r, u), *run(mesh, dict(zip(names, shape)), r, u)))
     return out
+
+
+def _hybrid_run(case, mesh, sizes, r, u):
+    """This coordinate's call of ``case`` on ``mesh``, its tokens at ``hybrid_positions``."""
+    index = dispatch.hybrid_positions(case["layout"], case["seq"], sizes["ring"], r, sizes["ulysses"], u)
+    return _run_local(case, index, group=mesh)
+
+
+def _hybrid_rank(rank, world, meshes):
+    return _on_meshes(meshes, lambda mesh, sizes, r, u: (
+        [_hybrid_run(case, mesh, sizes, r, u) for case in _hybrid_cases(sizes["ring"], sizes["ulysses"])],))
 
 
 @pytest.mark.parametrize(
@@ -768,27 +775,22 @@ def _mesh_picks_rank(rank, world, meshes):
     """"auto" on a 2-D mesh whose pick is a 1-D strategy (the pick forced: ``choose`` replaced), every hybrid
     case's features: this coordinate's outputs and gradients; then which_strategy's predictions on the mesh."""
     real = dispatch.choose
-    out = []
-    for shape, names in meshes:
-        mesh = _mesh(shape, names)
-        sizes = dict(zip(names, shape))
-        r, u = mesh.get_local_rank("ring"), mesh.get_local_rank("ulysses")
+
+    def run(mesh, sizes, r, u):
         results = []
         for forced in ONE_D:
             dispatch.choose = lambda *a, forced=forced, **kw: cost.StrategyChoice(forced, {}, "forced")
             try:
-                for case in _hybrid_cases(sizes["ring"], sizes["ulysses"]):
-                    if case["strategy"] != "hybrid" or forced == "ulysses" and case["h"] % world:
-                        continue
-                    index = dispatch.hybrid_positions(case["layout"], case["seq"], sizes["ring"], r,
-                                                      sizes["ulysses"], u)
-                    results.append(_run_local(dict(case, strategy="auto"), index, group=mesh))
+                results += [_hybrid_run(dict(case, strategy="auto"), mesh, sizes, r, u)
+                            for case in _hybrid_cases(sizes["ring"], sizes["ulysses"])
+                            if case["strategy"] == "hybrid" and not (forced == "ulysses" and case["h"] % world)]
             finally:
                 dispatch.choose = real
         q = torch.zeros(1, 16, 8, 8, dtype=torch.float64)
         choice = which_strategy(q, q[:, :, :2], group=mesh, causal=True, layout="zigzag")
-        out.append(((r, u), results, {k: p.seconds for k, p in choice.predictions.items()}, choice.strategy))
-    return out
+        return results, {k: p.seconds for k, p in choice.predictions.items()}, choice.strategy
+
+    return _on_meshes(meshes, run)
 
 
 def test_auto_on_a_mesh_may_run_a_1d_strategy_over_all_its_ranks():
