@@ -53,11 +53,12 @@ import distcomm
 import distcomm_attention as da
 from distcomm_attention._reference import attention_reference
 from distcomm_attention.api import context_parallel_attn
-from distcomm_attention.planning import balance, layouts
+from distcomm_attention.planning import balance, cost, layouts
 from distcomm_attention.planning.layouts import Assignment
 from distcomm_attention.planning.plans import gathered_plan
 from distcomm_attention.planning.visibility import Visibility, ring_plan, visible_mask
 from distcomm_attention.sharding import shift_labels
+from distcomm_attention.strategies import dispatch as strategies
 from tests.optional import require
 from tests.dist_harness import run_world
 from tests.test_strategies import _block_pairs
@@ -979,7 +980,8 @@ def _hybrid_cases():
     seq = n * world
     cases = []
     for o, opts in enumerate((dict(causal=True), dict(causal=True, window=(3, 0), softcap=1.5), dict(causal=False))):
-        for strategy in ("hybrid", "hybrid_allgather"):
+        # "auto:X": auto on the mesh with its pick forced to the 1-D strategy X over all the mesh's ranks
+        for strategy in ("hybrid", "hybrid_allgather", "auto:ring", "auto:allgather", "auto:ulysses"):
             h, hkv = ((4, 1), (8, 2))[(o + len(cases)) % 2]
             case = dict(world=world, n=n, seq=seq, docs=[0, 1, 2, 11, 13, 16], h=h, hkv=hkv, d=8,
                         layout="balanced", strategy=strategy, seed=900 + o)
@@ -1000,8 +1002,15 @@ def _hybrid_rank(rank, world, names):
         shards = [da.shard_sequence(t, "balanced", group=mesh, cu_seqlens=cu, balance_window=bw) for t in (q, k, v)]
         ids = da.position_ids(case["n"], "balanced", group=mesh, cu_seqlens=cu)
         ql, kl, vl = (t.detach().clone().requires_grad_() for t in shards)
-        out = context_parallel_attn(ql, kl, vl, strategy=case["strategy"], layout="balanced", group=mesh,
-                                    cu_seqlens=cu, **_l2_options(case))
+        strategy, _, forced = case["strategy"].partition(":")
+        real = strategies.choose
+        if forced:
+            strategies.choose = lambda *a, **kw: cost.StrategyChoice(forced, {}, "forced")
+        try:
+            out = context_parallel_attn(ql, kl, vl, strategy=strategy, layout="balanced", group=mesh,
+                                        cu_seqlens=cu, **_l2_options(case))
+        finally:
+            strategies.choose = real
         out.backward(dout.index_select(1, ids))
         results.append({"out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad, "ids": ids,
                         "gathered_out": da.gather_sequence(out.detach(), "balanced", group=mesh, cu_seqlens=cu)})
@@ -1010,9 +1019,10 @@ def _hybrid_rank(rank, world, names):
 
 @pytest.mark.parametrize("names", [("ulysses", "ring"), ("ring", "ulysses")])
 def test_hybrids_with_balanced_layout(names):
-    """hybrid and hybrid_allgather on a 2 x 2 gloo mesh with layout "balanced" over the ring dimension: each
-    coordinate holds its piece of the balanced ring shard (``hybrid_positions``), and its outputs and q/k/v
-    gradients there equal the float64 reference; the gathered output is the reference on every rank."""
+    """hybrid and hybrid_allgather, and "auto" running a 1-D strategy over all the mesh's ranks, on a 2 x 2 gloo
+    mesh with layout "balanced" over the ring dimension: each coordinate holds its piece of the balanced ring
+    shard (``hybrid_positions``), and its outputs and q/k/v gradients there equal the float64 reference; the
+    gathered output is the reference on every rank."""
     got = run_world(_hybrid_rank, 4, names, timeout=120)
     assert sorted(c for c, _ in got) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for i, case in enumerate(_hybrid_cases()):
