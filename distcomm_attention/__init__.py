@@ -1,9 +1,9 @@
 """distcomm_attention: context-parallel flash attention over a sequence sharded across ranks.
 
 Public API: :func:`context_parallel_attn` (ring, Ulysses, all-gather KV, hybrids, or the cost model's pick),
-:func:`which_strategy` (and :class:`Hardware`, what its cost model predicts with), :func:`ring_flash_attn`, :func:`which_kernels`, :func:`cu_seqlens_from_position_ids`,
-:func:`shard_sequence`, :func:`gather_sequence`, :func:`position_ids`, :class:`Sharding` (layout, group and
-ring size in one handle), :class:`RingAttention`, and the accepted names ``LAYOUTS`` and ``BACKENDS``.
+:func:`which_strategy` (and :class:`Hardware`, what its cost model predicts with), :func:`ring_flash_attn`,
+:func:`which_kernels`, :func:`cu_seqlens_from_position_ids`, :func:`shard_sequence`, :func:`gather_sequence`,
+:func:`position_ids`, :class:`Sharding` (layout, group and ring size in one handle), :class:`RingAttention`, and the accepted names ``LAYOUTS`` and ``BACKENDS``.
 Importing needs neither triton nor flash_attn: kernels are imported when a backend is first used.
 Linear attention and the short conv of hybrid models (GDN, Mamba-2) on the same sharding:
 :mod:`distcomm_attention.linear` (docs/hybrid.md).

@@ -8,7 +8,7 @@ import torch
 from distcomm_attention import _validation
 from distcomm_attention.kernels import dispatch
 from distcomm_attention.planning import layouts
-from distcomm_attention.planning.cost import Hardware
+from distcomm_attention.planning.cost import Hardware, check_hardware
 from distcomm_attention.kernels.dispatch import KernelChoice
 from distcomm_attention.strategies import dispatch as strategies
 from distcomm_attention.strategies.sparse_ring import ring_planner, run_ring
@@ -19,18 +19,12 @@ from distcomm_attention.sharding import Sharding, merge_sharding
 __all__ = ["ring_flash_attn", "context_parallel_attn", "which_kernels", "which_strategy"]
 
 
-def _check_hardware(hardware) -> None:
-    if hardware is not None and not isinstance(hardware, Hardware):
-        raise TypeError(f"`hardware` must be a distcomm_attention.planning.cost.Hardware or None, got "
-                        f"{type(hardware).__name__}")
-
-
 def _check_arguments(q, k, v, *, causal, layout, group, ring_size, sharding, backend, window_size, softcap,
                      strategy="ring", hardware=None):
     """The entry points' argument checks: (layout, group, ring_size, window, softcap) or an input error."""
     if strategy != "ring":
         strategies.check_strategy(strategy)
-    _check_hardware(hardware)
+    check_hardware(hardware)
     layout, group, ring_size = merge_sharding(sharding, layout, group, ring_size)
     if strategy != "ring" and ring_size is not None:
         raise ValueError(
@@ -124,8 +118,8 @@ def ring_flash_attn(
             batch row). Attention never crosses a boundary; documents may have any lengths (one token, or
             spanning several ranks) with every layout. Pass a CPU tensor or a list: a CUDA tensor is read
             back to the host once per call (one sync: the GPU's queue drains and the call's host work is
-            no longer hidden behind the GPU's; docs/bench/real.md measures it). ``cu_seqlens_from_position_ids`` builds it from position ids that
-            restart at 0 for each document.
+            no longer hidden behind the GPU's; docs/bench/real.md measures it). ``cu_seqlens_from_position_ids``
+            builds it from position ids that restart at 0 for each document.
         sharding: a :class:`Sharding` (layout, group and ring size in one handle: the explicit way to attend
             with the layout the inputs were sharded with, ``s.shard(x)``). ``layout``, ``group`` or
             ``ring_size`` passed beside it must repeat its values (ValueError otherwise).
@@ -350,7 +344,7 @@ def which_strategy(
         a 1-D group).
     """
     _validation.check_flag("causal", causal)
-    _check_hardware(hardware)
+    check_hardware(hardware)
     if layout is not None:
         layouts.check_layout(layout)
     window = _validation.check_window(window_size)

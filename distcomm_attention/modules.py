@@ -8,7 +8,7 @@ from torch import nn
 from distcomm_attention import _validation
 from distcomm_attention.kernels import dispatch
 from distcomm_attention.planning import layouts
-from distcomm_attention.planning.cost import Hardware
+from distcomm_attention.planning.cost import Hardware, check_hardware
 from distcomm_attention.strategies.dispatch import check_strategy
 from distcomm_attention.api import context_parallel_attn, ring_flash_attn
 from distcomm_attention.sharding import Sharding, merge_sharding
@@ -87,8 +87,7 @@ class RingAttention(nn.Module):
             raise ValueError(f"`strategy`={strategy!r} runs over the whole group: `ring_size`={ring_size} applies to "
                              f"strategy 'ring' only")
         self.strategy = strategy
-        if hardware is not None and not isinstance(hardware, Hardware):
-            raise TypeError(f"`hardware` must be a distcomm_attention.Hardware or None, got {type(hardware).__name__}")
+        check_hardware(hardware)
         self.hardware = hardware
         if layout is not None:
             layouts.check_layout(layout)

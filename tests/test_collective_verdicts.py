@@ -133,7 +133,7 @@ ONE_RANK = {
     "zigzag odd length": ("ValueError", r"zigzag"),
     "auto strategy, mask shape": ("ValueError", r"`attention_mask` must have shape"),
     "auto strategy, causal not a bool": ("TypeError", r"`causal` must be a bool, got str 'yes'"),
-    "auto strategy, hardware": ("TypeError", r"`hardware` must be a distcomm_attention.planning.cost.Hardware or None, "
+    "auto strategy, hardware": ("TypeError", r"`hardware` must be a distcomm_attention.Hardware or None, "
                                              r"got dict"),
     "auto strategy, cu_seqlens": ("ValueError", r"`cu_seqlens` must end at the global sequence length"),
     "ulysses, heads": ("ValueError", r"disagree on `q`, `k`, `v` .*ring position 1: q=\(1, 4, 3, 8\)"),

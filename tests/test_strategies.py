@@ -422,7 +422,7 @@ def test_auto_predicts_with_the_hardware_passed():
         assert "all_gather" in out["slow"]["ops"] and "all_to_all_v" not in out["slow"]["ops"]
         assert out["default"]["error"] < 1e-12 and out["slow"]["error"] < 1e-12
         assert "`strategy`" in errors["mismatch"] and "the same `hardware=`" in errors["mismatch"], errors
-        assert "`hardware` must be a distcomm_attention.planning.cost.Hardware or None, got dict" in errors["type"]
+        assert "`hardware` must be a distcomm_attention.Hardware or None, got dict" in errors["type"]
     assert got[0][1] == got[1][1]
 
 

@@ -65,9 +65,10 @@ import torch
 
 import distcomm
 from distcomm.ring import RingComm
-from distcomm_attention import BACKENDS, Hardware, Sharding, context_parallel_attn, ring_flash_attn
+from distcomm_attention import BACKENDS, Sharding, context_parallel_attn, ring_flash_attn
 from distcomm_attention.sharding import merge_sharding
 from distcomm_attention.planning import balance, layouts
+from distcomm_attention.planning.cost import check_hardware
 
 try:
     from transformers import AttentionInterface
@@ -170,9 +171,7 @@ class RingAttentionHF:
         if self.strategy != "ring" and self.ring_size is not None:
             raise ValueError(f"`strategy`={self.strategy!r} runs over the whole group: `ring_size`={self.ring_size} "
                              f"applies to strategy 'ring' only")
-        if self.hardware is not None and not isinstance(self.hardware, Hardware):
-            raise TypeError(f"`hardware` must be a distcomm_attention.Hardware or None, got "
-                            f"{type(self.hardware).__name__}")
+        check_hardware(self.hardware)
 
     @property
     def sharding(self) -> Sharding:

@@ -80,7 +80,7 @@ from distcomm_attention.planning.plans import gathered_plan, half_plans, local_p
 from distcomm_attention.planning.visibility import RingPlan, Visibility, ring_plan
 
 __all__ = ["Hardware", "Prediction", "StrategyChoice", "Call", "predict", "choose", "choose_among", "links_across",
-           "lower_bound"]
+           "lower_bound", "check_hardware"]
 
 
 _HOST = torch.device("cpu")  # where the model builds the masks it counts pieces of
@@ -122,6 +122,12 @@ class Hardware:
                 raise ValueError(f"Hardware: `{name}` must be a finite number >= 0, got {value!r}")
         if self.across is not None and not isinstance(self.across, Hardware):
             raise TypeError(f"Hardware: `across` must be a Hardware or None, got {type(self.across).__name__}")
+
+
+def check_hardware(hardware) -> None:
+    """Raise TypeError unless ``hardware`` is a ``Hardware`` or None (the entry points' ``hardware=``)."""
+    if hardware is not None and not isinstance(hardware, Hardware):
+        raise TypeError(f"`hardware` must be a distcomm_attention.Hardware or None, got {type(hardware).__name__}")
 
 
 _LINK_FIELDS = ("p2p_gbps", "a2a_gbps", "allgather_gbps", "reduce_scatter_gbps", "latency_s")

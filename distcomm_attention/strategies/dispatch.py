@@ -56,6 +56,11 @@ def _mesh_grid(mesh) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(int(x) for x in row) for row in grid.tolist())
 
 
+def _mesh_field(grid) -> tuple[int, ...]:
+    """The verified field "mesh": the grid's ranks row by row (the ranks of a call agree on its grid)."""
+    return tuple(rank for row in grid for rank in row)
+
+
 def check_strategy(strategy) -> None:
     """Raise ValueError unless ``strategy`` names a strategy."""
     if strategy not in STRATEGIES:
@@ -302,7 +307,7 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
         wu, wr = _groups.group_size(ulysses_group), _groups.group_size(ring_group)
         ring_rank = _groups.group_rank(ring_group)
         extra = {"strategy": _CODES[strategy], "ulysses": wu, "ring": wr,
-                 "mesh": tuple(rank for row in _mesh_grid(group) for rank in row), **auto}
+                 "mesh": _mesh_field(_mesh_grid(group)), **auto}
 
         def planner(vis, concrete):  # (plan, exchange): the sparse ring's schedule, or the gathered exchange
             if strategy == "hybrid":
@@ -330,7 +335,7 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
         comm = RingComm(None)
         wu, wr = _groups.group_size(ulysses_group), _groups.group_size(ring_group)
         grid = _mesh_grid(group)
-        extra.update(ulysses=wu, ring=wr, mesh=tuple(rank for row in grid for rank in row))  # the same grid
+        extra.update(ulysses=wu, ring=wr, mesh=_mesh_field(grid))
         shards = (wr, wu * n)
     else:
         comm, shards, grid = RingComm(group), None, None
