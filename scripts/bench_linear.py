@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -131,7 +132,8 @@ def inputs(kind: str, tokens: int, device, dtype, seed: int = 0, shape=None):
 
 
 def rank_step(kind, plan, rank, world, tensors, run, backward: bool):
-    """Rank ``rank``'s computation, the all-gather replaced by its own maps repeated ``world`` times."""
+    """Rank ``rank``'s computation, the all-gather replaced by its own maps repeated ``world`` times: a rank's
+    work, not the sequence's values (``split_check`` checks those)."""
     comm = SimpleNamespace(size=world, rank=rank, group=None)
     q, k, v, g, beta = tensors
     gather = lambda table: table.unsqueeze(0).expand(world, *table.shape)  # noqa: E731
@@ -257,17 +259,40 @@ def split_check(kind: str, layout: str, world: int, doc_len: int, run, device, d
     indices = [torch.cat([torch.arange(r.start, r.start + r.length) for r in plan.runs[rank]]).to(device)
                for rank in range(world)]
     shards = [[None if t is None else t.index_select(1, idx) for t in low] for idx in indices]
-    tables = {}
-    for rank in range(world):  # phase 1 of every rank; the tables stay in the graph of `low`
-        comm = SimpleNamespace(size=world, rank=rank, group=None)
-        _Call(plan, comm, run, scale, *shards[rank], None,
-              gather=lambda t, r=rank: tables.setdefault(r, t).unsqueeze(0).expand(world, *t.shape)).forward(False)
-    stacked = torch.stack([tables[r] for r in range(world)])
+    # one thread per rank, each rank's call whole (its maps and its outputs from the states they fold to: the
+    # delta rule's backward relies on it), the gather a barrier and a stack: its adjoint sums every rank's part.
+    # One thread computes at a time (fla's autotuner is not thread-safe): each holds `turn` but at the barrier
+    tables, outs, errors = {}, {}, []
+    barrier, turn = threading.Barrier(world), threading.Lock()
+
+    def rank_main(rank):
+        def gather(table):
+            tables[rank] = table
+            turn.release()
+            try:
+                barrier.wait()
+            finally:
+                turn.acquire()
+            return torch.stack([tables[r] for r in range(world)])
+
+        with turn:
+            try:
+                comm = SimpleNamespace(size=world, rank=rank, group=None)
+                outs[rank] = _Call(plan, comm, run, scale, *shards[rank], None, gather=gather).forward(False)[0]
+            except BaseException as e:  # noqa: BLE001 (re-raised below)
+                errors.append(e)
+                barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
     out_full = torch.zeros_like(ref)
     for rank in range(world):
-        comm = SimpleNamespace(size=world, rank=rank, group=None)
-        out, _ = _Call(plan, comm, run, scale, *shards[rank], None, gather=lambda t: stacked).forward(False)
-        out_full = out_full.index_copy(1, indices[rank], out.double())
+        out_full = out_full.index_copy(1, indices[rank], outs[rank].double())
     def rel(a, b):
         a, b = a.detach().double(), b.detach()
         return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))

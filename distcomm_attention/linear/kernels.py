@@ -35,7 +35,8 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["torch_chunk", "fla_chunk", "select_kernel", "KERNELS", "fla_available"]
+__all__ = ["torch_chunk", "fla_chunk", "select_kernel", "KERNELS", "fla_available", "open_segments", "TorchPasses",
+           "FlaPasses", "passes_of"]
 
 KERNELS = ("auto", "torch", "fla")
 CHUNK = 64
@@ -216,3 +217,207 @@ def select_kernel(kernel: str, q: torch.Tensor, backward: bool = False, delta: b
     if usable and fla_available() and not (backward and fla_backward_problem(q.device, delta=delta)):
         return fla_chunk
     return torch_chunk
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The delta rule's open segments in two passes
+# ---------------------------------------------------------------------------------------------------------
+
+# Note [Open segments in two passes]
+#     A segment that continues a document from an earlier rank needs the state entering it, S_in, known only
+#     after the ranks' maps are gathered. The delta rule runs such segments in two passes:
+#
+#         summary  the map S_out = A S_in + B by the state pass alone, no outputs: B from a zero state with
+#                  the chunks' pseudo-values u, A from I with zero values (the extended state [0 | I] with
+#                  values [u | 0], in two passes)
+#         output   after the fold: the ordinary forward from S_in (state pass and outputs)
+#
+#     so the outputs are the kernel's own from the true incoming state, at the price of one wide state pass
+#     instead of a wide output pass and a correction. Backward, in the order autograd reaches them:
+#
+#         output   dS_in = (d o / d S_in)^T do alone (the reverse state pass with no end-state gradient);
+#                  no input gradients yet
+#         summary  after the gathered maps' backward: every use of (A, B) on every rank is A S_in + B for the
+#                  segment's own S_in (the fold and the final states), so dA = dB S_in^T and the gradient
+#                  reaching q, k, v, g, beta through (A, B) is the kernel's backward with the end-state
+#                  gradient dB; one backward with (do, dB) from S_in gives every input gradient
+#
+#     The pass objects below give these four operations over one call's sequences; ``TorchPasses`` by the
+#     chunked PyTorch kernel (any device, float64: the reference the tests check the autograd wiring with),
+#     ``FlaPasses`` by fla-core's chunk kernels.
+
+
+class TorchPasses:
+    """The four operations of Note [Open segments in two passes] by ``torch_chunk`` (and autograd for the
+    backward ones). Tensors as the kernel contract; ``cu_seqlens`` the call's sequences."""
+
+    def __init__(self, q, k, v, g, beta, scale: float, cu_seqlens=None):
+        self.x = [t.detach() for t in (q, k, v, g, beta)]
+        self.scale, self.cu = scale, cu_seqlens
+        self.count = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+
+    def summary(self):
+        q, k, v, g, beta = self.x
+        dk, dv = k.shape[-1], v.shape[-1]
+        sdtype = _state_dtype(q)
+        eye = torch.eye(dk, dtype=sdtype, device=q.device).expand(self.count, v.shape[2], dk, dk)
+        h0 = torch.cat([eye.new_zeros(eye.shape[:-1] + (dv,)), eye], dim=-1)
+        wide = torch.cat([v, v.new_zeros(v.shape[:3] + (dk,))], dim=-1)
+        _, end = torch_chunk(q, k, wide, g, beta, scale=self.scale, initial_state=h0, cu_seqlens=self.cu)
+        return end[..., dv:], end[..., :dv]
+
+    def output(self, h_in):
+        return torch_chunk(*self.x, scale=self.scale, initial_state=h_in, cu_seqlens=self.cu)[0]
+
+    def state_grad(self, h_in, do):
+        with torch.enable_grad():
+            h = h_in.detach().requires_grad_()
+            o, _ = torch_chunk(*self.x, scale=self.scale, initial_state=h, cu_seqlens=self.cu)
+            return torch.autograd.grad(o, h, do)[0]
+
+    def input_grads(self, h_in, do, dht):
+        with torch.enable_grad():
+            x = [t.detach().requires_grad_() for t in self.x]
+            o, end = torch_chunk(*x, scale=self.scale, initial_state=h_in, cu_seqlens=self.cu)
+            return torch.autograd.grad((o, end), x, (do, dht))
+
+
+class FlaPasses:
+    """The four operations of Note [Open segments in two passes] by fla-core's gated-delta-rule chunk kernels
+    (its forward and backward, split where the passes need): CUDA tensors of 16/32 bits."""
+
+    CHUNK = 64
+
+    def __init__(self, q, k, v, g, beta, scale: float, cu_seqlens=None):
+        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
+        from fla.ops.utils.index import prepare_chunk_indices
+
+        self.q, self.k, self.v, self.beta = (t.detach().contiguous() for t in (q, k, v, beta))
+        self.scale = scale
+        self.host, self.cu = (None, None) if cu_seqlens is None else _bounds(cu_seqlens, q.device)
+        self.indices = None if self.cu is None else prepare_chunk_indices(self.cu, self.CHUNK, cu_seqlens_cpu=self.host)
+        self.count = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+        common = dict(cu_seqlens=self.cu, chunk_indices=self.indices)
+        self.device = torch.cuda.device(q.device)
+        with self.device:
+            # fla's own forward, in order: the gates' chunk-local cumulative sum (log2 units), then the WY
+            # representation (w, u) and the solved intra-chunk matrix it keeps for the backward
+            self.g = chunk_local_cumsum(g.detach().contiguous(), chunk_size=self.CHUNK, scale=RCP_LN2, **common)
+            self.w, self.u, self.solved = chunk_gated_delta_rule_fwd_intra(
+                k=self.k, v=self.v, g=self.g, beta=self.beta, chunk_size=self.CHUNK, **common)
+        self.common = common
+
+    def _w_u(self):
+        if self.w is None:  # dropped after the output pass; the backward recomputes them, as fla's does
+            from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
+
+            return recompute_w_u_fwd(k=self.k, v=self.v, beta=self.beta, A=self.solved, g=self.g, **self.common)
+        return self.w, self.u
+
+    def summary(self):
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+
+        dk, heads = self.k.shape[-1], self.v.shape[2]
+        eye = torch.eye(dk, dtype=torch.float32, device=self.k.device).expand(self.count, heads, dk, dk)
+        # [A | B] in two state passes, B from a zero state, A from I with zero values: as fast as one pass of
+        # width V + K, without the wide values' copy
+        with self.device:
+            ends = [chunk_gated_delta_rule_fwd_h(k=self.k, w=self.w, u=u, g=self.g, initial_state=h0,
+                                                 output_final_state=True, save_new_value=False,
+                                                 chunk_size=self.CHUNK, **self.common)[2]
+                    for u, h0 in ((self.u.new_zeros(self.u.shape[:3] + (dk,)), eye.contiguous()), (self.u, None))]
+        return ends[0], ends[1]
+
+    def output(self, h_in):
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+        from fla.ops.common.chunk_o import chunk_fwd_o
+
+        with self.device:
+            h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=self.k, w=self.w, u=self.u, g=self.g,
+                                                       initial_state=h_in.float().contiguous(),
+                                                       output_final_state=False, chunk_size=self.CHUNK, **self.common)
+            o = chunk_fwd_o(q=self.q, k=self.k, v=v_new, h=h, g=self.g, scale=self.scale, chunk_size=self.CHUNK,
+                            **self.common)
+        self.w = self.u = None
+        return o.to(self.q.dtype)
+
+    def state_grad(self, h_in, do):
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+        from fla.ops.common.chunk_o import chunk_bwd_dv_local
+
+        with self.device:
+            w, _ = self._w_u()
+            do = do.contiguous()
+            dv = chunk_bwd_dv_local(q=self.q, k=self.k, do=do, g=self.g, scale=self.scale, chunk_size=self.CHUNK,
+                                    **self.common)
+            _, dh0, _ = chunk_gated_delta_rule_bwd_dhu(q=self.q, k=self.k, w=w, do=do, dv=dv, g=self.g,
+                                                       h0=h_in.float().contiguous(), dht=None, scale=self.scale,
+                                                       chunk_size=self.CHUNK, **self.common)
+        return dh0
+
+    def input_grads(self, h_in, do, dht):
+        from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+
+        with self.device:
+            dq, dk, dv, db, dg, _, _, _ = chunk_gated_delta_rule_bwd(
+                q=self.q, k=self.k, v=self.v, g=self.g, beta=self.beta, A=self.solved, scale=self.scale,
+                initial_state=h_in.float().contiguous(), do=do.contiguous(), dht=dht.float().contiguous(),
+                chunk_size=self.CHUNK, **self.common)
+        return dq, dk, dv, dg, db
+
+
+class _Summary(torch.autograd.Function):
+    """(q, k, v, g, beta) -> (A, B), its backward the whole segment's (Note [Open segments in two passes])."""
+
+    @staticmethod
+    def forward(ctx, passes, q, k, v, g, beta):
+        ctx.passes, ctx.shapes = passes, [(t.shape, t.dtype) for t in (q, k, v, g, beta)]
+        return passes.summary()
+
+    @staticmethod
+    def backward(ctx, da, db):
+        p = ctx.passes
+        if p.h_in is None:
+            raise RuntimeError("an open segment's summary was differentiated without its output pass")
+        do = p.do if p.do is not None else torch.zeros(p.o_shape, dtype=p.o_dtype, device=p.h_in.device)
+        grads = p.input_grads(p.h_in, do, db)
+        ctx.passes = p.do = None  # once: the saved gradient is not kept past the backward
+        return (None, *(gr.to(dtype).reshape(shape) if gr is not None else None
+                        for gr, (shape, dtype) in zip(grads, ctx.shapes)))
+
+
+class _Output(torch.autograd.Function):
+    """(A, S_in) -> o from S_in; backward: dS_in alone, the input gradients follow in _Summary's. ``A`` is an
+    input only so that o requires grad whenever the segment's inputs do, and autograd reaches this backward
+    before the summary's."""
+
+    @staticmethod
+    def forward(ctx, passes, a, h_in):
+        ctx.passes = passes
+        passes.h_in = h_in.detach()
+        o = passes.output(passes.h_in)
+        passes.o_shape, passes.o_dtype = o.shape, o.dtype
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        p = ctx.passes
+        p.do = do
+        return None, None, p.state_grad(p.h_in, do) if ctx.needs_input_grad[2] else None
+
+
+def passes_of(run: Callable) -> type | None:
+    """The two-pass operations that go with a kernel (Note [Open segments in two passes])."""
+    return {torch_chunk: TorchPasses, fla_chunk: FlaPasses}.get(run)
+
+
+def open_segments(passes: type, q, k, v, g, beta, *, scale: float, cu_seqlens=None):
+    """The delta rule's open segments of one call: (A, B, finish), A (N, HV, K, K) and B (N, HV, K, V) the
+    maps (float32; float64 for float64 inputs), ``finish(h_in)`` the outputs (B, T, HV, V) from the incoming
+    states h_in (N, HV, K, V), to be called once, after the fold. Differentiable end to end."""
+    p = passes(q, k, v, g, beta, scale, cu_seqlens)
+    p.h_in = p.do = None
+    a, b = _Summary.apply(p, q, k, v, g, beta)
+    return a, b, lambda h_in: _Output.apply(p, a, h_in)

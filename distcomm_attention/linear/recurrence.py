@@ -6,25 +6,26 @@ Note [Linear attention across ranks]
     exp(sum g) I, sent as one number per head) and B the end state from S_in = 0. A call runs in three
     phases (the pieces of Note [Runs and segments] in plan.py):
 
-        1. local   every closed segment: outputs and end state, final (it depends on no other rank);
-                   every open segment: from the extended state [0 | I] with values [v | 0], giving its
-                   outputs from a zero state o0, its map's B and A, and q_t^T P_t (P_t: the transition from
-                   the run's start to token t) as the extra output columns. One kernel call for the closed
-                   segments and one for the open ones (their segments as its sequences); the scalar decay
-                   needs no extra columns (A = exp(sum g), q_t^T P_t = exp(cum g_t) q_t^T): one call for all
+        1. local   every closed segment: outputs and end state, final (it depends on no other rank), in one
+                   kernel call. Every open segment's map: the delta rule by its state pass alone from the
+                   extended state [0 | I] (Note [Open segments in two passes] in kernels.py), in one call
+                   for all of them; the scalar decay runs them with the closed ones from a zero state,
+                   giving o0 and B (A = exp(sum g))
         2. gather  one all-gather of every rank's maps (per run, and per document end for final states),
                    then every rank folds all runs in global order: S_in(next) = A S_in + B
-        3. correct each open segment: o_t = o0_t + (q_t^T P_t) S_in (scalar decay: scale exp(cum g_t) q_t^T S_in);
-                   with 16-bit inputs the product runs in their dtype (float32 accumulation, S_in rounded to
-                   it, as fla rounds its chunk states for the output product) and the sum is rounded once
+        3. finish  each open segment's outputs from its S_in: the delta rule by the kernel's forward from S_in
+                   (one call for all); the scalar decay by the correction o_t = o0_t + scale exp(cum g_t)
+                   q_t^T S_in (with 16-bit inputs the product runs in their dtype, float32 accumulation, S_in
+                   rounded to it as fla rounds its chunk states for the output product; one rounding of the sum)
 
-        rank 0  [run a: closed ]------.                 .-> S_in(b) -> o(b) = o0 + qP S_in(b)
+        rank 0  [run a: closed ]------.                 .-> S_in(b) -> o(b) from S_in(b)
         rank 1  [run b: open   ]------+-- all-gather ---+-> S_in(c) = A_b S_in(b) + B_b -> o(c) ...
         rank 2  [run c: open   ]------'   (A, B) maps   '
 
     Traffic per rank: slots x heads x K x (K + V) numbers forward (scalar decay: K x V + 1), the same
     backward (the all-gather's adjoint, a reduce-scatter); independent of the sequence length. Gradients are
-    exact: autograd differentiates phases 1-3 and the gather. The kernel of phase 1 is pluggable
+    exact: autograd differentiates phases 1-3 and the gather (the delta rule's open segments by the two
+    passes' own backward). The kernel of phase 1 is pluggable
     (kernels.py): fla's Triton kernels on CUDA when installed, the chunked PyTorch path otherwise.
 
     Gradient convention (distcomm's): the total loss is the sum of the ranks' losses; q, k, v, g and beta
@@ -41,7 +42,7 @@ import torch
 from distcomm_attention import _validation
 from distcomm_attention.linear import _checks
 from distcomm_attention.linear.exchange import all_gather_rows
-from distcomm_attention.linear.kernels import select_kernel
+from distcomm_attention.linear.kernels import open_segments, passes_of, select_kernel
 
 __all__ = ["chunk_gated_delta_rule_cp", "chunk_simple_gla_cp"]
 
@@ -187,6 +188,20 @@ class _ScaledAdd(torch.autograd.Function):
         return dout, dqh, dw
 
 
+class _Join(torch.autograd.Function):
+    """``out`` itself with ``gathered`` joined to its graph, without a copy of ``out``: every rank's backward
+    reaches the gather (a collective backward), also a rank whose outputs do not depend on it."""
+
+    @staticmethod
+    def forward(ctx, out, gathered):
+        ctx.shape, ctx.dtype = gathered.shape, gathered.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return dout, dout.new_zeros((), dtype=ctx.dtype).expand(ctx.shape)
+
+
 class _Call:
     """One call's three phases (Note [Linear attention across ranks]) on this rank's runs."""
 
@@ -196,6 +211,9 @@ class _Call:
         self.gather = gather or (lambda table: all_gather_rows(table, comm.group, comm.size))
         self.q, self.k, self.v, self.g, self.beta, self.h0 = q, k, v, g, beta, initial_state
         self.delta = beta is not None
+        self.passes = passes_of(run) if self.delta else None
+        if self.delta and self.passes is None:
+            raise ValueError(f"no two-pass operations for the kernel {run!r} (kernels.passes_of)")
         self.sdtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         b, _, _, self.dk = q.shape
         _, _, self.hv, self.dv = v.shape
@@ -226,48 +244,56 @@ class _Call:
         states = [self._doc_state(s.doc) if s.opens else zero for s in segs]
         return states[0] if len(segs) == 1 else torch.cat(states)
 
-    def _call(self, segs, v=None, h0=None):
-        """One kernel call over ``segs``, each batch row's segments its sequences (row-major): per segment
-        outputs (B, length, ...) and end states (B, ...). ``h0``: (segments x B, ...) segment-major."""
+    def _packed(self, segs):
+        """One kernel call's arguments over ``segs``: (q, k, v, g, beta), cu_seqlens (None for one segment) and
+        the batch rows B; each row's segments are the call's sequences, row-major."""
         pick = self._pick(segs)
-        x = [pick(self.q), pick(self.k), pick(self.v) if v is None else v(pick), pick(self.g), pick(self.beta)]
+        x = [pick(t) for t in (self.q, self.k, self.v, self.g, self.beta)]
+        b = x[0].shape[0]
         if len(segs) == 1:
-            o, ends = self.run(*x, scale=self.scale, initial_state=h0, cu_seqlens=None)
-            return (o,), [ends]
-        b, n = x[0].shape[0], len(segs)
+            return x, None, b
         x = [None if t is None else t.reshape((1, -1) + t.shape[2:]) for t in x]
-        cu = torch.tensor([0] + [s.length for _ in range(b) for s in segs]).cumsum(0)
+        return x, torch.tensor([0] + [s.length for _ in range(b) for s in segs]).cumsum(0), b
+
+    @staticmethod
+    def _per_segment(t, segs, b):
+        """A call's per-sequence tensor (B x segments, ...) row-major -> one (B, ...) per segment."""
+        return list(t.reshape((b, len(segs)) + t.shape[1:]).unbind(1))
+
+    @staticmethod
+    def _split(o, segs, b):
+        """A call's outputs -> one (B, length, ...) per segment."""
+        return o.reshape((b, -1) + o.shape[2:]).split([s.length for s in segs], dim=1)
+
+    def _call(self, segs, h0=None):
+        """One kernel call over ``segs``: per segment outputs (B, length, ...) and end states (B, ...).
+        ``h0``: (segments x B, ...) segment-major."""
+        x, cu, b = self._packed(segs)
         if h0 is not None and b > 1:
-            h0 = h0.reshape((n, b) + h0.shape[1:]).transpose(0, 1).reshape(h0.shape)
+            h0 = h0.reshape((len(segs), b) + h0.shape[1:]).transpose(0, 1).reshape(h0.shape)
         o, ends = self.run(*x, scale=self.scale, initial_state=h0, cu_seqlens=cu)
-        ends = ends.reshape((b, n) + ends.shape[1:])
-        return o.reshape((b, -1) + o.shape[2:]).split([s.length for s in segs], dim=1), list(ends.unbind(1))
+        return self._split(o, segs, b), self._per_segment(ends, segs, b)
 
     def _phase1(self, closed, opening):
-        """Phase 1: ((o, end state) per closed segment, (o0, factor, A, B) per open one). The scalar decay
-        runs every segment in one kernel call (an open one from a zero state); the delta rule runs the
-        closed ones in one call and the open ones in another, with values [v | 0] from the state [0 | I]:
-        outputs [o0 | q^T P], end states [B | A]."""
+        """Phase 1: (o, end state) per closed segment; (A, B) per open one and ``finish``, taking the open
+        segments' incoming states to their outputs (phase 3). The scalar decay runs every segment in one kernel
+        call (an open one from a zero state, corrected in phase 3); the delta rule runs the closed ones in one
+        call and the open ones in two passes, their maps now and their outputs from the incoming states
+        (Note [Open segments in two passes] in kernels.py)."""
         if not self.delta:
             segs = sorted(closed + opening, key=lambda s: s.local)
             results = dict(zip((s.local for s in segs), zip(*self._call(segs, h0=self._states_of(segs))))) \
                 if segs else {}
-            return ([results[s.local] for s in closed],
-                    [self._scalar_open(s, *results[s.local]) for s in opening])
+            started = [self._scalar_open(s, *results[s.local]) for s in opening]
+            return ([results[s.local] for s in closed], [(a, b) for _, _, a, b in started],
+                    lambda hs: [self._corrected(o0, factor, h) for (o0, factor, _, _), h in zip(started, hs)])
         done = list(zip(*self._call(closed, h0=self._states_of(closed)))) if closed else []
         if not opening:
-            return done, []
-        n = len(opening)
-        eye = torch.eye(self.dk, dtype=self.sdtype, device=self.q.device).expand(n * self.rows, self.hv, -1, -1)
-        h0 = torch.cat([eye.new_zeros((n * self.rows,) + self.b_shape[1:]), eye], dim=-1)
-
-        def wide(pick):  # one batched copy (a pad's strided copy took twice as long on an H200)
-            v = pick(self.v)
-            return torch.cat([v, v.new_zeros(v.shape[:3] + (self.dk,))], dim=-1)
-
-        outs, ends = self._call(opening, v=wide, h0=h0)
-        return done, [(o[..., : self.dv], o[..., self.dv :], e[..., self.dv :], e[..., : self.dv])
-                      for o, e in zip(outs, ends)]
+            return done, [], lambda hs: []
+        x, cu, b = self._packed(opening)
+        a, bmap, finish = open_segments(self.passes, *x, scale=self.scale, cu_seqlens=cu)
+        maps = list(zip(self._per_segment(a, opening, b), self._per_segment(bmap, opening, b)))
+        return done, maps, lambda hs: self._split(finish(torch.stack(hs, 1).flatten(0, 1)), opening, b)
 
     def _scalar_open(self, seg, o, end):
         # the sum along the tokens as the last dim: along the strided middle dim it took 5.9 ms on an H100
@@ -279,15 +305,12 @@ class _Call:
         return o, (q, self.scale * cum.exp()), cum[:, -1].exp(), end
 
     def _corrected(self, o0, factor, h):
-        """o0 plus the incoming state's contribution (phase 3): factor . H_in per token and value head.
+        """Scalar decay: o0 plus the incoming state's contribution (phase 3), scale exp(cum g_t) q_t^T H_in.
 
         For 16-bit inputs the product runs in their dtype with float32 accumulation, H_in rounded to it, as
         fla's kernels round their chunk states before the output product; one rounding of the sum."""
         low = o0.dtype in (torch.float16, torch.bfloat16)
         dtype = o0.dtype if low else h.dtype  # of the product
-        if self.delta:  # per value head: (T, K) @ (K, V), strided views, no copies
-            corr = torch.matmul(factor.transpose(1, 2), h.to(dtype)).transpose(1, 2)  # (b, T, HV, V)
-            return o0 + corr if low else (o0.to(dtype) + corr).to(o0.dtype)
         q, weight = factor
         b, t, heads, _ = q.shape
         groups = self.hv // heads
@@ -303,16 +326,13 @@ class _Call:
         zero_a = torch.zeros(self.a_shape, dtype=self.sdtype, device=self.q.device)
         closed = [s for r in mine for s in r.segments if s.opens]
         runs = [r for r in mine if r.is_open]
-        done, started = self._phase1(closed, [r.segments[0] for r in runs])
+        done, maps, finish = self._phase1(closed, [r.segments[0] for r in runs])
         end_of = {}
         for s, (o, e) in zip(closed, done):
             pieces[s.local] = o
             end_of[s.local] = (zero_a, e)
-        opened = {}
-        for r, (o0, factor, a, b) in zip(runs, started):
-            s = r.segments[0]
-            opened[r.order] = (s, o0, factor)
-            end_of[s.local] = (a, b)
+        for r, ab in zip(runs, maps):
+            end_of[r.segments[0].local] = ab
         slots = [end_of[r.segments[-1].local] for r in mine]
         if finals:
             slots += [end_of[s.local] for r in mine for s in r.segments if s.ends]
@@ -321,12 +341,12 @@ class _Call:
         table = torch.nn.functional.pad(table, (0, 0, 0, plan.slots - table.shape[0]))
         gathered = self.gather(table)
         states = self._fold(gathered, finals)
-        for order, (s, o0, factor) in opened.items():
-            pieces[s.local] = self._corrected(o0, factor, states[order])
+        for r, o in zip(runs, finish([states[r.order] for r in runs])):
+            pieces[r.segments[0].local] = o
         ordered = [pieces[key] for key in sorted(pieces)]
         out = (ordered[0] if len(ordered) == 1 else torch.cat(ordered, dim=1)).to(self.q.dtype)
         if gathered.requires_grad:  # every rank joins the gather's backward (Note [Scan by gathered summaries])
-            out = out + gathered.reshape(-1)[:0].sum().to(out.dtype)
+            out = _Join.apply(out, gathered)
         final = None
         if finals:
             final = torch.cat([self._apply(self._unpack(gathered[r, slot]), states[order])
@@ -339,9 +359,9 @@ class _Call:
 
     def _apply(self, ab, h):
         a, b = ab
-        if self.delta:
-            return torch.einsum("bhij,bhjv->bhiv", a, h) + b
-        return a[..., None, None] * h + b
+        if self.delta:  # one batched product-and-add: the fold is a chain of these (host time per step counts)
+            return torch.baddbmm(b.flatten(0, 1), a.flatten(0, 1), h.flatten(0, 1)).view(b.shape)
+        return torch.addcmul(b, a[..., None, None], h)
 
     def _fold(self, gathered, finals: bool) -> dict[int, torch.Tensor]:
         """The state entering each run (phase 2), up to the last run this rank needs."""
