@@ -24,6 +24,7 @@ import torch
 
 from distcomm_attention import Sharding, shard_sequence
 from distcomm_attention.linear import causal_conv1d_cp, chunk_gated_delta_rule_cp, chunk_simple_gla_cp
+from distcomm_attention.linear import kernels
 from distcomm_attention.linear.kernels import torch_chunk
 from distcomm_attention.linear.plan import make_plan, rank_positions
 from tests.dist_harness import run_world
@@ -195,6 +196,38 @@ def test_kernel_matches_recurrence(kind):
     o_ref, final_ref = recurrence(q, k, v, g, beta, 0.5, h0, case["docs"])
     torch.testing.assert_close(o, o_ref, **TOL)
     torch.testing.assert_close(final, final_ref, **TOL)
+
+
+def test_open_segments_in_two_passes_match_the_recurrence():
+    """Note [Open segments in two passes] (kernels.py), against the token-by-token float64 recurrence: the maps
+    (A, B) of two sequences, the outputs from incoming states h_in, and every gradient of a loss on the outputs
+    and on the end states A h_in + B (as the fold uses them), the backward's shortcut dA = dB h_in^T included."""
+    case = _case("gdn", "contiguous", 37, [0, 20, 37])
+    (q, k, v, g, beta, h_in), (wo, wf) = make_inputs(case)
+    cu = torch.tensor(case["docs"])
+
+    def loss_of(o, ends):
+        return (o * wo).sum() + (ends * wf).sum()
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h_in)]
+    o_ref, ends_ref = recurrence(*leaves[:5], 0.5, leaves[5], case["docs"])
+    loss_of(o_ref, ends_ref).backward()
+    zero_o, zero_ends = recurrence(q, k, v, g, beta, 0.5, torch.zeros_like(h_in), case["docs"])
+    eye = torch.eye(4, dtype=F64).expand(2, 4, 4, 4)
+    _, columns = recurrence(q, k, torch.zeros(1, 37, 4, 4, dtype=F64), g, beta, 0.5, eye, case["docs"])
+
+    mine = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h_in)]
+    a, b, finish = kernels.open_segments(kernels.TorchPasses, *mine[:5], scale=0.5, cu_seqlens=cu)
+    torch.testing.assert_close(b, zero_ends, **TOL)  # B: the end states from zero
+    torch.testing.assert_close(a, columns, **TOL)  # A: the transition, I's columns carried with zero values
+    o = finish(mine[5])
+    ends = a @ mine[5] + b
+    torch.testing.assert_close(o, o_ref, **TOL)
+    torch.testing.assert_close(ends, ends_ref, **TOL)
+    loss_of(o, ends).backward()
+    for name, mine_t, ref_t in zip(NAMES, mine, leaves):
+        torch.testing.assert_close(mine_t.grad, ref_t.grad, **TOL, msg=lambda m, n=name: f"d{n}: {m}")
+    assert not torch.equal(zero_o, o_ref)  # the incoming states matter here
 
 
 def _bad(**change):
