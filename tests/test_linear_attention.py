@@ -415,10 +415,29 @@ def _qwen3_next(attn_implementation: str, family: str = "qwen3_next"):
     )
     if family == "qwen3_next":
         config = Qwen3NextConfig(**shared, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0, 1, 2, 3])
-    else:
+    elif family == "qwen3_5":
         config = Qwen3_5TextConfig(**shared)
+    else:
+        config = _mamba2_config(family)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float64)
+
+
+def _mamba2_config(family: str):
+    """Tiny Mamba-2 hybrids: three Mamba-2 layers (4 heads of 8 in 2 groups, state 8) and one attention layer."""
+    import transformers
+
+    shared = dict(vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, attention_dropout=0.0)
+    if family == "bamba":
+        return transformers.BambaConfig(**shared, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+                                        mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=8, attn_layer_indices=[3])
+    if family == "granitemoehybrid":
+        return transformers.GraniteMoeHybridConfig(**shared, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+                                                   mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=8,
+                                                   layer_types=["mamba"] * 3 + ["attention"], num_local_experts=0)
+    return transformers.NemotronHConfig(**shared, mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=8,
+                                        conv_kernel=4, chunk_size=8, hybrid_override_pattern="MMM*")
 
 
 def _hf_ids() -> torch.Tensor:
@@ -437,11 +456,14 @@ def _hf_rank(rank: int, world: int, layout: str, family: str):
 
 
 @pytest.mark.parametrize("world, layout, family", [(2, "zigzag", "qwen3_next"), (3, "zigzag", "qwen3_next"),
-                                                   (3, "contiguous", "qwen3_next"), (2, "zigzag", "qwen3_5")])
+                                                   (3, "contiguous", "qwen3_next"), (2, "zigzag", "qwen3_5"),
+                                                   (3, "zigzag", "bamba"), (2, "contiguous", "granitemoehybrid"),
+                                                   (2, "zigzag", "nemotron_h")])
 def test_qwen3_next_under_context_parallelism(world, layout, family):
     """A hybrid model trains under CP with one register/attach/shard_inputs: the ranks' losses add up to the
     one-process loss (transformers' own layers, sdpa) and the summed parameter gradients match its gradients,
-    the GDN layers' conv and recurrence parameters included (Qwen3-Next's and Qwen3.5's projections)."""
+    the linear layers' conv and recurrence parameters included (Qwen3-Next's and Qwen3.5's GDN projections;
+    the Mamba-2 mixers of Bamba, Granite 4.0 and Nemotron-H, 24 tokens in chunks of 8)."""
     pytest.importorskip("transformers")
     results = run_world(_hf_rank, world, layout, family, timeout=120)
     model = _qwen3_next("sdpa", family)
@@ -453,7 +475,25 @@ def test_qwen3_next_under_context_parallelism(world, layout, family):
     for name, p in model.named_parameters():
         got = sum(r[1][name] for r in results)
         torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-7 * scale, msg=lambda m: f"{name}: {m}")
-    assert any("linear_attn.conv1d" in n for n, _ in model.named_parameters())
+    assert any("conv1d" in n for n, _ in model.named_parameters())
+
+
+def test_attach_refuses_a_mixer_it_does_not_know():
+    """Falcon-H1's Mamba-2 mixer scales its projections (its multipliers): attach() refuses it by name rather
+    than run another layer's math."""
+    transformers = pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from distcomm_attention.integrations import huggingface as ring_hf
+
+    ring = ring_hf.register("cp_hybrid", layout="zigzag")
+    config = transformers.FalconH1Config(
+        vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
+        mamba_chunk_size=8, mamba_d_ssm=64)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=ring.name, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match=r"FalconH1Mixer is not a layer attach\(\) knows: .*BambaMixer"):
+        ring.attach(model)
 
 
 def test_attach_refuses_another_implementation():

@@ -46,9 +46,10 @@ Note [Hugging Face integration]
     - Layout: ``register`` defaults to "zigzag", and ``shard_inputs`` and the attention function read the
       same registered layout (``ring.sharding``), so they agree by construction; the attention passes it to
       ``ring_flash_attn`` explicitly, never leaving it to the layout record of ``shard_sequence``.
-    - Hybrid models (Qwen3-Next, Qwen3.5): ``ring.attach(model)`` routes the model's gated-delta-rule layers
-      (their short conv and recurrence) through :mod:`distcomm_attention.linear` on the same sharding, so one
-      layout serves both kinds of layer (docs/hybrid.md).
+    - Hybrid models (Qwen3-Next, Qwen3.5; Bamba, Granite 4.0, Nemotron-H): ``ring.attach(model)`` routes the
+      model's gated-delta-rule or Mamba-2 layers (their short conv and recurrence) through
+      :mod:`distcomm_attention.linear` on the same sharding, so one layout serves both kinds of layer
+      (docs/hybrid.md).
     - Gradients: distcomm's convention (the total loss is the sum of the per-rank losses). Rank r's loss
       is its share of the batch's mean, so the parameters' gradient is the SUM of the ranks' gradients
       over the ring: ``all_reduce(p.grad)`` over the ring's group, or, under DDP/FSDP averaging over
@@ -236,17 +237,19 @@ class RingAttentionHF:
     # -- linear-attention layers of hybrid models ------------------------------------------------------
 
     def attach(self, model: torch.nn.Module, *, kernel: str = "auto") -> torch.nn.Module:
-        """Run ``model``'s gated-delta-rule layers under context parallelism on this sharding; returns ``model``.
+        """Run ``model``'s linear-attention layers under context parallelism on this sharding; returns ``model``.
 
-        Each GatedDeltaNet module (Qwen3-Next, Qwen3.5) gets a forward that calls its own projections, norm
-        and output projection, and the sharded conv and recurrence of :mod:`distcomm_attention.linear`
+        Each GatedDeltaNet module (Qwen3-Next, Qwen3.5) and each Mamba-2 mixer of Bamba, Granite 4.0
+        (GraniteMoeHybrid) and Nemotron-H gets a forward that calls its own projections, norm and output
+        projection, and the sharded conv and recurrence of :mod:`distcomm_attention.linear`
         (``kernel``: "auto", "torch" or "fla"); the softmax layers already use this implementation when the
         model was made with ``attn_implementation=ring.name``. The layout must be one for the whole group
         (``ring_size`` None). Train with ``use_cache=False`` (``shard_inputs`` sets it).
 
         Raises:
             ValueError: the model's attention implementation is not this one, or it has no linear-attention
-                layer. NotImplementedError: a GatedDeltaNet module of another shape.
+                layer. NotImplementedError: a GatedDeltaNet module of another shape, or another mixer
+                (Falcon-H1's, Zamba2's, Mamba-1's), before any layer is changed.
         """
         from distcomm_attention.linear import layers
 
@@ -256,16 +259,19 @@ class RingAttentionHF:
                 f"the model's attention implementation is {used!r}, not {self.name!r}: make it with "
                 f"attn_implementation={self.name!r} so that its softmax layers use the same sharding"
             )
-        found = 0
+        found = []  # every layer checked before any forward is replaced: a refusal leaves the model as it was
         for module in model.modules():
-            if "GatedDeltaNet" not in type(module).__name__:
-                continue
-            if not layers.is_gdn_layer(module):
-                raise NotImplementedError(f"{type(module).__name__} is not a layer attach() knows: {layers.SUPPORTED}")
-            module.forward = functools.partial(_gdn_forward, self, module, kernel)
-            found += 1
+            name = type(module).__name__
+            if name in layers.MAMBA2_MIXERS:
+                found.append((module, layers.mamba2_forward))
+            elif "GatedDeltaNet" in name and layers.is_gdn_layer(module):
+                found.append((module, layers.gdn_forward))
+            elif "GatedDeltaNet" in name or name.endswith(("Mixer", "MambaLayer")):
+                raise NotImplementedError(f"{name} is not a layer attach() knows: {layers.SUPPORTED}")
         if not found:
             raise ValueError(f"{type(model).__name__} has no linear-attention layer to attach ({layers.SUPPORTED})")
+        for module, layer_forward in found:
+            module.forward = functools.partial(_linear_forward, layer_forward, self, module, kernel)
         return model
 
     # -- inputs ---------------------------------------------------------------------------------------
@@ -400,16 +406,14 @@ class RingAttentionHF:
         )
 
 
-def _gdn_forward(impl: RingAttentionHF, module, kernel: str, hidden_states: torch.Tensor, cache=None,
-                 attention_mask=None, **kwargs) -> torch.Tensor:
-    """A GatedDeltaNet module's forward under context parallelism (``RingAttentionHF.attach``)."""
+def _linear_forward(layer_forward, impl: RingAttentionHF, module, kernel: str, hidden_states: torch.Tensor,
+                    cache=None, attention_mask=None, **kwargs) -> torch.Tensor:
+    """A linear-attention layer's forward under context parallelism (``RingAttentionHF.attach``)."""
     if cache is not None or kwargs.get("cache_params") is not None:
         raise ValueError("context-parallel linear attention keeps no cache: call the model with use_cache=False")
     cu_seqlens = _boundaries(kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k"))
-    from distcomm_attention.linear import layers
-
-    return layers.gdn_forward(module, hidden_states, sharding=impl.sharding, cu_seqlens=cu_seqlens,
-                              attention_mask=attention_mask, kernel=kernel)
+    return layer_forward(module, hidden_states, sharding=impl.sharding, cu_seqlens=cu_seqlens,
+                         attention_mask=attention_mask, kernel=kernel)
 
 
 def _window(sliding_window, causal: bool) -> tuple[int, int]:

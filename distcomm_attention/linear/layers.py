@@ -1,11 +1,16 @@
-"""A gated-delta-rule layer's forward under context parallelism, from the layer's own weights.
+"""Linear-attention layers' forwards under context parallelism, from the layers' own weights.
 
 Qwen3-Next's and Qwen3.5's ``GatedDeltaNet`` modules (transformers) run: input projections -> short causal
 conv over [q | k | v] -> SiLU -> gated delta rule (q, k L2-normalised, beta = sigmoid(b), g = -exp(A_log)
-softplus(a + dt_bias)) -> gated RMS norm with z -> output projection. Everything but the conv and the
-recurrence is per token; :func:`gdn_forward` runs those two across ranks (:func:`causal_conv1d_cp`,
-:func:`chunk_gated_delta_rule_cp`) and calls the module's own projections, norm and gate for the rest.
-Nothing here imports transformers: the module is read by its attributes.
+softplus(a + dt_bias)) -> gated RMS norm with z -> output projection. The Mamba-2 mixers of Bamba, Granite 4.0
+(GraniteMoeHybrid) and Nemotron-H run: input projection to [gate | x B C | dt] -> short causal conv over
+[x | B | C] -> SiLU -> SSD (dt = clamp(softplus(dt + dt_bias)), state decay exp(A dt) with A = -exp(A_log),
+input B (x dt)^T, output C^T S, plus D x) -> gated RMS norm with the gate -> output projection; the SSD is the
+scalar-decay recurrence with q = C, k = B, v = x dt, g = A dt (B and C shared by the heads of a group).
+Everything but the conv and the recurrence is per token; :func:`gdn_forward` and :func:`mamba2_forward` run
+those two across ranks (:func:`causal_conv1d_cp`, :func:`chunk_gated_delta_rule_cp`,
+:func:`chunk_simple_gla_cp`) and call the module's own projections, norm and gate for the rest. Nothing here
+imports transformers: the module is read by its attributes.
 """
 
 from __future__ import annotations
@@ -14,11 +19,15 @@ import torch
 import torch.nn.functional as F
 
 from distcomm_attention.linear.conv import causal_conv1d_cp
-from distcomm_attention.linear.recurrence import chunk_gated_delta_rule_cp
+from distcomm_attention.linear.recurrence import chunk_gated_delta_rule_cp, chunk_simple_gla_cp
 
-__all__ = ["gdn_forward", "is_gdn_layer", "SUPPORTED"]
+__all__ = ["gdn_forward", "is_gdn_layer", "mamba2_forward", "MAMBA2_MIXERS", "SUPPORTED"]
 
-SUPPORTED = "Qwen3-Next's and Qwen3.5's GatedDeltaNet (in_proj_qkvz + in_proj_ba, or in_proj_qkv/z/b/a)"
+# the Mamba-2 mixers whose forward is the one mamba2_forward computes (checked against transformers' own
+# layers in tests/test_linear_attention.py); others (Falcon-H1's, with its multipliers; Zamba2's) are refused
+MAMBA2_MIXERS = ("BambaMixer", "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer")
+SUPPORTED = ("Qwen3-Next's and Qwen3.5's GatedDeltaNet (in_proj_qkvz + in_proj_ba, or in_proj_qkv/z/b/a), "
+             "and the Mamba-2 mixers " + ", ".join(MAMBA2_MIXERS))
 
 
 def is_gdn_layer(module: torch.nn.Module) -> bool:
@@ -70,3 +79,37 @@ def gdn_forward(module, hidden_states: torch.Tensor, *, sharding, cu_seqlens=Non
                                        sharding=sharding, kernel=kernel)
     out = module.norm(out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(out.reshape(batch, seq, -1))
+
+
+def _padding_zeroed(x: torch.Tensor, attention_mask) -> torch.Tensor:
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+        return (x * attention_mask[:, :, None]).to(x.dtype)
+    return x
+
+
+def mamba2_forward(module, hidden_states: torch.Tensor, *, sharding, cu_seqlens=None, attention_mask=None,
+                   kernel: str = "auto") -> torch.Tensor:
+    """A Mamba-2 mixer's output (B, T, hidden) for this rank's T tokens (one of :data:`MAMBA2_MIXERS`).
+
+    Arguments as :func:`gdn_forward`. The recurrence runs in the inputs' dtype (float64 in, float64 out), with
+    the decay in float32 for 16/32-bit inputs; padded tokens' inputs are zeroed before the projection and
+    after the conv, as the mixer does.
+    """
+    batch, seq = hidden_states.shape[:2]
+    heads, head_dim, groups, state = module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
+    projected = module.in_proj(_padding_zeroed(hidden_states, attention_mask))
+    gate, xbc, dt = projected.split([module.intermediate_size, module.conv_dim, heads], dim=-1)
+    xbc = causal_conv1d_cp(xbc, module.conv1d.weight, module.conv1d.bias, module.activation,
+                           cu_seqlens=cu_seqlens, sharding=sharding)
+    x, b, c = _padding_zeroed(xbc, attention_mask).split([module.intermediate_size, groups * state, groups * state],
+                                                         dim=-1)
+    low, high = module.time_step_limit
+    dt = F.softplus(dt + module.dt_bias.to(dt.dtype)).clamp(min=low, max=high)
+    x = x.reshape(batch, seq, heads, head_dim)
+    decay_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    g = -module.A_log.to(decay_dtype).exp() * dt.to(decay_dtype)
+    y, _ = chunk_simple_gla_cp(c.reshape(batch, seq, groups, state), b.reshape(batch, seq, groups, state),
+                               (x * dt[..., None]).to(x.dtype), g, scale=1.0, cu_seqlens=cu_seqlens,
+                               sharding=sharding, kernel=kernel)
+    y = y + module.D.to(y.dtype)[:, None] * x
+    return module.out_proj(module.norm(y.reshape(batch, seq, -1), gate))
