@@ -230,6 +230,38 @@ def test_open_segments_in_two_passes_match_the_recurrence():
     assert not torch.equal(zero_o, o_ref)  # the incoming states matter here
 
 
+def test_open_segments_backward_twice_and_misuse():
+    """The two passes keep their tensors in autograd's saved tensors: a second backward (retain_graph) adds the
+    same gradients again; calling finish twice, or a backward through the outputs alone followed by another,
+    is refused with a clear error instead of mixing two backwards' gradients."""
+    case = _case("gdn", "contiguous", 20)
+    (q, k, v, g, beta, h_in), (wo, wf) = make_inputs(case)
+    h_in = h_in.clone().requires_grad_()
+
+    def segment():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+        a, b, finish = kernels.open_segments(kernels.TorchPasses, *leaves, scale=0.5)
+        o = finish(h_in)
+        return leaves, o, (o * wo).sum() + ((a @ h_in + b) * wf).sum()
+
+    leaves, _, loss = segment()
+    loss.backward(retain_graph=True)
+    once = [t.grad.clone() for t in leaves]
+    loss.backward()
+    for first, t in zip(once, leaves):
+        torch.testing.assert_close(t.grad, 2 * first, **TOL)
+
+    leaves, o, loss = segment()
+    torch.autograd.grad(o.sum(), h_in, retain_graph=True)  # outputs alone: dS_in, fine on its own
+    with pytest.raises(RuntimeError, match="differentiated twice before its maps were"):
+        loss.backward()
+
+    a, b, finish = kernels.open_segments(kernels.TorchPasses, q, k, v, g, beta, scale=0.5)
+    finish(h_in)
+    with pytest.raises(RuntimeError, match="computed once per open_segments call"):
+        finish(h_in)
+
+
 def _bad(**change):
     (q, k, v, g, beta, h0), _ = make_inputs(_case("gdn", "contiguous", 8))
     args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0) | change

@@ -34,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
+from torch.autograd.function import once_differentiable
 
 __all__ = ["torch_chunk", "fla_chunk", "select_kernel", "KERNELS", "fla_available", "open_segments", "TorchPasses",
            "FlaPasses", "passes_of"]
@@ -256,6 +257,16 @@ class TorchPasses:
         self.scale, self.cu = scale, cu_seqlens
         self.count = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
 
+    # the tensors the passes keep, handed to autograd's saved tensors between the forward and the backward
+    def saved(self):
+        return list(self.x)
+
+    def restore(self, tensors):
+        self.x = list(tensors)
+
+    def release(self):
+        self.x = None
+
     def summary(self):
         q, k, v, g, beta = self.x
         dk, dv = k.shape[-1], v.shape[-1]
@@ -309,6 +320,16 @@ class FlaPasses:
                 k=self.k, v=self.v, g=self.g, beta=self.beta, chunk_size=self.CHUNK, **common)
         self.common = common
 
+    def saved(self):
+        return [self.q, self.k, self.v, self.beta, self.g, self.solved]
+
+    def restore(self, tensors):
+        self.q, self.k, self.v, self.beta, self.g, self.solved = tensors
+        self.w = self.u = None
+
+    def release(self):
+        self.q = self.k = self.v = self.beta = self.g = self.solved = self.w = self.u = None
+
     def _w_u(self):
         if self.w is None:  # dropped after the output pass; the backward recomputes them, as fla's does
             from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
@@ -340,7 +361,6 @@ class FlaPasses:
                                                        output_final_state=False, chunk_size=self.CHUNK, **self.common)
             o = chunk_fwd_o(q=self.q, k=self.k, v=v_new, h=h, g=self.g, scale=self.scale, chunk_size=self.CHUNK,
                             **self.common)
-        self.w = self.u = None
         return o.to(self.q.dtype)
 
     def state_grad(self, h_in, do):
@@ -374,16 +394,21 @@ class _Summary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, passes, q, k, v, g, beta):
         ctx.passes, ctx.shapes = passes, [(t.shape, t.dtype) for t in (q, k, v, g, beta)]
+        ctx.save_for_backward(*passes.saved())
         return passes.summary()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, da, db):
         p = ctx.passes
         if p.h_in is None:
-            raise RuntimeError("an open segment's summary was differentiated without its output pass")
+            raise RuntimeError("an open segment's maps were differentiated without its outputs' pass: call finish "
+                               "(open_segments) before the backward")
+        p.restore(ctx.saved_tensors)
         do = p.do if p.do is not None else torch.zeros(p.o_shape, dtype=p.o_dtype, device=p.h_in.device)
         grads = p.input_grads(p.h_in, do, db)
-        ctx.passes = p.do = None  # once: the saved gradient is not kept past the backward
+        p.do = None  # this backward's; a later one (retain_graph) brings its own
+        p.release()
         return (None, *(gr.to(dtype).reshape(shape) if gr is not None else None
                         for gr, (shape, dtype) in zip(grads, ctx.shapes)))
 
@@ -395,17 +420,31 @@ class _Output(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, passes, a, h_in):
+        if passes.h_in is not None:
+            raise RuntimeError("an open segment's outputs are computed once per open_segments call (finish)")
         ctx.passes = passes
         passes.h_in = h_in.detach()
         o = passes.output(passes.h_in)
         passes.o_shape, passes.o_dtype = o.shape, o.dtype
+        ctx.save_for_backward(*passes.saved(), h_in)
+        passes.release()  # the tensors live on in the two nodes' saved tensors (checkpointing, offloading)
         return o
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, do):
         p = ctx.passes
-        p.do = do
-        return None, None, p.state_grad(p.h_in, do) if ctx.needs_input_grad[2] else None
+        if p.do is not None:
+            raise RuntimeError(
+                "an open segment's outputs were differentiated twice before its maps were: a backward that "
+                "reaches the outputs but not q, k, v, g, beta (autograd.grad or backward(inputs=...) leaving "
+                "them out) cannot be followed by another backward through them")
+        *tensors, h_in = ctx.saved_tensors
+        p.restore(tensors)
+        p.h_in, p.do = h_in.detach(), do
+        dh_in = p.state_grad(p.h_in, do) if ctx.needs_input_grad[2] else None
+        p.release()
+        return None, None, dh_in
 
 
 def passes_of(run: Callable) -> type | None:

@@ -92,8 +92,9 @@ def mamba2_forward(module, hidden_states: torch.Tensor, *, sharding, cu_seqlens=
     """A Mamba-2 mixer's output (B, T, hidden) for this rank's T tokens (one of :data:`MAMBA2_MIXERS`).
 
     Arguments as :func:`gdn_forward`. The recurrence runs in the inputs' dtype (float64 in, float64 out), with
-    the decay in float32 for 16/32-bit inputs; padded tokens' inputs are zeroed before the projection and
-    after the conv, as the mixer does.
+    the decay, the ``D`` skip and the gated norm in float32 for 16/32-bit inputs, as the mixer does; padded
+    tokens' inputs are zeroed before the projection and after the conv, as the mixer does. The mixer's
+    accelerate hooks (weights offloaded by accelerate) are not applied.
     """
     batch, seq = hidden_states.shape[:2]
     heads, head_dim, groups, state = module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
@@ -111,5 +112,6 @@ def mamba2_forward(module, hidden_states: torch.Tensor, *, sharding, cu_seqlens=
     y, _ = chunk_simple_gla_cp(c.reshape(batch, seq, groups, state), b.reshape(batch, seq, groups, state),
                                (x * dt[..., None]).to(x.dtype), g, scale=1.0, cu_seqlens=cu_seqlens,
                                sharding=sharding, kernel=kernel)
-    y = y + module.D.to(y.dtype)[:, None] * x
-    return module.out_proj(module.norm(y.reshape(batch, seq, -1), gate))
+    # the skip, the norm's input and the norm in float32 (float64 for float64 inputs), as the mixer runs them
+    y = y.to(decay_dtype) + module.D.to(decay_dtype)[:, None] * x.to(decay_dtype)
+    return module.out_proj(module.norm(y.reshape(batch, seq, -1), gate).to(hidden_states.dtype))
