@@ -365,6 +365,20 @@ def is_2d_mesh(group) -> bool:
     return hasattr(group, "mesh_dim_names") and getattr(group, "ndim", 1) == 2
 
 
+def mesh_grid(mesh) -> tuple[tuple[int, ...], ...]:
+    """The default group's rank at each (ring, ulysses) coordinate of a hybrid mesh (``resolve_mesh``'s)."""
+    grid = mesh.mesh
+    if tuple(mesh.mesh_dim_names).index("ring") != 0:
+        grid = grid.t()
+    return tuple(tuple(int(x) for x in row) for row in grid.tolist())
+
+
+def mesh_field(grid) -> tuple[int, ...]:
+    """The verified field "mesh": the grid's ranks row by row (the ranks of a call agree on its grid); () for
+    no mesh."""
+    return tuple(rank for row in grid or () for rank in row)
+
+
 def _mesh_coords(group, ring_size) -> tuple[RingComm, int, int, int, int] | None:
     """For a 2-D DeviceMesh with dimensions "ulysses" and "ring" (the hybrid strategies): (the default
     group's ring, ring size, ring position, Ulysses size, Ulysses position); None for any other group (other

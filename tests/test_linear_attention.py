@@ -119,7 +119,7 @@ def _cp_rank(rank: int, world: int, cases: list[dict]):
     results = []
     for case in cases:
         (q, k, v, g, beta, h0), (wo, wf) = make_inputs(case)
-        sharding = Sharding(case["layout"])
+        sharding = Sharding(case["layout"], group=_device_mesh(*case["mesh"]) if case.get("mesh") else None)
         local = [sharding.shard(t, cu_seqlens=case["docs"]).to(case.get("dtype", F64)).requires_grad_()
                  for t in (q, k, v, g, beta)]
         h0 = h0.clone().requires_grad_()
@@ -133,8 +133,15 @@ def _cp_rank(rank: int, world: int, cases: list[dict]):
             loss = loss + (final * wf).sum()
         loss.backward()
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in local + [h0]]
-        results.append((o.detach(), final.detach(), grads))
+        positions = sharding.shard(torch.arange(case["seq"])[None, :, None], cu_seqlens=case["docs"]).flatten()
+        results.append((o.detach(), final.detach(), grads, positions))
     return results
+
+
+def _device_mesh(shape, names):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
 # bfloat16 inputs: outputs and gradients come back in bfloat16 (states in float32), so each is compared with
@@ -147,9 +154,13 @@ def _check_world(world: int, cases: list[dict]):
     for i, case in enumerate(cases):
         o, final, grads = reference(case)
         tol = TOL if case.get("dtype", F64) == F64 else HALF_TOL
-        shard = lambda t: shard_sequence(t, case["layout"], ring_size=world, rank=r, cu_seqlens=case["docs"])  # noqa: E731
         for r in range(world):
-            got_o, got_final, got_grads = results[r][i]
+            got_o, got_final, got_grads, positions = results[r][i]
+            if case.get("mesh"):  # the tokens Sharding(layout, group=mesh).shard gave the rank
+                shard = lambda t: t.index_select(1, positions)  # noqa: E731
+            else:
+                shard = lambda t: shard_sequence(t, case["layout"], ring_size=world, rank=r,  # noqa: E731
+                                                 cu_seqlens=case["docs"])
             assert got_o.dtype == case.get("dtype", F64), (case, got_o.dtype)
             torch.testing.assert_close(got_o.to(F64), shard(o), **tol, msg=lambda m: f"{case} rank {r} o: {m}")
             torch.testing.assert_close(got_final.to(F64), final, **tol, msg=lambda m: f"{case} rank {r} final: {m}")
@@ -162,8 +173,8 @@ def _check_world(world: int, cases: list[dict]):
         torch.testing.assert_close(total, grads["initial_state"], **tol, msg=lambda m: f"{case} dh0: {m}")
 
 
-def _case(kind, layout, seq, docs=None, heads=(2, 4), dtype=F64):
-    return dict(kind=kind, layout=layout, seq=seq, docs=docs, heads=heads, dtype=dtype)
+def _case(kind, layout, seq, docs=None, heads=(2, 4), dtype=F64, mesh=None):
+    return dict(kind=kind, layout=layout, seq=seq, docs=docs, heads=heads, dtype=dtype, mesh=mesh)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -323,6 +334,18 @@ def test_world_4():
                      _case("gdn", "contiguous", 32, [0, 1, 31, 32]), _case("gdn", "balanced", 32, [0, 3, 4, 15, 16, 32])])
 
 
+@pytest.mark.parametrize("names", [("ring", "ulysses"), ("ulysses", "ring")])
+def test_world_4_on_a_2d_mesh(names):
+    """On the hybrid strategies' 2 x 2 mesh (both dimension orders) the linear layers take the shards
+    Sharding(layout, group=mesh) gives (the layout over "ring", each shard cut over "ulysses"): zigzag,
+    contiguous and balanced, documents crossing the boundaries, both recurrences."""
+    mesh = ((2, 2), names)
+    docs = [0, 3, 4, 15, 16, 32]
+    _check_world(4, [_case("gdn", "zigzag", 32, docs, mesh=mesh), _case("scalar", "zigzag", 32, docs, mesh=mesh),
+                     _case("gdn", "contiguous", 32, [0, 1, 31, 32], mesh=mesh),
+                     _case("gdn", "balanced", 32, docs, mesh=mesh)])
+
+
 def test_bfloat16_inputs():
     """bfloat16 q, k, v, gates (the GPU kernels' dtype) on the PyTorch kernel: outputs in bfloat16, the open
     segments' correction in bfloat16 with float32 accumulation and one rounding of the sum, against the float64
@@ -338,36 +361,41 @@ def test_world_8():
     _check_world(8, [_case("gdn", "zigzag", 32, [0, 1, 13, 14, 31, 32])])
 
 
-def _conv_rank(rank: int, world: int, layout: str, docs, seq: int):
+def _conv_rank(rank: int, world: int, layout: str, docs, seq: int, mesh=None):
     gen = _gen("conv", seq)
     x = torch.randn(2 if docs is None else 1, seq, 6, generator=gen, dtype=F64)
     weight = torch.randn(6, 4, generator=gen, dtype=F64)
     bias = torch.randn(6, generator=gen, dtype=F64)
-    sharding = Sharding(layout)
+    sharding = Sharding(layout, group=_device_mesh(*mesh) if mesh else None)
     local = sharding.shard(x, cu_seqlens=docs).clone().requires_grad_()
     w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
     out = causal_conv1d_cp(local, w, b, "silu", cu_seqlens=docs, sharding=sharding)
     wo = torch.randn(x.shape, generator=_gen("conv-w", seq), dtype=F64)
     (out * sharding.shard(wo, cu_seqlens=docs)).sum().backward()
-    return out.detach(), local.grad, w.grad, b.grad
+    positions = sharding.shard(torch.arange(seq)[None, :, None], cu_seqlens=docs).flatten()
+    return out.detach(), local.grad, w.grad, b.grad, positions
 
 
-@pytest.mark.parametrize("world, layout, docs, seq", [
-    (2, "contiguous", None, 12), (3, "zigzag", [0, 1, 2, 9, 10, 18], 18), (4, "striped", [0, 5, 16], 16),
-    (4, "balanced", [0, 3, 4, 15, 16, 32], 32),
+@pytest.mark.parametrize("world, layout, docs, seq, mesh", [
+    (2, "contiguous", None, 12, None), (3, "zigzag", [0, 1, 2, 9, 10, 18], 18, None),
+    (4, "striped", [0, 5, 16], 16, None), (4, "balanced", [0, 3, 4, 15, 16, 32], 32, None),
+    (4, "zigzag", [0, 3, 4, 15, 16, 32], 32, ((2, 2), ("ulysses", "ring"))),
 ])
-def test_conv_halo(world, layout, docs, seq):
+def test_conv_halo(world, layout, docs, seq, mesh):
     """The halo conv equals a float64 conv of the whole sequence, forward and backward, no input crossing a
-    document start (runs shorter than the kernel: striped)."""
-    results = run_world(_conv_rank, world, layout, docs, seq)
+    document start (runs shorter than the kernel: striped), also on a 2 x 2 mesh's sharding."""
+    results = run_world(_conv_rank, world, layout, docs, seq, mesh)
     gen = _gen("conv", seq)
     x = torch.randn(2 if docs is None else 1, seq, 6, generator=gen, dtype=F64).requires_grad_()
     weight = torch.randn(6, 4, generator=gen, dtype=F64).requires_grad_()
     bias = torch.randn(6, generator=gen, dtype=F64).requires_grad_()
     ref = conv_reference(x, weight, bias, docs)
     (ref * torch.randn(x.shape, generator=_gen("conv-w", seq), dtype=F64)).sum().backward()
-    for r, (out, dx, _, _) in enumerate(results):
-        shard = lambda t: shard_sequence(t, layout, ring_size=world, rank=r, cu_seqlens=docs)  # noqa: E731
+    for r, (out, dx, _, _, positions) in enumerate(results):
+        shard = lambda t: t.index_select(1, positions)  # noqa: E731  (the tokens the rank's Sharding gave it)
+        if not mesh:
+            assert positions.tolist() == shard_sequence(torch.arange(seq)[None, :, None], layout, ring_size=world,
+                                                        rank=r, cu_seqlens=docs).flatten().tolist()
         torch.testing.assert_close(out, shard(ref.detach()), **TOL)
         torch.testing.assert_close(dx, shard(x.grad), **TOL)
     torch.testing.assert_close(sum(r[2] for r in results), weight.grad, **TOL)

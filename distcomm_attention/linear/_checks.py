@@ -13,38 +13,56 @@ from distcomm.ring import RingComm
 from distcomm_attention import _validation
 from distcomm_attention.linear import plan as planning
 from distcomm_attention.planning import layouts
-from distcomm_attention.sharding import concrete_layout, merge_sharding, resolve_layout
+from distcomm_attention.sharding import _mesh_coords, concrete_layout, merge_sharding, mesh_grid, resolve_layout
 
 __all__ = ["resolve_ring", "check_layout_call", "check_recurrence", "FLOATS"]
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def resolve_ring(sharding, layout, group) -> tuple[RingComm, str | None]:
-    """The ring (the whole group) and the layout as given (``sharding`` or ``layout``; None: left out)."""
+def resolve_ring(sharding, layout, group) -> tuple[RingComm, str | None, tuple | None]:
+    """The ring (the whole group), the layout as given (``sharding`` or ``layout``; None: left out) and, for the
+    hybrid strategies' 2-D mesh (dimensions "ring" and "ulysses"), its grid: the default group's rank at each
+    (ring, ulysses) coordinate, the ring then the default group in the mesh's token order (None otherwise)."""
     layout, group, ring_size = merge_sharding(sharding, layout, group, None)
+    coords = _mesh_coords(group, ring_size)
+    if coords is not None:
+        comm, grid = coords[0], mesh_grid(group)
+        if comm.size != len(grid) * len(grid[0]):
+            raise ValueError(
+                f"the 2-D mesh has {len(grid) * len(grid[0])} ranks but the default group {comm.size}: context-"
+                "parallel linear attention on a mesh runs over the default group, in the mesh's token order; "
+                "make the mesh span every rank")
+        return comm, layout, grid
     comm = RingComm(group)
     if ring_size is not None and ring_size != comm.size:
         raise ValueError(
             f"`sharding` has ring_size={ring_size}: context-parallel linear attention runs over the whole group "
             f"({comm.size} ranks); pass a Sharding without ring_size, over the group of the ring"
         )
-    return comm, layout
+    return comm, layout, None
 
 
 def _shape(t) -> str:
     return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def check_layout_call(op: str, comm: RingComm, layout, local_len: int, cu_seqlens):
+def check_layout_call(op: str, comm: RingComm, layout, local_len: int, cu_seqlens, grid=None):
     """(verified layout field, documents, the planner's layout) of a call whose shard holds ``local_len``
-    tokens; ValueError for a layout that cannot split that length or documents that do not fit it."""
+    tokens; ValueError for a layout that cannot split that length or documents that do not fit it. On a 2-D
+    mesh (``grid``, ``resolve_ring``'s) the layout runs over the "ring" dimension, each ring position's shard
+    cut into equal pieces over "ulysses", as ``shard_sequence(x, layout, group=mesh)`` shards."""
     resolved = resolve_layout(layout, comm)
     resolved.raise_if_ambiguous(op)
-    layouts.check_local_length(resolved.layout, local_len, comm.size, name="the local sequence length")
+    rings, per_ring = (comm.size, local_len) if grid is None else (len(grid), local_len * len(grid[0]))
+    layouts.check_local_length(resolved.layout, per_ring, rings,
+                               name="the local sequence length" if grid is None else
+                               "the local sequence length times the mesh's 'ulysses' size")
     seq_len = local_len * comm.size
     docs = _validation.check_cu_seqlens(cu_seqlens, seq_len)
-    concrete = concrete_layout(resolved.layout, comm, seq_len, comm.size, docs, op)
+    concrete = concrete_layout(resolved.layout, comm, seq_len, rings, docs, op)
+    if grid is not None:
+        concrete = layouts.mesh_assignment(concrete, seq_len, grid)
     return resolved.field, docs, concrete
 
 

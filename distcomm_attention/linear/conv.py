@@ -23,6 +23,7 @@ import functools
 import torch
 
 from distcomm_attention import _validation
+from distcomm_attention.sharding import mesh_field
 from distcomm_attention.linear import _checks
 from distcomm_attention.linear.exchange import all_gather_rows
 from distcomm_attention.linear.plan import rank_positions
@@ -90,8 +91,8 @@ def causal_conv1d_cp(
     Raises:
         ValueError / TypeError: bad input, before any communication, by every rank alike.
     """
-    comm, given_layout = _checks.resolve_ring(sharding, layout, group)  # the same verdict on every rank
-    facts = {"layout": None, "cu_seqlens": None}
+    comm, given_layout, grid = _checks.resolve_ring(sharding, layout, group)  # the same verdict on every rank
+    facts = {"layout": None, "cu_seqlens": None, "mesh": mesh_field(grid)}
 
     def local_checks():
         _validation.check_is_tensor("x", x)
@@ -107,7 +108,8 @@ def causal_conv1d_cp(
                              f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"Invalid activation {activation!r}. Must be one of: {', '.join(map(repr, ACTIVATIONS))}")
-        field, docs, concrete = _checks.check_layout_call("causal_conv1d_cp", comm, given_layout, x.shape[1], cu_seqlens)
+        field, docs, concrete = _checks.check_layout_call("causal_conv1d_cp", comm, given_layout, x.shape[1],
+                                                          cu_seqlens, grid)
         facts.update(layout=field, cu_seqlens=docs)
         return w, _halo_plan(concrete, x.shape[1] * comm.size, comm.size, docs, w.shape[1], comm.rank)
 

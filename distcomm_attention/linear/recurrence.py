@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from distcomm_attention import _validation
+from distcomm_attention.sharding import mesh_field
 from distcomm_attention.linear import _checks
 from distcomm_attention.linear.exchange import all_gather_rows
 from distcomm_attention.linear.kernels import open_segments, passes_of, select_kernel
@@ -136,14 +137,14 @@ def chunk_simple_gla_cp(
 def _linear_cp(op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2norm, layout, group,
                sharding, kernel):
     delta = op == "chunk_gated_delta_rule_cp"
-    comm, given_layout = _checks.resolve_ring(sharding, layout, group)  # the same verdict on every rank
-    facts = {"layout": None, "cu_seqlens": None}
+    comm, given_layout, grid = _checks.resolve_ring(sharding, layout, group)  # the same verdict on every rank
+    facts = {"layout": None, "cu_seqlens": None, "mesh": mesh_field(grid)}
 
     def local_checks():
         scale_ = _checks.check_recurrence(q, k, v, g, beta, scale, initial_state, delta)
         _validation.check_flag("output_final_state", output_final_state)
         _validation.check_flag("use_qk_l2norm_in_kernel", l2norm)
-        field, docs, concrete = _checks.check_layout_call(op, comm, given_layout, q.shape[1], cu_seqlens)
+        field, docs, concrete = _checks.check_layout_call(op, comm, given_layout, q.shape[1], cu_seqlens, grid)
         facts.update(layout=field, cu_seqlens=docs)
         b, _, _, dk = q.shape
         hv, dv = v.shape[2:]

@@ -34,7 +34,7 @@ from distcomm_attention.planning.plans import gathered_plan, half_plans, local_p
 from distcomm_attention.planning.visibility import Visibility, ring_plan
 from distcomm_attention.strategies import allgather as _allgather
 from distcomm_attention.strategies import ulysses as _ulysses
-from distcomm_attention.sharding import concrete_layout, is_2d_mesh, resolve_layout
+from distcomm_attention.sharding import concrete_layout, is_2d_mesh, mesh_field, mesh_grid, resolve_layout
 from distcomm_attention.strategies.prepare import prepare
 from distcomm_attention.strategies.ring import ring_backward, ring_forward
 from distcomm_attention.strategies.sparse_ring import (ring_planner, run_ring, sparse_ring_backward,
@@ -46,19 +46,6 @@ STRATEGIES = ("auto", "ring", "ulysses", "allgather", "hybrid", "hybrid_allgathe
 _CODES = {name: i for i, name in enumerate(STRATEGIES)}
 _HYBRID = ("hybrid", "hybrid_allgather")
 _ONE_D = ("ring", "ulysses", "allgather")
-
-
-def _mesh_grid(mesh) -> tuple[tuple[int, ...], ...]:
-    """The default group's rank at each (ring, ulysses) coordinate of a hybrid mesh (``resolve_mesh``'s)."""
-    grid = mesh.mesh
-    if tuple(mesh.mesh_dim_names).index("ring") != 0:
-        grid = grid.t()
-    return tuple(tuple(int(x) for x in row) for row in grid.tolist())
-
-
-def _mesh_field(grid) -> tuple[int, ...]:
-    """The verified field "mesh": the grid's ranks row by row (the ranks of a call agree on its grid)."""
-    return tuple(rank for row in grid for rank in row)
 
 
 def check_strategy(strategy) -> None:
@@ -230,7 +217,7 @@ def choose(q, k, *, group, layout: str, causal: bool, window, attention_mask, cu
         return cost.choose(call, candidates, hw)
     # a 2-D mesh: also the 1-D strategies over all its ranks, on its sharding, over the links across (not for
     # "striped", whose pieces of one token each would make thousands of blocks per rank)
-    flat = dataclasses.replace(call, layout=layouts.mesh_assignment(concrete, q.shape[1] * world, _mesh_grid(group)),
+    flat = dataclasses.replace(call, layout=layouts.mesh_assignment(concrete, q.shape[1] * world, mesh_grid(group)),
                                ulysses=1)
     return cost.choose_among((call, candidates, hw), (flat, _ONE_D, cost.links_across(hw)))
 
@@ -307,7 +294,7 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
         wu, wr = _groups.group_size(ulysses_group), _groups.group_size(ring_group)
         ring_rank = _groups.group_rank(ring_group)
         extra = {"strategy": _CODES[strategy], "ulysses": wu, "ring": wr,
-                 "mesh": _mesh_field(_mesh_grid(group)), **auto}
+                 "mesh": mesh_field(mesh_grid(group)), **auto}
 
         def planner(vis, concrete):  # (plan, exchange): the sparse ring's schedule, or the gathered exchange
             if strategy == "hybrid":
@@ -334,8 +321,8 @@ def run(q, k, v, *, strategy: str, group, layout: str, causal: bool, softmax_sca
         ulysses_group, ring_group = resolve_mesh(group)
         comm = RingComm(None)
         wu, wr = _groups.group_size(ulysses_group), _groups.group_size(ring_group)
-        grid = _mesh_grid(group)
-        extra.update(ulysses=wu, ring=wr, mesh=_mesh_field(grid))
+        grid = mesh_grid(group)
+        extra.update(ulysses=wu, ring=wr, mesh=mesh_field(grid))
         shards = (wr, wu * n)
     else:
         comm, shards, grid = RingComm(group), None, None
