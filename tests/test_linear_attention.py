@@ -273,6 +273,38 @@ def test_open_segments_backward_twice_and_misuse():
         finish(h_in)
 
 
+def test_inside_torch_compile_the_operators_run_eagerly():
+    """A compiled function calling the operators (one process, no process group) gives the eager values and
+    gradients; the compiler does not trace their planning (it would warn of the plan cache it bypasses)."""
+    import warnings
+
+    case = _case("gdn", "contiguous", 20, [0, 7, 20])
+    (q, k, v, g, beta, _), _ = make_inputs(case)
+    weight = torch.randn(6, 4, generator=_gen("compile-conv"), dtype=F64)
+
+    def f(q, k, v, g, beta):
+        o, _ = chunk_gated_delta_rule_cp(q, k, v, g, beta, cu_seqlens=case["docs"])
+        o2, _ = chunk_simple_gla_cp(q, k, v, g, cu_seqlens=case["docs"])
+        x = causal_conv1d_cp(o.flatten(2)[..., :6], weight, cu_seqlens=case["docs"])
+        return (o * o2).sum() + x.square().sum()
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+        out = fn(*leaves)
+        out.backward()
+        return out.detach(), [t.grad for t in leaves]
+
+    expected, expected_grads = run(f)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got, grads = run(torch.compile(f, backend="eager"))
+    torch.testing.assert_close(got, expected, **TOL)
+    for name, a, b in zip(NAMES, grads, expected_grads):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"d{n}: {m}")
+    assert not [w for w in seen if "lru_cache" in str(w.message)], [str(w.message)[:200] for w in seen]
+
+
 def _bad(**change):
     (q, k, v, g, beta, h0), _ = make_inputs(_case("gdn", "contiguous", 8))
     args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0) | change

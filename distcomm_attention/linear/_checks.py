@@ -18,6 +18,8 @@ from distcomm_attention.sharding import _mesh_coords, concrete_layout, merge_sha
 __all__ = ["resolve_ring", "check_layout_call", "check_recurrence", "FLOATS"]
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# why the operators run eagerly inside a compiled model (one graph break each)
+EAGER = "context-parallel linear attention runs eagerly: its planning is host code, fla's kernels are opaque"
 
 
 def resolve_ring(sharding, layout, group) -> tuple[RingComm, str | None, tuple | None]:

@@ -62,6 +62,7 @@ def _halo_plan(concrete, seq_len: int, world: int, docs, width: int, rank: int):
     return tuple(torch.tensor(s, dtype=torch.long) for s in sends), slots, table
 
 
+@torch.compiler.disable(reason=_checks.EAGER)
 def causal_conv1d_cp(
     x: torch.Tensor,
     weight: torch.Tensor,

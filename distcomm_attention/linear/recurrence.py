@@ -53,6 +53,7 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+@torch.compiler.disable(reason=_checks.EAGER)
 def chunk_gated_delta_rule_cp(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -107,6 +108,7 @@ def chunk_gated_delta_rule_cp(
                       cu_seqlens, use_qk_l2norm_in_kernel, layout, group, sharding, kernel)
 
 
+@torch.compiler.disable(reason=_checks.EAGER)
 def chunk_simple_gla_cp(
     q: torch.Tensor,
     k: torch.Tensor,
