@@ -1,8 +1,9 @@
 """Host time of one context_parallel_attn fwd+bwd per strategy on W ranks: where short steps lose time.
 
-Per strategy: the GPU time per call (CUDA events over back-to-back calls), the host time per call (the
-Python loop's wall time when the host does not wait: with ``torch.cuda._sleep`` queued ahead so the GPU
-never starves the host), and on rank 0 a cProfile of a few calls (top functions by cumulative time).
+Per strategy: the GPU time per call (CUDA events over back-to-back calls), the host time per call (the median
+wall time of one call with ``torch.cuda._sleep`` of twice its GPU time queued ahead, so the host does not wait
+for the GPU unless the call synchronises: a call that does shows about the sleep's length), and on rank 0 a
+cProfile of a few calls (top functions by cumulative time).
 
     python scripts/profile_host.py --world 2 --seq 8k --strategies ring,ulysses,allgather,auto --out prof.txt
     python scripts/profile_host.py --world 4 --seq 128k --docs lognormal --layout balanced   # a packed mix
@@ -29,6 +30,9 @@ import bench_strategies as bs  # noqa: E402
 from distcomm_attention import context_parallel_attn, shard_sequence  # noqa: E402
 
 
+SLEEP_CYCLES_PER_S = 2e9  # torch.cuda._sleep's cycles per second, about (1e6 cycles: 0.52 ms on an H100)
+
+
 def run_rank(rank: int, world: int, cfg: dict) -> dict:
     device = U.rank_device(cfg["backend"])
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -46,13 +50,19 @@ def run_rank(rank: int, world: int, cfg: dict) -> dict:
             q.grad = k.grad = v.grad = None
 
         gpu = U.time_loop(step, iters=cfg["iters"], warmup=3, device=device)
-        U.synchronize(device)
-        if device.type == "cuda":
-            torch.cuda._sleep(int(2e9))  # ~1 s of queued GPU work: the host never waits for the GPU below
-        t0 = time.perf_counter()
+        # each call timed alone behind its own GPU sleep (twice the call's GPU time): the host never waits for
+        # the GPU unless the call synchronises, and the queue holds one call's launches only (a loop behind
+        # one long sleep fills CUDA's bounded queue of pending launches and then waits for the sleep)
+        hosts = []
         for _ in range(cfg["iters"]):
+            U.synchronize(device)
+            U.all_max([0.0], device)  # the ranks line up: their collectives meet inside the call
+            if device.type == "cuda":
+                torch.cuda._sleep(int(SLEEP_CYCLES_PER_S * 2 * max(gpu, 1e-3)))
+            t0 = time.perf_counter()
             step()
-        host = (time.perf_counter() - t0) / cfg["iters"]
+            hosts.append(time.perf_counter() - t0)
+        host = sorted(hosts)[len(hosts) // 2]
         U.synchronize(device)
         U.all_max([0.0], device)
         text = ""
