@@ -454,6 +454,26 @@ def test_bad_input_on_one_rank_raises_everywhere():
     assert "rank 1" in messages[0] and "`g` must have shape (B, T, HV) = (2, 8, 4)" in messages[0]
 
 
+def _mesh_layout_mismatch_rank(rank: int, world: int):
+    mesh = _device_mesh((2, 2), ("ring", "ulysses"))
+    layout = "contiguous" if rank == 3 else "zigzag"
+    case = _case("gdn", layout, 32)
+    (q, k, v, g, beta, _), _ = make_inputs(case)
+    sharding = Sharding(layout, group=mesh)
+    try:
+        chunk_gated_delta_rule_cp(*(sharding.shard(t) for t in (q, k, v, g, beta)), sharding=sharding)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_layout_mismatch_on_a_mesh_raises_everywhere():
+    """On a 2 x 2 mesh, one rank with another layout: every rank raises the same error naming the layout."""
+    messages = run_world(_mesh_layout_mismatch_rank, 4, timeout=60)
+    assert messages[0] is not None and len(set(messages)) == 1, messages
+    assert "layout" in messages[0] and "'contiguous'" in messages[0] and "'zigzag'" in messages[0], messages[0]
+
+
 def _traffic_rank(rank: int, world: int, seqs: list[int]):
     from tests.counting import counted
 
