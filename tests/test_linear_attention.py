@@ -273,6 +273,34 @@ def test_open_segments_backward_twice_and_misuse():
         finish(h_in)
 
 
+@pytest.mark.parametrize("docs, folds", [
+    ([0, 8, 16, 24, 32], 0),  # every rank's run starts a document: nothing to fold
+    (None, 2),  # one document over the four ranks: rank 3 folds the runs of ranks 1 and 2 (run 0 starts it)
+    ([0, 20, 32], 0),  # a document starting inside rank 2's run: rank 3 takes rank 2's B alone, no product
+    ([0, 12, 32], 1),  # one starting inside rank 1's run: its B, then rank 2's product
+])
+def test_the_fold_multiplies_only_where_a_state_crosses(docs, folds, monkeypatch):
+    """Rank 3 of four (contiguous) folds maps only back to the last run that starts a document, and applies no
+    product for that run (its A is 0): the count of products is the skipped work's property."""
+    from types import SimpleNamespace
+
+    from distcomm_attention.linear import recurrence
+
+    case = _case("gdn", "contiguous", 32, docs)
+    (q, k, v, g, beta, _), _ = make_inputs(case)
+    concrete = "contiguous"
+    plan = recurrence._checks.cached_plan(concrete, 32, 4, None if docs is None else tuple(docs), False)
+    local = [t[:, 24:32] for t in (q, k, v, g, beta)]
+    calls = []
+    original = recurrence._Call._apply
+    monkeypatch.setattr(recurrence._Call, "_apply", lambda self, ab, h: calls.append(1) or original(self, ab, h))
+    comm = SimpleNamespace(size=4, rank=3, group=None)
+    call = recurrence._Call(plan, comm, torch_chunk, 0.5, *local, None,
+                            gather=lambda t: t.unsqueeze(0).expand(4, *t.shape))
+    call.forward(False)
+    assert len(calls) == folds
+
+
 def test_inside_torch_compile_the_operators_run_eagerly():
     """A compiled function calling the operators (one process, no process group) gives the eager values and
     gradients; the compiler does not trace their planning (it would warn of the plan cache it bypasses)."""

@@ -12,7 +12,8 @@ Note [Linear attention across ranks]
                    for all of them; the scalar decay runs them with the closed ones from a zero state,
                    giving o0 and B (A = exp(sum g))
         2. gather  one all-gather of every rank's maps (per run, and per document end for final states),
-                   then every rank folds all runs in global order: S_in(next) = A S_in + B
+                   then every rank folds the runs in global order, S_in(next) = A S_in + B, back to the
+                   last run before each state it needs that starts a document (A = 0: its B alone)
         3. finish  each open segment's outputs from its S_in: the delta rule by the kernel's forward from S_in
                    (one call for all); the scalar decay by the correction o_t = o0_t + scale exp(cum g_t)
                    q_t^T S_in (with 16-bit inputs the product runs in their dtype, float32 accumulation, S_in
@@ -372,10 +373,22 @@ class _Call:
         need = [r.order for r in plan.runs[self.comm.rank]] + ([o for _, _, o in plan.doc_end] if finals else [])
         last = max(need, default=-1)
         slot_of = {r.order: (r.rank, i) for rank in plan.runs for i, r in enumerate(rank)}
+        # a run whose last segment starts a document passes on its B alone (A = 0): the chain behind a needed
+        # state starts at the last such run before it (run 0 is one), and no other run is folded
+        restarts = {r.order for rank in plan.runs for r in rank if r.segments[-1].opens}
+        folded: set[int] = set()
+        for order in need:
+            j = order - 1
+            while j >= 0 and j not in folded:
+                folded.add(j)
+                if j in restarts:
+                    break
+                j -= 1
         h = torch.zeros(self.b_shape, dtype=self.sdtype, device=gathered.device)
         states = {}
         for order in range(last + 1):
             states[order] = h
-            rank, slot = slot_of[order]
-            h = self._apply(self._unpack(gathered[rank, slot]), h)
+            if order in folded:
+                a, b = self._unpack(gathered[slot_of[order]])
+                h = b if order in restarts else self._apply((a, b), h)
         return states
