@@ -74,7 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, no fla: check the arguments, plans and bytes, run one tiny step per simulated rank")
     p.add_argument("--profile", action="store_true",
-                   help="GPU: per kernel, the CUDA time of the busiest rank's step and of one call over n tokens")
+                   help="GPU: per kernel, the CUDA time of the busiest rank's step and of one call over n tokens; "
+                        "the step's host time (host_ms)")
     p.add_argument("--check", action="store_true",
                    help="GPU: fla's split (simulated ranks, maps gathered) vs a float64 reference, fwd and bwd")
     args = p.parse_args(argv)
@@ -187,6 +188,26 @@ def kernel_times(fn, top: int = 14) -> list[tuple[str, float]]:
     return [(name, round(ms, 4)) for name, ms in ranked[:top]] + [("total", round(sum(totals.values()), 4))]
 
 
+SLEEP_CYCLES_PER_S = 2e9  # torch.cuda._sleep's cycles per second, about (1e6 cycles: 0.52 ms on an H100)
+
+
+def host_ms(fn, gpu_ms: float, iters: int, device) -> float:
+    """Median host milliseconds of one call of ``fn``, each call behind a GPU sleep of twice ``gpu_ms`` (on
+    CUDA), so the host never waits for the GPU unless the call synchronises (then it shows about the sleep):
+    where a rank's wall time exceeds its kernels' (the Python around fla's kernel calls, or a sync)."""
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda._sleep(int(SLEEP_CYCLES_PER_S * 2e-3 * max(gpu_ms, 1.0)))
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return sorted(times)[len(times) // 2]
+
+
 def shard_of(tensors, plan, rank):
     index = torch.cat([torch.arange(r.start, r.start + r.length) for r in plan.runs[rank]])
     return [None if t is None else t.detach().index_select(1, index.to(t.device)).requires_grad_() for t in tensors]
@@ -222,8 +243,9 @@ def run_case(args, kind, layout, n, world, device, dtype, run) -> dict:
         busiest = max(range(world), key=rank_ms.__getitem__)
         local_tensors = shard_of(full, plan, busiest)
         row["profile_rank"] = busiest
-        row["profile_rank_kernels"] = kernel_times(
-            lambda: rank_step(kind, plan, busiest, world, local_tensors, run, args.backward))
+        step = lambda: rank_step(kind, plan, busiest, world, local_tensors, run, args.backward)  # noqa: E731
+        row["profile_rank_kernels"] = kernel_times(step)
+        row["profile_rank_host_ms"] = host_ms(step, rank_ms[busiest], args.iters, device)
         row["profile_local_call_kernels"] = kernel_times(lambda: full_call(kind, part, run, args.backward))
     del full
     if device.type == "cuda":

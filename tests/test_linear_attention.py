@@ -654,6 +654,22 @@ def test_attach_refuses_another_implementation():
 BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench_linear.py"
 
 
+def test_bench_host_time_is_the_median_call():
+    """bench_linear.host_ms: the median wall time of single calls (on CPU, no GPU sleep), here of calls that
+    take 0, 20 and 20 ms."""
+    import sys
+    import time
+
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import bench_linear
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    waits = iter([0.0, 0.02, 0.02])
+    ms = bench_linear.host_ms(lambda: time.sleep(next(waits)), 1.0, 3, torch.device("cpu"))
+    assert 19.0 <= ms < 40.0
+
+
 def test_bench_dry_run(tmp_path):
     """The benchmark's --dry-run: its simulated ranks, their maps gathered, give one call's outputs over the
     whole sequence (float64, zigzag and balanced), and its bytes rows are written."""
