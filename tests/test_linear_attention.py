@@ -482,6 +482,25 @@ def test_bad_input_on_one_rank_raises_everywhere():
     assert "rank 1" in messages[0] and "`g` must have shape (B, T, HV) = (2, 8, 4)" in messages[0]
 
 
+def _mesh_recorded_layout_rank(rank: int, world: int):
+    mesh = _device_mesh((2, 2), ("ulysses", "ring"))
+    case = _case("gdn", "zigzag", 32, [0, 5, 32])
+    (q, k, v, g, beta, _), _ = make_inputs(case)
+    local = [shard_sequence(t, "zigzag", group=mesh, cu_seqlens=case["docs"]) for t in (q, k, v, g, beta)]
+    o, _ = chunk_gated_delta_rule_cp(*local, group=mesh, cu_seqlens=case["docs"])  # layout left out
+    positions = shard_sequence(torch.arange(32)[None, :, None], "zigzag", group=mesh, cu_seqlens=case["docs"])
+    return o, positions.flatten()
+
+
+def test_a_mesh_takes_the_layout_shard_sequence_recorded():
+    """On a mesh, a call without `layout` runs the layout shard_sequence(group=mesh) recorded, as attention does."""
+    results = run_world(_mesh_recorded_layout_rank, 4, timeout=60)
+    (q, k, v, g, beta, _), _ = make_inputs(_case("gdn", "zigzag", 32, [0, 5, 32]))
+    ref, _ = recurrence(q, k, v, g, beta, 4**-0.5, torch.zeros(2, 4, 4, 3, dtype=F64), [0, 5, 32])
+    for o, positions in results:
+        torch.testing.assert_close(o, ref.index_select(1, positions), **TOL)
+
+
 def _mesh_layout_mismatch_rank(rank: int, world: int):
     mesh = _device_mesh((2, 2), ("ring", "ulysses"))
     layout = "contiguous" if rank == 3 else "zigzag"
