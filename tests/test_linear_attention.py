@@ -637,6 +637,37 @@ def test_qwen3_next_under_context_parallelism(world, layout, family):
     assert any("conv1d" in n for n, _ in model.named_parameters())
 
 
+HF_DOCS = (0, 7, 8, 19, HF_SEQ)  # packed documents, one of a single token
+
+
+def _hf_packed_rank(rank: int, world: int, family: str):
+    from distcomm_attention.integrations import huggingface as ring_hf
+
+    ring = ring_hf.register("cp_hybrid", layout="zigzag")
+    model = ring.attach(_qwen3_next(ring.name, family))
+    ids = _hf_ids()[:1]
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(HF_DOCS[:-1], HF_DOCS[1:])])[None]
+    return model(**ring.shard_inputs(input_ids=ids, labels=ids, position_ids=positions)).loss.detach()
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "bamba"])
+def test_packed_documents_in_a_hybrid_model(family):
+    """Packed documents (position ids restarting at 0) through a hybrid model under CP: no state or attention
+    crosses a document start, so the batch's loss is the one process's loss on each document alone, weighted by
+    its targets (the last token of each document has none)."""
+    pytest.importorskip("transformers")
+    losses = run_world(_hf_packed_rank, 2, family, timeout=120)
+    model = _qwen3_next("sdpa", family)
+    ids = _hf_ids()[:1]
+    total = count = 0
+    for a, b in zip(HF_DOCS[:-1], HF_DOCS[1:]):
+        if b - a > 1:
+            doc = ids[:, a:b]
+            total = total + model(input_ids=doc, labels=doc, use_cache=False).loss.detach() * (b - a - 1)
+            count += b - a - 1
+    torch.testing.assert_close(sum(losses), total / count, **HF_TOL)
+
+
 def test_attach_refuses_a_mixer_it_does_not_know():
     """Falcon-H1's Mamba-2 mixer scales its projections (its multipliers): attach() refuses it by name rather
     than run another layer's math."""
