@@ -53,12 +53,14 @@ def run_rank(rank: int, world: int, cfg: dict) -> dict:
         # each call timed alone behind its own GPU sleep (twice the call's GPU time): the host never waits for
         # the GPU unless the call synchronises, and the queue holds one call's launches only (a loop behind
         # one long sleep fills CUDA's bounded queue of pending launches and then waits for the sleep)
+        # the same on every rank: twice the slowest rank's call (none on CPU)
+        sleep_s = 2 * max(U.all_max([gpu], device)[0], 1e-3) if device.type == "cuda" else 0.0
         hosts = []
         for _ in range(cfg["iters"]):
             U.synchronize(device)
             U.all_max([0.0], device)  # the ranks line up: their collectives meet inside the call
             if device.type == "cuda":
-                torch.cuda._sleep(int(SLEEP_CYCLES_PER_S * 2 * max(gpu, 1e-3)))
+                torch.cuda._sleep(int(SLEEP_CYCLES_PER_S * sleep_s))
             t0 = time.perf_counter()
             step()
             hosts.append(time.perf_counter() - t0)
@@ -81,7 +83,7 @@ def run_rank(rank: int, world: int, cfg: dict) -> dict:
                 step()
             U.synchronize(device)
         gpu_max, host_max = U.all_max([gpu, host], device)
-        out[strategy] = {"gpu_s": gpu_max, "host_s": host_max, "profile": text}
+        out[strategy] = {"gpu_s": gpu_max, "host_s": host_max, "sleep_s": sleep_s, "profile": text}
     return out
 
 
@@ -108,7 +110,8 @@ def main():
         return
     lines = []
     for s, m in res[0].items():
-        lines.append(f"== {s}: GPU {m['gpu_s'] * 1e3:.2f} ms/call, host {m['host_s'] * 1e3:.2f} ms/call\n{m['profile']}")
+        lines.append(f"== {s}: GPU {m['gpu_s'] * 1e3:.2f} ms/call, host {m['host_s'] * 1e3:.2f} ms/call (each call "
+                     f"behind {m['sleep_s'] * 1e3:.1f} ms of GPU sleep)\n{m['profile']}")
     text = "\n".join(lines)
     print(text)
     if a.out:

@@ -273,15 +273,18 @@ def test_open_segments_backward_twice_and_misuse():
         finish(h_in)
 
 
-@pytest.mark.parametrize("docs, folds", [
-    ([0, 8, 16, 24, 32], 0),  # every rank's run starts a document: nothing to fold
-    (None, 2),  # one document over the four ranks: rank 3 folds the runs of ranks 1 and 2 (run 0 starts it)
-    ([0, 20, 32], 0),  # a document starting inside rank 2's run: rank 3 takes rank 2's B alone, no product
-    ([0, 12, 32], 1),  # one starting inside rank 1's run: its B, then rank 2's product
+@pytest.mark.parametrize("docs, finals, folds", [
+    ([0, 8, 16, 24, 32], False, 0),  # every rank's run starts a document: nothing to fold
+    (None, False, 2),  # one document over the four ranks: rank 3 folds the runs of ranks 1 and 2 (run 0 starts it)
+    ([0, 20, 32], False, 0),  # a document starting inside rank 2's run: rank 3 takes rank 2's B alone, no product
+    ([0, 12, 32], False, 1),  # one starting inside rank 1's run: its B, then rank 2's product
+    ([0, 8, 24, 32], False, 0),  # rank 3's run starts a document: it needs no incoming state
+    ([0, 8, 24, 32], True, 1),  # final states: only document 1's ends in an open segment (rank 2's run)
 ])
-def test_the_fold_multiplies_only_where_a_state_crosses(docs, folds, monkeypatch):
-    """Rank 3 of four (contiguous) folds maps only back to the last run that starts a document, and applies no
-    product for that run (its A is 0): the count of products is the skipped work's property."""
+def test_the_fold_multiplies_only_where_a_state_crosses(docs, finals, folds, monkeypatch):
+    """Rank 3 of four (contiguous) folds maps only for the states it reads (its open runs', the final states of
+    documents ending in an open segment), back to the last run that starts a document, and applies no product
+    for that run (its A is 0): the count of products is the skipped work's property."""
     from types import SimpleNamespace
 
     from distcomm_attention.linear import recurrence
@@ -289,7 +292,7 @@ def test_the_fold_multiplies_only_where_a_state_crosses(docs, folds, monkeypatch
     case = _case("gdn", "contiguous", 32, docs)
     (q, k, v, g, beta, _), _ = make_inputs(case)
     concrete = "contiguous"
-    plan = recurrence._checks.cached_plan(concrete, 32, 4, None if docs is None else tuple(docs), False)
+    plan = recurrence._checks.cached_plan(concrete, 32, 4, None if docs is None else tuple(docs), finals)
     local = [t[:, 24:32] for t in (q, k, v, g, beta)]
     calls = []
     original = recurrence._Call._apply
@@ -297,7 +300,7 @@ def test_the_fold_multiplies_only_where_a_state_crosses(docs, folds, monkeypatch
     comm = SimpleNamespace(size=4, rank=3, group=None)
     call = recurrence._Call(plan, comm, torch_chunk, 0.5, *local, None,
                             gather=lambda t: t.unsqueeze(0).expand(4, *t.shape))
-    call.forward(False)
+    call.forward(finals)
     assert len(calls) == folds
 
 
@@ -403,7 +406,8 @@ def test_world_4_on_a_2d_mesh(names):
     docs = [0, 3, 4, 15, 16, 32]
     _check_world(4, [_case("gdn", "zigzag", 32, docs, mesh=mesh), _case("scalar", "zigzag", 32, docs, mesh=mesh),
                      _case("gdn", "contiguous", 32, [0, 1, 31, 32], mesh=mesh),
-                     _case("gdn", "balanced", 32, docs, mesh=mesh)])
+                     _case("gdn", "balanced", 32, docs, mesh=mesh), _case("gdn", "striped", 16, [0, 5, 16], mesh=mesh),
+                     _case("scalar", "auto", 32, docs, mesh=mesh)])
 
 
 def test_bfloat16_inputs():
@@ -440,6 +444,7 @@ def _conv_rank(rank: int, world: int, layout: str, docs, seq: int, mesh=None):
     (2, "contiguous", None, 12, None), (3, "zigzag", [0, 1, 2, 9, 10, 18], 18, None),
     (4, "striped", [0, 5, 16], 16, None), (4, "balanced", [0, 3, 4, 15, 16, 32], 32, None),
     (4, "zigzag", [0, 3, 4, 15, 16, 32], 32, ((2, 2), ("ulysses", "ring"))),
+    (4, "balanced", [0, 3, 4, 15, 16, 32], 32, ((2, 2), ("ring", "ulysses"))),
 ])
 def test_conv_halo(world, layout, docs, seq, mesh):
     """The halo conv equals a float64 conv of the whole sequence, forward and backward, no input crossing a

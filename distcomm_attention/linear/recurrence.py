@@ -192,6 +192,12 @@ class _ScaledAdd(torch.autograd.Function):
         return dout, dqh, dw
 
 
+def _open_ends(plan) -> frozenset[int]:
+    """The documents whose last segment is open (the first segment of a run continuing a document): their
+    final state needs the run's incoming state; every other document's is its last segment's B."""
+    return frozenset(r.segments[0].doc for rank in plan.runs for r in rank if r.is_open and r.segments[0].ends)
+
+
 class _Join(torch.autograd.Function):
     """``out`` itself with ``gathered`` joined to its graph, without a copy of ``out``: every rank's backward
     reaches the gather (a collective backward), also a rank whose outputs do not depend on it."""
@@ -344,7 +350,8 @@ class _Call:
             zero_a.new_zeros(0, zero_a.numel() + self.rows * self.hv * self.dk * self.dv)
         table = torch.nn.functional.pad(table, (0, 0, 0, plan.slots - table.shape[0]))
         gathered = self.gather(table)
-        states = self._fold(gathered, finals)
+        open_ends = _open_ends(plan) if finals else frozenset()
+        states = self._fold(gathered, open_ends)
         for r, o in zip(runs, finish([states[r.order] for r in runs])):
             pieces[r.segments[0].local] = o
         ordered = [pieces[key] for key in sorted(pieces)]
@@ -353,8 +360,10 @@ class _Call:
             out = _Join.apply(out, gathered)
         final = None
         if finals:
-            final = torch.cat([self._apply(self._unpack(gathered[r, slot]), states[order])
-                               for r, slot, order in plan.doc_end])
+            # a document ending in an open segment: its map from the run's incoming state; else its B alone
+            final = torch.cat([self._apply(self._unpack(gathered[r, slot]), states[order]) if d in open_ends
+                               else self._unpack(gathered[r, slot])[1]
+                               for d, (r, slot, order) in enumerate(plan.doc_end)])
         return out, final
 
     def _unpack(self, row):
@@ -367,10 +376,12 @@ class _Call:
             return torch.baddbmm(b.flatten(0, 1), a.flatten(0, 1), h.flatten(0, 1)).view(b.shape)
         return torch.addcmul(b, a[..., None, None], h)
 
-    def _fold(self, gathered, finals: bool) -> dict[int, torch.Tensor]:
-        """The state entering each run (phase 2), up to the last run this rank needs."""
+    def _fold(self, gathered, open_ends) -> dict[int, torch.Tensor]:
+        """The state entering each run this rank reads (phase 2): its open runs', and those of the runs holding
+        an open segment that ends a document of ``open_ends`` (final states)."""
         plan = self.plan
-        need = [r.order for r in plan.runs[self.comm.rank]] + ([o for _, _, o in plan.doc_end] if finals else [])
+        need = [r.order for r in plan.runs[self.comm.rank] if r.is_open]
+        need += [order for d, (_, _, order) in enumerate(plan.doc_end) if d in open_ends]
         last = max(need, default=-1)
         slot_of = {r.order: (r.rank, i) for rank in plan.runs for i, r in enumerate(rank)}
         # a run whose last segment starts a document passes on its B alone (A = 0): the chain behind a needed
