@@ -40,7 +40,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _bench_util as U  # noqa: E402
 from distcomm_attention.linear import _checks, kernels  # noqa: E402
 from distcomm_attention.linear.recurrence import _Call  # noqa: E402
 from distcomm_attention.planning import balance  # noqa: E402
@@ -188,23 +190,18 @@ def kernel_times(fn, top: int = 14) -> list[tuple[str, float]]:
     return [(name, round(ms, 4)) for name, ms in ranked[:top]] + [("total", round(sum(totals.values()), 4))]
 
 
-SLEEP_CYCLES_PER_S = 2e9  # torch.cuda._sleep's cycles per second, about (1e6 cycles: 0.52 ms on an H100)
-
-
 def host_ms(fn, gpu_ms: float, iters: int, device) -> float:
     """Median host milliseconds of one call of ``fn``, each call behind a GPU sleep of twice ``gpu_ms`` (on
     CUDA), so the host never waits for the GPU unless the call synchronises (then it shows about the sleep):
     where a rank's wall time exceeds its kernels' (the Python around fla's kernel calls, or a sync)."""
     times = []
     for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda._sleep(int(SLEEP_CYCLES_PER_S * 2e-3 * max(gpu_ms, 1.0)))
+        U.synchronize(device)
+        U.gpu_sleep(device, 2e-3 * max(gpu_ms, 1.0))
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    U.synchronize(device)
     return sorted(times)[len(times) // 2]
 
 

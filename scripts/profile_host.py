@@ -30,9 +30,6 @@ import bench_strategies as bs  # noqa: E402
 from distcomm_attention import context_parallel_attn, shard_sequence  # noqa: E402
 
 
-SLEEP_CYCLES_PER_S = 2e9  # torch.cuda._sleep's cycles per second, about (1e6 cycles: 0.52 ms on an H100)
-
-
 def run_rank(rank: int, world: int, cfg: dict) -> dict:
     device = U.rank_device(cfg["backend"])
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -59,8 +56,7 @@ def run_rank(rank: int, world: int, cfg: dict) -> dict:
         for _ in range(cfg["iters"]):
             U.synchronize(device)
             U.all_max([0.0], device)  # the ranks line up: their collectives meet inside the call
-            if device.type == "cuda":
-                torch.cuda._sleep(int(SLEEP_CYCLES_PER_S * sleep_s))
+            U.gpu_sleep(device, sleep_s)
             t0 = time.perf_counter()
             step()
             hosts.append(time.perf_counter() - t0)

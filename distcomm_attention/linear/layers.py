@@ -63,8 +63,7 @@ def gdn_forward(module, hidden_states: torch.Tensor, *, sharding, cu_seqlens=Non
             module does).
         kernel: the recurrence's kernel ("auto", "torch", "fla").
     """
-    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
-        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+    hidden_states = _padding_zeroed(hidden_states, attention_mask)
     batch, seq = hidden_states.shape[:2]
     mixed, z, b, a = _projections(module, hidden_states)
     mixed = causal_conv1d_cp(mixed, module.conv1d.weight, module.conv1d.bias, module.activation,
@@ -82,6 +81,7 @@ def gdn_forward(module, hidden_states: torch.Tensor, *, sharding, cu_seqlens=Non
 
 
 def _padding_zeroed(x: torch.Tensor, attention_mask) -> torch.Tensor:
+    """``x`` with the padded tokens' rows zeroed by a (B, T) mask, as the layers do; as it is without one."""
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
         return (x * attention_mask[:, :, None]).to(x.dtype)
     return x
