@@ -230,7 +230,7 @@ def select_kernel(kernel: str, q: torch.Tensor, backward: bool = False, delta: b
 #
 #         summary  the map S_out = A S_in + B by the state pass alone, no outputs: B from a zero state with
 #                  the chunks' pseudo-values u, A from I with zero values (the extended state [0 | I] with
-#                  values [u | 0], in two passes)
+#                  values [u | 0])
 #         output   after the fold: the ordinary forward from S_in (state pass and outputs)
 #
 #     so the outputs are the kernel's own from the true incoming state, at the price of one wide state pass
@@ -245,7 +245,10 @@ def select_kernel(kernel: str, q: torch.Tensor, backward: bool = False, delta: b
 #
 #     The pass objects below give these four operations over one call's sequences; ``TorchPasses`` by the
 #     chunked PyTorch kernel (any device, float64: the reference the tests check the autograd wiring with),
-#     ``FlaPasses`` by fla-core's chunk kernels.
+#     ``FlaPasses`` by fla-core's chunk kernels, except for two state-only Triton passes of its own
+#     (maps_kernel.py; K <= 128): the summary's A and B columns in one launch that stores the end state
+#     alone (fla's state pass, run twice, also writes every chunk's state), and dS_in by one reverse pass
+#     with the values' local gradient fused in (fla's chunk_bwd_dv_local then its reverse state pass).
 
 
 class TorchPasses:
@@ -340,7 +343,12 @@ class FlaPasses:
     def summary(self):
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 
+        from distcomm_attention.linear import maps_kernel
+
         dk, heads = self.k.shape[-1], self.v.shape[2]
+        if dk <= maps_kernel.MAX_K:  # both maps in one state-only pass (maps_kernel.py)
+            with self.device:
+                return maps_kernel.delta_maps(self.k, self.w, self.u, self.g, self.cu)
         eye = torch.eye(dk, dtype=torch.float32, device=self.k.device).expand(self.count, heads, dk, dk)
         # [A | B] in two state passes, B from a zero state, A from I with zero values: as fast as one pass of
         # width V + K, without the wide values' copy
@@ -367,9 +375,13 @@ class FlaPasses:
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
         from fla.ops.common.chunk_o import chunk_bwd_dv_local
 
+        from distcomm_attention.linear import maps_kernel
+
         with self.device:
             w, _ = self._w_u()
             do = do.contiguous()
+            if self.k.shape[-1] <= maps_kernel.MAX_K:  # one reverse state-only pass (maps_kernel.py)
+                return maps_kernel.delta_state_grad(self.q, self.k, w, self.g, do, self.scale, self.cu)
             dv = chunk_bwd_dv_local(q=self.q, k=self.k, do=do, g=self.g, scale=self.scale, chunk_size=self.CHUNK,
                                     **self.common)
             _, dh0, _ = chunk_gated_delta_rule_bwd_dhu(q=self.q, k=self.k, w=w, do=do, dv=dv, g=self.g,

@@ -1,0 +1,159 @@
+"""The state-only Triton pass of the gated delta rule's maps (distcomm_attention/linear/maps_kernel.py), under
+the Triton interpreter on CPU (float32; the interpreter's bf16 products are wrong, conftest.py), against the
+token-by-token float64 recurrence of tests/test_linear_attention.py: A is the end state from I with zero
+values, B the end state from zero. The kernel's inputs (fla's WY form w, u and its chunk-local gates in log2
+units) are made here in float64 from q, k, v, g, beta by the chunk's triangular solve."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.test_linear_attention import F64, _gen, recurrence
+
+pytest.importorskip("triton")
+
+CHUNK = 64
+# on a GPU the kernels run compiled, their float32 products in TF32 (10-bit mantissas)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNEL_TOL = dict(rtol=1e-4, atol=1e-4) if DEVICE == "cpu" else dict(rtol=5e-3, atol=5e-3)
+
+
+def wy_inputs(k, v, g, beta, bounds):
+    """fla's forward inputs of the state pass: w, u (B, T, HV, K/V) and the chunk-local cumulative gates in
+    log2 units (B, T, HV), chunks restarting at every sequence start in ``bounds``."""
+    hv = v.shape[2]
+    kk = k.repeat_interleave(hv // k.shape[2], 2)
+    w, u, gl = torch.zeros_like(kk), torch.zeros_like(v), torch.zeros_like(g)
+    for a, e in zip(bounds[:-1], bounds[1:]):
+        for c in range(a, e, CHUNK):
+            sl = slice(c, min(c + CHUNK, e))
+            kc, vc, bc = kk[:, sl].transpose(1, 2), v[:, sl].transpose(1, 2), beta[:, sl].transpose(1, 2)
+            gam = g[:, sl].transpose(1, 2).cumsum(-1)
+            n = gam.shape[-1]
+            ratio = (gam[..., :, None] - gam[..., None, :]).exp()
+            lower = (bc[..., :, None] * (kc @ kc.transpose(-1, -2)) * ratio).tril(-1)
+            system = torch.eye(n, dtype=F64) + lower
+            solve = lambda rhs: torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # noqa: E731
+            u[:, sl] = solve(bc[..., None] * vc).transpose(1, 2)
+            w[:, sl] = solve((bc * gam.exp())[..., None] * kc).transpose(1, 2)
+            gl[:, sl] = gam.transpose(1, 2) / math.log(2)
+    return w, u, gl
+
+
+@pytest.mark.parametrize("batch, bounds, heads, dims", [
+    (1, [0, 37, 37 + 150, 37 + 150 + 64], (2, 4), (16, 24)),  # sequences of 37, 150 (3 chunks), 64 tokens; GVA
+    (2, None, (2, 2), (8, 40)),  # two batch rows of 130 tokens, K below the smallest tile, V over one tile
+])
+def test_maps_kernel_matches_the_recurrence(batch, bounds, heads, dims):
+    from distcomm_attention.linear.maps_kernel import delta_maps
+
+    gen = _gen("maps", batch, bounds, heads, dims)
+    t = bounds[-1] if bounds else 130
+    h, hv = heads
+    dk, dv = dims
+    r = lambda *shape: torch.randn(*shape, generator=gen, dtype=F64)  # noqa: E731
+    k = torch.nn.functional.normalize(r(batch, t, h, dk), dim=-1)
+    v = r(batch, t, hv, dv)
+    g = -0.3 * torch.rand(batch, t, hv, generator=gen, dtype=F64)
+    beta = torch.rand(batch, t, hv, generator=gen, dtype=F64)
+    w, u, gl = wy_inputs(k, v, g, beta, bounds or [0, t])
+
+    n = len(bounds) - 1 if bounds else batch
+    _, b_ref = recurrence(k, k, v, g, beta, 1.0, torch.zeros(n, hv, dk, dv, dtype=F64), bounds)
+    eye = torch.eye(dk, dtype=F64).expand(n, hv, dk, dk).clone()
+    _, a_ref = recurrence(k, k, torch.zeros(batch, t, hv, dk, dtype=F64), g, beta, 1.0, eye, bounds)
+
+    cu = None if bounds is None else torch.tensor(bounds, device=DEVICE)
+    a, b = delta_maps(*(x.float().to(DEVICE) for x in (k, w, u, gl)), cu_seqlens=cu)
+    assert a.shape == (n, hv, dk, dk) and b.shape == (n, hv, dk, dv) and a.dtype == b.dtype == torch.float32
+    torch.testing.assert_close(b.cpu().double(), b_ref, **KERNEL_TOL)
+    torch.testing.assert_close(a.cpu().double(), a_ref, **KERNEL_TOL)
+    assert not torch.allclose(a.cpu().double(), eye, atol=1e-2)  # the transition is far from I here
+
+
+def test_maps_kernel_refuses_wide_keys():
+    from distcomm_attention.linear.maps_kernel import delta_maps
+
+    k = torch.zeros(1, 64, 1, 256)
+    with pytest.raises(ValueError, match="key dim 256 > 128"):
+        delta_maps(k, k, torch.zeros(1, 64, 1, 8), torch.zeros(1, 64, 1))
+
+
+@pytest.mark.parametrize("batch, bounds, heads, dims", [
+    (1, [0, 37, 37 + 150, 37 + 150 + 64], (2, 4), (16, 24)),
+    (2, None, (2, 2), (8, 40)),
+])
+def test_state_grad_kernel_matches_the_recurrence(batch, bounds, heads, dims):
+    """dS_in = (d o / d S_in)^T do by the reverse state-only pass, against autograd through the float64
+    recurrence from S_in (its outputs' weights do)."""
+    from distcomm_attention.linear.maps_kernel import delta_state_grad
+
+    gen = _gen("state grad", batch, bounds, heads, dims)
+    t = bounds[-1] if bounds else 130
+    h, hv = heads
+    dk, dv = dims
+    n = len(bounds) - 1 if bounds else batch
+    r = lambda *shape: torch.randn(*shape, generator=gen, dtype=F64)  # noqa: E731
+    q = r(batch, t, h, dk)
+    k = torch.nn.functional.normalize(r(batch, t, h, dk), dim=-1)
+    v = r(batch, t, hv, dv)
+    g = -0.3 * torch.rand(batch, t, hv, generator=gen, dtype=F64)
+    beta = torch.rand(batch, t, hv, generator=gen, dtype=F64)
+    do = r(batch, t, hv, dv)
+    h_in = r(n, hv, dk, dv).requires_grad_()
+    o, _ = recurrence(q, k, v, g, beta, 0.7, h_in, bounds)
+    (ref,) = torch.autograd.grad(o, h_in, do)
+
+    w, _, gl = wy_inputs(k, v, g, beta, bounds or [0, t])
+    cu = None if bounds is None else torch.tensor(bounds, device=DEVICE)
+    mine = delta_state_grad(*(x.float().to(DEVICE) for x in (q, k, w, gl, do)), scale=0.7, cu_seqlens=cu)
+    assert mine.shape == (n, hv, dk, dv) and mine.dtype == torch.float32
+    torch.testing.assert_close(mine.cpu().double(), ref, **KERNEL_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("varlen", [False, True])
+def test_kernels_match_fla_passes(varlen):
+    """At Qwen3.5's GDN shapes in bf16 (16 key heads, 32 value heads of 128) on fla's own WY form: the maps
+    against fla's state pass run from zero and from I with zero values, dS_in against fla's local values'
+    gradient and reverse state pass; within bf16 rounding of the state products (the same roundings)."""
+    pytest.importorskip("fla")
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_bwd_dv_local
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    from distcomm_attention.linear.maps_kernel import delta_maps, delta_state_grad
+
+    torch.manual_seed(0)
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    t, h, hv, dk, dv = 4096 + 100, 16, 32, 128, 128
+    cu = torch.tensor([0, 1000, 1001, 3000, t], device=dev) if varlen else None
+    n = 4 if varlen else 1
+    q = torch.randn(1, t, h, dk, device=dev, dtype=bf)
+    k = torch.nn.functional.normalize(torch.randn(1, t, h, dk, device=dev), dim=-1).to(bf)
+    v = torch.randn(1, t, hv, dv, device=dev, dtype=bf)
+    g = chunk_local_cumsum(torch.nn.functional.logsigmoid(torch.randn(1, t, hv, device=dev) + 4), chunk_size=64,
+                           scale=RCP_LN2, cu_seqlens=cu)
+    beta = torch.rand(1, t, hv, device=dev).to(bf)
+    do = torch.randn(1, t, hv, dv, device=dev, dtype=bf)
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=64, cu_seqlens=cu)
+
+    eye = torch.eye(dk, device=dev).expand(n, hv, dk, dk).contiguous()
+    a_ref = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=torch.zeros(1, t, hv, dk, device=dev, dtype=bf), g=g,
+                                         initial_state=eye, output_final_state=True, cu_seqlens=cu)[2]
+    b_ref = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g, output_final_state=True, cu_seqlens=cu)[2]
+    a, b = delta_maps(k, w, u, g, cu)
+    torch.testing.assert_close(a, a_ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(b, b_ref, rtol=2e-2, atol=2e-2 * b_ref.abs().max().item())
+
+    h0 = torch.randn(n, hv, dk, dv, device=dev)
+    dv_local = chunk_bwd_dv_local(q=q, k=k, do=do, g=g, scale=dk**-0.5, cu_seqlens=cu)
+    ds_ref = chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, do=do, dv=dv_local, g=g, h0=h0, dht=None,
+                                            scale=dk**-0.5, cu_seqlens=cu)[1]
+    ds = delta_state_grad(q, k, w, g, do, dk**-0.5, cu)
+    torch.testing.assert_close(ds, ds_ref, rtol=2e-2, atol=2e-2 * ds_ref.abs().max().item())
