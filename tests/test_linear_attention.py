@@ -295,8 +295,8 @@ def test_the_fold_multiplies_only_where_a_state_crosses(docs, finals, folds, mon
     plan = recurrence._checks.cached_plan(concrete, 32, 4, None if docs is None else tuple(docs), finals)
     local = [t[:, 24:32] for t in (q, k, v, g, beta)]
     calls = []
-    original = recurrence._Call._apply
-    monkeypatch.setattr(recurrence._Call, "_apply", lambda self, ab, h: calls.append(1) or original(self, ab, h))
+    original = recurrence._Call._product
+    monkeypatch.setattr(recurrence._Call, "_product", lambda self, a, b, h: calls.append(1) or original(self, a, b, h))
     comm = SimpleNamespace(size=4, rank=3, group=None)
     call = recurrence._Call(plan, comm, torch_chunk, 0.5, *local, None,
                             gather=lambda t: t.unsqueeze(0).expand(4, *t.shape))

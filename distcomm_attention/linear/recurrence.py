@@ -212,6 +212,57 @@ class _Join(torch.autograd.Function):
         return dout, dout.new_zeros((), dtype=ctx.dtype).expand(ctx.shape)
 
 
+class _Fold(torch.autograd.Function):
+    """Phase 2's chain over the gathered maps as one autograd node: the incoming state of each run a rank reads.
+
+    ``steps``: for every run order up to the last one read, (order, (rank, slot) of its map in ``gathered`` or
+    None where the chain does not pass through it, whether it starts a document: its B alone). The state
+    entering run j is S_j; S_{j+1} = A_j S_j + B_j (B_j alone for a restart, S_j for a run not folded). The
+    forward is one product per folded run (``call._product``), the backward the mirror chain
+    (dA_j = g_{j+1} S_j^T, dB_j = g_{j+1}, g_j = A_j^T g_{j+1} + dS_j): a few operations per step where
+    autograd recorded ten (the fold's host time per step counts on the GPU, where the products are tiny)."""
+
+    @staticmethod
+    def forward(ctx, call, gathered, steps, need):
+        maps_a, maps_b = call._tables(gathered)
+        h = maps_b.new_zeros(maps_b.shape[2:])
+        entering, out = [], {}
+        for order, at, restart in steps:
+            if order in need:
+                out[order] = h
+            entering.append(h if at is not None and not restart else None)
+            if at is not None:
+                h = maps_b[at] if restart else call._product(maps_a[at], maps_b[at], h)
+        ctx.call, ctx.steps, ctx.orders = call, steps, sorted(out)
+        ctx.save_for_backward(gathered, *(e for e in entering if e is not None))
+        # distinct tensors, none a view of the gathered table (autograd's rules for a function's outputs)
+        return tuple(out[o].view(call.b_shape).clone() for o in ctx.orders)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        call, steps = ctx.call, ctx.steps
+        gathered, *saved = ctx.saved_tensors
+        saved = list(saved)
+        maps_a, _ = call._tables(gathered)
+        grad = torch.zeros(gathered.shape, dtype=gathered.dtype, device=gathered.device)
+        grad_a, grad_b = call._tables(grad)
+        out_grad = dict(zip(ctx.orders, (None if d is None else d.flatten(0, 1) for d in grads)))
+        g = None  # the gradient of the state after the current step
+        for order, at, restart in reversed(steps):
+            if at is not None:  # a run the chain passes through (else the state passes unchanged)
+                h = None if restart else saved.pop()
+                if g is not None:
+                    grad_b[at] += g
+                    if h is not None:
+                        grad_a[at] += call._map_grad(g, h)
+                g = None if restart or g is None else call._transpose_apply(maps_a[at], g)
+            dh = out_grad.get(order)
+            if dh is not None:
+                g = dh if g is None else g + dh
+        return None, grad, None, None
+
+
 class _Call:
     """One call's three phases (Note [Linear attention across ranks]) on this rank's runs."""
 
@@ -372,9 +423,34 @@ class _Call:
 
     def _apply(self, ab, h):
         a, b = ab
-        if self.delta:  # one batched product-and-add: the fold is a chain of these (host time per step counts)
-            return torch.baddbmm(b.flatten(0, 1), a.flatten(0, 1), h.flatten(0, 1)).view(b.shape)
-        return torch.addcmul(b, a[..., None, None], h)
+        return self._product(a.flatten(0, 1), b.flatten(0, 1), h.flatten(0, 1)).view(b.shape)
+
+    # the fold's maps flat over (rows, value heads): A (R, K, K) (scalar decay: (R,)), B and states (R, K, V)
+
+    def _tables(self, gathered):
+        """(A, B) of every gathered slot as flat views (W, slots, R, ...) of the (W, slots, numbers) table."""
+        na = torch.Size(self.a_shape).numel()
+        lead, r = gathered.shape[:2], self.rows * self.hv
+        return (gathered[..., :na].view(*lead, r, *self.a_shape[2:]),
+                gathered[..., na:].view(*lead, r, self.dk, self.dv))
+
+    def _product(self, a, b, h):
+        """A h + B on flat maps: one batched product-and-add (the fold is a chain of these)."""
+        if self.delta:
+            return torch.baddbmm(b, a, h)
+        return torch.addcmul(b, a[:, None, None], h)
+
+    def _map_grad(self, g, h):
+        """d(A h + B)/dA contracted with g: g h^T (delta), sum(g * h) per head (scalar decay)."""
+        if self.delta:
+            return torch.bmm(g, h.transpose(1, 2))
+        return (g * h).sum((-1, -2))
+
+    def _transpose_apply(self, a, g):
+        """A^T g, the state's gradient through one map."""
+        if self.delta:
+            return torch.bmm(a.transpose(1, 2), g)
+        return a[:, None, None] * g
 
     def _fold(self, gathered, open_ends) -> dict[int, torch.Tensor]:
         """The state entering each run this rank reads (phase 2): its open runs', and those of the runs holding
@@ -395,11 +471,6 @@ class _Call:
                 if j in restarts:
                     break
                 j -= 1
-        h = torch.zeros(self.b_shape, dtype=self.sdtype, device=gathered.device)
-        states = {}
-        for order in range(last + 1):
-            states[order] = h
-            if order in folded:
-                a, b = self._unpack(gathered[slot_of[order]])
-                h = b if order in restarts else self._apply((a, b), h)
-        return states
+        steps = [(order, slot_of[order] if order in folded else None, order in restarts) for order in range(last + 1)]
+        need = set(need)
+        return dict(zip(sorted(need), _Fold.apply(self, gathered, steps, need))) if need else {}
