@@ -833,3 +833,33 @@ def test_fla_boundaries_are_reused():
     assert first[0] is again[0] and first[1] is again[1]
     assert other[1] is not first[1] and other[1].tolist() == [0, 4, 7]
     assert first[0].tolist() == first[1].tolist() == [0, 3, 7] and first[1].dtype == torch.long
+
+
+@pytest.mark.parametrize("kind", ["gdn", "ssd"])
+@pytest.mark.parametrize("docs, finals", [(None, False), ([0, 12, 32], True), ([0, 8, 24, 32], True)])
+def test_the_fold_backward_and_double_backward(kind, docs, finals):
+    """The fold over gathered maps (one autograd node) against finite differences of itself in float64:
+    gradcheck (its mirror-chain backward) and gradgradcheck (a backward that is differentiated again runs
+    the plain chain with autograd), rank 3 of four, contiguous, with and without document restarts."""
+    from types import SimpleNamespace
+
+    from distcomm_attention.linear import recurrence
+
+    case = _case(kind, "contiguous", 32, docs)
+    (q, k, v, g, beta, _), _ = make_inputs(case)
+    plan = recurrence._checks.cached_plan("contiguous", 32, 4, None if docs is None else tuple(docs), finals)
+    local = [None if t is None else t[:, 24:32] for t in (q, k, v, g, beta if kind == "gdn" else None)]
+    comm = SimpleNamespace(size=4, rank=3, group=None)
+    call = recurrence._Call(plan, comm, torch_chunk, 0.5, *local, None, gather=None)
+    width = torch.Size(call.a_shape).numel() + torch.Size(call.b_shape).numel()
+    gathered = (0.5 * torch.randn(4, plan.slots, width, generator=_gen("fold", kind, docs), dtype=F64))
+    gathered.requires_grad_()
+    open_ends = recurrence._open_ends(plan) if finals else frozenset()
+
+    def fold(table):
+        states = call._fold(table, open_ends)
+        return tuple(states[o] for o in sorted(states))
+
+    assert fold(gathered), "the case must fold something"
+    assert torch.autograd.gradcheck(fold, (gathered,))
+    assert torch.autograd.gradgradcheck(fold, (gathered,))

@@ -157,3 +157,31 @@ def test_kernels_match_fla_passes(varlen):
                                             scale=dk**-0.5, cu_seqlens=cu)[1]
     ds = delta_state_grad(q, k, w, g, do, dk**-0.5, cu)
     torch.testing.assert_close(ds, ds_ref, rtol=2e-2, atol=2e-2 * ds_ref.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_kernels_address_long_sequences():
+    """A sequence of 270k tokens with 64 value heads of 128: token offsets beyond 2^31 elements. With w = 0
+    and no decay the answers are exact: B = k_T u_T^T of the last token alone, A = I, and dS_in = scale
+    q_T do_T^T of the last token alone (every other token's values and output gradients are zero)."""
+    from distcomm_attention.linear.maps_kernel import delta_maps, delta_state_grad
+
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    t, h, hv, dk, dv = 270_000, 16, 64, 128, 128
+    assert t * hv * dv > 2**31
+    gen = torch.Generator(device=dev).manual_seed(0)
+    k = torch.zeros(1, t, h, dk, device=dev, dtype=bf)
+    k[:, -1] = torch.randn(1, h, dk, device=dev, generator=gen).to(bf)
+    u = torch.zeros(1, t, hv, dv, device=dev, dtype=bf)
+    u[:, -1] = torch.randn(1, hv, dv, device=dev, generator=gen).to(bf)
+    w = torch.zeros(1, t, hv, dk, device=dev, dtype=bf)
+    g = torch.zeros(1, t, hv, device=dev)
+    a, b = delta_maps(k, w, u, g)
+    kk = k[0, -1].float().repeat_interleave(hv // h, 0)
+    torch.testing.assert_close(b[0], kk[:, :, None] * u[0, -1].float()[:, None, :], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(a[0], torch.eye(dk, device=dev).expand(hv, dk, dk), rtol=0, atol=0)
+    del u
+    q, do = k, torch.zeros(1, t, hv, dv, device=dev, dtype=bf)
+    do[:, -1] = torch.randn(1, hv, dv, device=dev, generator=gen).to(bf)
+    ds = delta_state_grad(q, k, w, g, do, 0.5)
+    torch.testing.assert_close(ds[0], 0.5 * kk[:, :, None] * do[0, -1].float()[:, None, :], rtol=1e-2, atol=1e-2)

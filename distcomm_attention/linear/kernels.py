@@ -453,7 +453,8 @@ class _Output(torch.autograd.Function):
                 "them out) cannot be followed by another backward through them")
         *tensors, h_in = ctx.saved_tensors
         p.restore(tensors)
-        p.h_in, p.do = h_in.detach(), do
+        # contiguous once for both backward passes (autograd's gradient of a sum is an expanded tensor)
+        p.h_in, p.do = h_in.detach(), do.contiguous()
         dh_in = p.state_grad(p.h_in, do) if ctx.needs_input_grad[2] else None
         p.release()
         return None, None, dh_in

@@ -26,15 +26,17 @@ __all__ = ["delta_maps", "CHUNK", "MAX_K"]
 
 CHUNK = 64
 MAX_K = 128  # one [K, BV] tile of the state per program
-# software-pipelined loops only: with Triton 3.6 on an H100, the reverse pass compiled with num_stages=1
-# (BV=32, 4 warps) read out of bounds (fla's own state passes tune over 2-4 stages on Hopper as well)
+# software-pipelined loops only: with Triton 3.6 on an H100 the reverse pass compiled with num_stages=1
+# (BV=32, 4 warps) gave an illegal memory access on one input and different values on another, every other
+# configuration agreeing; no masking error explains it (cause not found). fla's state passes tune over 2-4
+# stages on Hopper too.
 STAGES = (2, 3, 4)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _maps_kernel(k, w, u, g, out, cu_seqlens, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                  V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
-    i_c, i_nh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_nh, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -55,7 +57,7 @@ def _maps_kernel(k, w, u, g, out, cu_seqlens, T, H: tl.constexpr, HV: tl.constex
     g += bos * HV + i_h
     m_u = m_c & (i_c + 0 * o_c < nv)  # B's columns read values, A's are zero
     for i_t in range(tl.cdiv(T, BT)):
-        o_t = i_t * BT + tl.arange(0, BT)
+        o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)  # row offsets reach T * HV * V
         m_t = o_t < T
         b_w = tl.load(w + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_v = tl.load(u + o_t[:, None] * (HV * V) + o_c[None, :], mask=m_t[:, None] & m_u[None, :], other=0.0)
@@ -85,7 +87,7 @@ _maps_tuned = triton.autotune(
 def _state_grad_kernel(q, k, w, g, do, out, cu_seqlens, scale, T, H: tl.constexpr, HV: tl.constexpr,
                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        IS_VARLEN: tl.constexpr):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_nh, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
@@ -104,7 +106,7 @@ def _state_grad_kernel(q, k, w, g, do, out, cu_seqlens, scale, T, H: tl.constexp
     do += (bos * HV + i_h) * V
     g += bos * HV + i_h
     for i_t in range(tl.cdiv(T, BT) - 1, -1, -1):
-        o_t = i_t * BT + tl.arange(0, BT)
+        o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)  # row offsets reach T * HV * V
         m_t = o_t < T
         m_tk = m_t[:, None] & m_k[None, :]
         b_q = tl.load(q + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
@@ -119,8 +121,8 @@ def _state_grad_kernel(q, k, w, g, do, out, cu_seqlens, scale, T, H: tl.constexp
         b_a = tl.where((o_t[:, None] <= o_t[None, :]) & m_t[:, None] & m_t[None, :], b_a, 0.0)
         b_dv = tl.dot(b_a.to(b_do.dtype), b_do).to(b_do.dtype).to(tl.float32)
         b_dv += tl.dot(b_k, b_dh.to(b_k.dtype)) * tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)[:, None]
-        b_qg = (b_q * tl.exp2(b_g)[:, None]).to(b_q.dtype)
-        b_dh = b_dh * tl.exp2(b_g_last) + tl.dot(tl.trans(b_qg), b_do.to(b_q.dtype)) * scale \
+        b_qg = b_q * tl.exp2(b_g)[:, None]  # float32, as fla's reverse pass keeps it
+        b_dh = b_dh * tl.exp2(b_g_last) + tl.dot(tl.trans(b_qg), b_do.to(tl.float32)) * scale \
             - tl.dot(tl.trans(b_w), b_dv.to(b_w.dtype))
     tl.store(out + i_nh * K * V + o_k[:, None] * V + o_v[None, :], b_dh, mask=m_k[:, None] & m_v[None, :])
 
@@ -145,7 +147,7 @@ def delta_maps(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tenso
     bk = max(16, triton.next_power_of_2(dk))
 
     def grid(meta):
-        return triton.cdiv(dv, meta["BV"]) + triton.cdiv(dk, meta["BV"]), n * hv
+        return n * hv, triton.cdiv(dv, meta["BV"]) + triton.cdiv(dk, meta["BV"])
 
     args = (k, w, u, g, out, cu_seqlens, t)
     meta = dict(H=heads, HV=hv, K=dk, V=dv, BT=CHUNK, BK=bk, IS_VARLEN=cu_seqlens is not None)
@@ -173,7 +175,7 @@ def delta_state_grad(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, g: torch
     meta = dict(H=heads, HV=hv, K=dk, V=dv, BT=CHUNK, BK=max(16, triton.next_power_of_2(dk)),
                 IS_VARLEN=cu_seqlens is not None)
     if k.is_cuda:
-        _state_grad_tuned[lambda m: (triton.cdiv(dv, m["BV"]), n * hv)](*args, **meta)
+        _state_grad_tuned[lambda m: (n * hv, triton.cdiv(dv, m["BV"]))](*args, **meta)
     else:
-        _state_grad_kernel[(triton.cdiv(dv, 32), n * hv)](*args, BV=32, **meta)
+        _state_grad_kernel[(n * hv, triton.cdiv(dv, 32))](*args, BV=32, **meta)
     return out

@@ -223,7 +223,8 @@ class _Fold(torch.autograd.Function):
     autograd recorded ten (the fold's host time per step counts on the GPU, where the products are tiny)."""
 
     @staticmethod
-    def forward(ctx, call, gathered, steps, need):
+    def chain(call, gathered, steps, need):
+        """The forward's loop: ({order: state entering it}, [state entering each step a product reads])."""
         maps_a, maps_b = call._tables(gathered)
         h = maps_b.new_zeros(maps_b.shape[2:])
         entering, out = [], {}
@@ -233,15 +234,29 @@ class _Fold(torch.autograd.Function):
             entering.append(h if at is not None and not restart else None)
             if at is not None:
                 h = maps_b[at] if restart else call._product(maps_a[at], maps_b[at], h)
-        ctx.call, ctx.steps, ctx.orders = call, steps, sorted(out)
+        return out, entering
+
+    @staticmethod
+    def forward(ctx, call, gathered, steps, need):
+        out, entering = _Fold.chain(call, gathered, steps, need)
+        ctx.call, ctx.steps, ctx.need, ctx.orders = call, steps, need, sorted(out)
         ctx.save_for_backward(gathered, *(e for e in entering if e is not None))
         # distinct tensors, none a view of the gathered table (autograd's rules for a function's outputs)
         return tuple(out[o].view(call.b_shape).clone() for o in ctx.orders)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         call, steps = ctx.call, ctx.steps
+        if torch.is_grad_enabled():  # a backward that is differentiated again (create_graph): the plain chain
+            gathered = ctx.saved_tensors[0]
+            out, _ = _Fold.chain(call, gathered, steps, ctx.need)
+            states = [out[o].view(call.b_shape) for o in ctx.orders]
+            pairs = [(s, d) for s, d in zip(states, grads) if s.requires_grad and d is not None]
+            if not pairs:
+                return None, torch.zeros_like(gathered), None, None
+            outs, douts = zip(*pairs)
+            (grad,) = torch.autograd.grad(outs, gathered, douts, create_graph=True, allow_unused=True)
+            return None, grad if grad is not None else torch.zeros_like(gathered), None, None
         gathered, *saved = ctx.saved_tensors
         saved = list(saved)
         maps_a, _ = call._tables(gathered)
