@@ -33,16 +33,23 @@ MAX_K = 128  # one [K, BV] tile of the state per program
 STAGES = (2, 3, 4)
 
 
-@triton.jit(do_not_specialize=["T"])
-def _maps_kernel(k, w, u, g, out, cu_seqlens, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                 V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
-    i_nh, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    i_n, i_h = i_nh // HV, i_nh % HV
+@triton.jit
+def _sequence(i_nh, cu_seqlens, T, HV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """(value head, first token, length) of the program's (sequence, value head) ``i_nh``."""
+    i_n = i_nh // HV
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + i_n).to(tl.int64)
         T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
     else:
         bos = i_n * T
+    return i_nh % HV, bos, T
+
+
+@triton.jit(do_not_specialize=["T"])
+def _maps_kernel(k, w, u, g, out, cu_seqlens, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    i_nh, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    i_h, bos, T = _sequence(i_nh, cu_seqlens, T, HV, IS_VARLEN)
     nv = tl.cdiv(V, BV)
     is_b = i_c < nv  # this program's columns: B's (values u, zero start) or A's (zero values, start I)
     o_k = tl.arange(0, BK)
@@ -88,12 +95,7 @@ def _state_grad_kernel(q, k, w, g, do, out, cu_seqlens, scale, T, H: tl.constexp
                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        IS_VARLEN: tl.constexpr):
     i_nh, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    i_n, i_h = i_nh // HV, i_nh % HV
-    if IS_VARLEN:
-        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-        T = (tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos).to(tl.int32)
-    else:
-        bos = i_n * T
+    i_h, bos, T = _sequence(i_nh, cu_seqlens, T, HV, IS_VARLEN)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
