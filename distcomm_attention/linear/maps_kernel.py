@@ -1,6 +1,8 @@
-"""The gated delta rule's map (A, B) of a run by one state-only Triton pass (Note [Open segments in two passes]).
+"""Two state-only Triton passes for the gated delta rule's open segments (Note [Open segments in two passes]):
+the map (A, B) of a run, and the gradient of its outputs with respect to its incoming state.
 
     delta_maps(k, w, u, g, cu_seqlens=None) -> (A, B)
+    delta_state_grad(q, k, w, g, do, scale, cu_seqlens=None) -> dS_in   (N, HV, K, V) float32
 
         k        (B, T, H, K)      the keys
         w, u     (B, T, HV, K/V)   the WY representation of fla's forward (``chunk_gated_delta_rule_fwd_intra``)
@@ -13,7 +15,8 @@ map does not need, and needs the zero values and the identity materialised. Here
 groups: programs over the V columns of B and the K columns of A, the state kept in float32 and rounded to the
 inputs' dtype for its products exactly as fla's pass rounds it, nothing stored but the end state. fla-core's
 own summary kernel (``fla/ops/cp``) composes A as K x K products in float32, four times the work of these
-columns (docs/bench: 2.40 ms against a 1.99 ms forward at 16k tokens on one H100).
+columns (docs/bench: 2.40 ms against a 1.99 ms forward at 16k tokens on one H100). ``delta_state_grad`` is
+fla's values' local gradient and reverse state pass without an end-state gradient, fused, storing dS_in alone.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["delta_maps", "CHUNK", "MAX_K"]
+__all__ = ["delta_maps", "delta_state_grad", "CHUNK", "MAX_K"]
 
 CHUNK = 64
 MAX_K = 128  # one [K, BV] tile of the state per program
