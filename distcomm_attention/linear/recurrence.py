@@ -297,14 +297,26 @@ class _Call:
         self.a_shape = (self.rows, self.hv, self.dk, self.dk) if self.delta else (self.rows, self.hv)
         self.b_shape = (self.rows, self.hv, self.dk, self.dv)
 
+    def _pieces(self, x: torch.Tensor) -> dict[int, torch.Tensor]:
+        """x (q, k, v, g or beta) split along the tokens into this rank's segments: {local start: view}. One
+        split, whose backward writes x's gradient once (a slice's backward fills a zero tensor of x's size)."""
+        cache = self.__dict__.setdefault("_split_cache", {})
+        if id(x) not in cache:
+            segs = sorted((s for r in self.plan.runs[self.comm.rank] for s in r.segments), key=lambda s: s.local)
+            cache[id(x)] = (x, dict(zip((s.local for s in segs), x.split([s.length for s in segs], dim=1))))
+        return cache[id(x)][1]
+
     def _pick(self, segs):
-        """A function taking q, k, v, g or beta to the tokens of ``segs`` in order: a view where they are
-        adjacent, else one gather."""
-        first, last = segs[0], segs[-1]
-        if all(a.local + a.length == b.local for a, b in zip(segs[:-1], segs[1:])):
-            return lambda x: None if x is None else x[:, first.local : last.local + last.length]
-        idx = torch.cat([torch.arange(s.local, s.local + s.length) for s in segs]).to(self.q.device, non_blocking=True)
-        return lambda x: None if x is None else x.index_select(1, idx)
+        """A function taking q, k, v, g or beta to the tokens of ``segs`` in order: the tensor itself where they
+        are all of the rank's tokens, the segment's piece for one, else the pieces joined."""
+        def pick(x):
+            if x is None:
+                return None
+            pieces = self._pieces(x)
+            if len(segs) == len(pieces) and all(a.local < b.local for a, b in zip(segs[:-1], segs[1:])):
+                return x
+            return pieces[segs[0].local] if len(segs) == 1 else torch.cat([pieces[s.local] for s in segs], dim=1)
+        return pick
 
     def _doc_state(self, doc: int):
         if self.h0 is None:
@@ -374,8 +386,8 @@ class _Call:
     def _scalar_open(self, seg, o, end):
         # the sum along the tokens as the last dim: along the strided middle dim it took 5.9 ms on an H100
         # for 16k tokens x 80 heads, more than the kernel call
-        cum = self.g[:, seg.local : seg.local + seg.length].to(self.sdtype).transpose(1, 2).cumsum(-1).transpose(1, 2)
-        q = self.q[:, seg.local : seg.local + seg.length]
+        cum = self._pieces(self.g)[seg.local].to(self.sdtype).transpose(1, 2).cumsum(-1).transpose(1, 2)
+        q = self._pieces(self.q)[seg.local]
         # scalar decay: o_t += scale * exp(cum_t) * q_t H_in, kept factored (q per key head, one weight per
         # token and value head) rather than expanded to every value head's K-wide factor
         return o, (q, self.scale * cum.exp()), cum[:, -1].exp(), end
