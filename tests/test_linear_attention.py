@@ -863,3 +863,36 @@ def test_the_fold_backward_and_double_backward(kind, docs, finals):
     assert fold(gathered), "the case must fold something"
     assert torch.autograd.gradcheck(fold, (gathered,))
     assert torch.autograd.gradgradcheck(fold, (gathered,))
+
+
+@pytest.mark.parametrize("kind, layout, docs", [
+    ("ssd", "zigzag", None),  # two open segments, each corrected with its own tokens of q and g
+    ("gdn", "contiguous", [0, 30, 48]),  # an open segment and a closed one, in two kernel calls
+])
+def test_backward_fills_no_input_sized_zeros(kind, layout, docs):
+    """Where a rank's inputs go to several calls (or corrections) in pieces, the pieces come from one split per
+    input: no slice or gather whose backward fills a zero tensor of the input's shape per piece. Rank 2 of
+    four, the chunked PyTorch kernel; the gradients themselves are checked by the world tests."""
+    from types import SimpleNamespace
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from distcomm_attention.linear import recurrence
+
+    case = _case(kind, layout, 48, docs)
+    (q, k, v, g, beta, _), _ = make_inputs(case)
+    plan = recurrence._checks.cached_plan(layout, 48, 4, None if docs is None else tuple(docs), False)
+    index = torch.cat([torch.arange(r.start, r.start + r.length) for r in plan.runs[2]])
+    local = [t.index_select(1, index).detach().requires_grad_() for t in (q, k, v, g, beta if kind == "gdn" else None)
+             if t is not None]
+    args = local if kind == "gdn" else local + [None]
+    call = recurrence._Call(plan, SimpleNamespace(size=4, rank=2, group=None), torch_chunk, 0.5, *args, None,
+                            gather=lambda t: t.unsqueeze(0).expand(4, *t.shape))
+    out, _ = call.forward(False)
+    shapes = {tuple(t.shape) for t in local}
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out.sum().backward()
+    fills = [e.name for e in prof.events() if e.name in ("aten::slice_backward", "aten::index_select_backward")
+             and e.concrete_inputs and len(e.concrete_inputs) > 1 and tuple(e.concrete_inputs[1] or ()) in shapes]
+    assert all(t.grad is not None for t in local)
+    assert not fills, fills
