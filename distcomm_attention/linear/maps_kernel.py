@@ -36,6 +36,23 @@ MAX_K = 128  # one [K, BV] tile of the state per program
 STAGES = (2, 3, 4)
 
 
+def _tuned(kernel):
+    """On CUDA the tile width and launch shape are tuned per shape (``_launch``)."""
+    return triton.autotune(
+    configs=[triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
+             for bv in (32, 64) for warps in (2, 4) for stages in STAGES],
+    key=["H", "HV", "K", "V", "BK"],
+)(kernel)
+
+
+def _launch(kernel, tuned, grid, args, meta, on_cuda: bool):
+    """The tuned kernel on CUDA; the interpreter (CPU) runs one configuration."""
+    if on_cuda:
+        tuned[grid](*args, **meta)
+    else:
+        kernel[grid](*args, BV=32, **meta)
+
+
 @triton.jit
 def _sequence(i_nh, cu_seqlens, T, HV: tl.constexpr, IS_VARLEN: tl.constexpr):
     """(value head, first token, length) of the program's (sequence, value head) ``i_nh``."""
@@ -85,12 +102,7 @@ def _maps_kernel(k, w, u, g, out, cu_seqlens, T, H: tl.constexpr, HV: tl.constex
              mask=m_k[:, None] & m_c[None, :])
 
 
-# on CUDA the tile width and launch shape are tuned per shape; the interpreter (CPU) runs one configuration
-_maps_tuned = triton.autotune(
-    configs=[triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
-             for bv in (32, 64) for warps in (2, 4) for stages in STAGES],
-    key=["H", "HV", "K", "V", "BK"],
-)(_maps_kernel)
+_maps_tuned = _tuned(_maps_kernel)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -132,11 +144,7 @@ def _state_grad_kernel(q, k, w, g, do, out, cu_seqlens, scale, T, H: tl.constexp
     tl.store(out + i_nh * K * V + o_k[:, None] * V + o_v[None, :], b_dh, mask=m_k[:, None] & m_v[None, :])
 
 
-_state_grad_tuned = triton.autotune(
-    configs=[triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
-             for bv in (32, 64) for warps in (2, 4) for stages in STAGES],
-    key=["H", "HV", "K", "V", "BK"],
-)(_state_grad_kernel)
+_state_grad_tuned = _tuned(_state_grad_kernel)
 
 
 def delta_maps(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
@@ -156,10 +164,7 @@ def delta_maps(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tenso
 
     args = (k, w, u, g, out, cu_seqlens, t)
     meta = dict(H=heads, HV=hv, K=dk, V=dv, BT=CHUNK, BK=bk, IS_VARLEN=cu_seqlens is not None)
-    if k.is_cuda:
-        _maps_tuned[grid](*args, **meta)
-    else:
-        _maps_kernel[grid](*args, BV=32, **meta)
+    _launch(_maps_kernel, _maps_tuned, grid, args, meta, k.is_cuda)
     return out[..., dv:], out[..., :dv]
 
 
@@ -179,8 +184,6 @@ def delta_state_grad(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, g: torch
     args = (q, k, w, g, do, out, cu_seqlens, scale, t)
     meta = dict(H=heads, HV=hv, K=dk, V=dv, BT=CHUNK, BK=max(16, triton.next_power_of_2(dk)),
                 IS_VARLEN=cu_seqlens is not None)
-    if k.is_cuda:
-        _state_grad_tuned[lambda m: (n * hv, triton.cdiv(dv, m["BV"]))](*args, **meta)
-    else:
-        _state_grad_kernel[(n * hv, triton.cdiv(dv, 32))](*args, BV=32, **meta)
+    _launch(_state_grad_kernel, _state_grad_tuned, lambda m: (n * hv, triton.cdiv(dv, m["BV"])), args, meta,
+            k.is_cuda)
     return out

@@ -296,11 +296,12 @@ class _Call:
         self.rows = b if len(plan.docs) == 2 else 1  # states per map: the batch rows, or the one packed row
         self.a_shape = (self.rows, self.hv, self.dk, self.dk) if self.delta else (self.rows, self.hv)
         self.b_shape = (self.rows, self.hv, self.dk, self.dv)
+        self._split_cache: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}  # _pieces
 
     def _pieces(self, x: torch.Tensor) -> dict[int, torch.Tensor]:
         """x (q, k, v, g or beta) split along the tokens into this rank's segments: {local start: view}. One
         split, whose backward writes x's gradient once (a slice's backward fills a zero tensor of x's size)."""
-        cache = self.__dict__.setdefault("_split_cache", {})
+        cache = self._split_cache
         if id(x) not in cache:
             segs = sorted((s for r in self.plan.runs[self.comm.rank] for s in r.segments), key=lambda s: s.local)
             cache[id(x)] = (x, dict(zip((s.local for s in segs), x.split([s.length for s in segs], dim=1))))
@@ -439,18 +440,11 @@ class _Call:
         final = None
         if finals:
             # a document ending in an open segment: its map from the run's incoming state; else its B alone
-            final = torch.cat([self._apply(self._unpack(gathered[r, slot]), states[order]) if d in open_ends
-                               else self._unpack(gathered[r, slot])[1]
+            maps_a, maps_b = self._tables(gathered)
+            final = torch.cat([(self._product(maps_a[r, slot], maps_b[r, slot], states[order].flatten(0, 1))
+                                if d in open_ends else maps_b[r, slot]).view(self.b_shape)
                                for d, (r, slot, order) in enumerate(plan.doc_end)])
         return out, final
-
-    def _unpack(self, row):
-        na = torch.Size(self.a_shape).numel()
-        return row[:na].reshape(self.a_shape), row[na:].reshape(self.b_shape)
-
-    def _apply(self, ab, h):
-        a, b = ab
-        return self._product(a.flatten(0, 1), b.flatten(0, 1), h.flatten(0, 1)).view(b.shape)
 
     # the fold's maps flat over (rows, value heads): A (R, K, K) (scalar decay: (R,)), B and states (R, K, V)
 
