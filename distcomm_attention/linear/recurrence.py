@@ -401,6 +401,10 @@ class _Call:
         low = o0.dtype in (torch.float16, torch.bfloat16)
         dtype = o0.dtype if low else h.dtype  # of the product
         q, weight = factor
+        if low and o0.is_cuda and max(self.dk, self.dv) <= 128:  # the same in one pass (correction_kernel.py)
+            from distcomm_attention.linear.correction_kernel import ScalarCorrection
+
+            return ScalarCorrection.apply(o0, q, weight, h)
         b, t, heads, _ = q.shape
         groups = self.hv // heads
         hk = h.reshape(b, heads, groups, self.dk, self.dv).transpose(2, 3).reshape(b, heads, self.dk, groups * self.dv)
