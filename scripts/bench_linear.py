@@ -205,6 +205,29 @@ def host_ms(fn, gpu_ms: float, iters: int, device) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def host_top(fn, iters: int, device, top: int = 30) -> dict[str, list[tuple[str, float, float, int]]]:
+    """cProfile of ``iters`` calls of ``fn``: (function, own ms per call, cumulative ms per call, calls per
+    call), the largest own and the largest cumulative times: where a host-bound rank's Python goes."""
+    import cProfile
+    import pstats
+
+    fn()
+    U.synchronize(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        fn()
+    prof.disable()
+    U.synchronize(device)
+    stats = pstats.Stats(prof).stats
+    rows = [(f"{path.rsplit('/', 2)[-1] if '/' in path else path}:{line}:{name}", tt, ct, nc)
+            for (path, line, name), (_, nc, tt, ct, _) in stats.items()]
+    def ranked(column):
+        return [(name, round(1e3 * tt / iters, 4), round(1e3 * ct / iters, 4), nc // iters)
+                for name, tt, ct, nc in sorted(rows, key=lambda r: -r[column])[:top]]
+    return {"own": ranked(1), "cumulative": ranked(2)}
+
+
 def shard_of(tensors, plan, rank):
     index = torch.cat([torch.arange(r.start, r.start + r.length) for r in plan.runs[rank]])
     return [None if t is None else t.detach().index_select(1, index.to(t.device)).requires_grad_() for t in tensors]
@@ -243,6 +266,7 @@ def run_case(args, kind, layout, n, world, device, dtype, run) -> dict:
         step = lambda: rank_step(kind, plan, busiest, world, local_tensors, run, args.backward)  # noqa: E731
         row["profile_rank_kernels"] = kernel_times(step)
         row["profile_rank_host_ms"] = host_ms(step, rank_ms[busiest], args.iters, device)
+        row["profile_rank_host_top"] = host_top(step, args.iters, device)
         row["profile_local_call_kernels"] = kernel_times(lambda: full_call(kind, part, run, args.backward))
     del full
     if device.type == "cuda":
