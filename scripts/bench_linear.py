@@ -78,6 +78,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true",
                    help="GPU: per kernel, the CUDA time of the busiest rank's step and of one call over n tokens; "
                         "the step's host time (host_ms)")
+    p.add_argument("--gpu-time", action="store_true",
+                   help="GPU: also each time with the host kept ahead (a GPU sleep queued before each call): the "
+                        "kernels' time without the GPU waiting for Python, as inside a model whose earlier layers "
+                        "keep the GPU busy (rank_gpu_ms, efficiency_gpu)")
     p.add_argument("--check", action="store_true",
                    help="GPU: fla's split (simulated ranks, maps gathered) vs a float64 reference, fwd and bwd")
     args = p.parse_args(argv)
@@ -155,14 +159,19 @@ def full_call(kind, tensors, run, backward: bool):
     return out
 
 
-def timed(fn, iters: int, warmup: int, device) -> float:
-    """Median milliseconds per call (CUDA events on GPU, wall clock on CPU)."""
+def timed(fn, iters: int, warmup: int, device, ahead_ms: float = 0.0) -> float:
+    """Median milliseconds per call (CUDA events on GPU, wall clock on CPU). ``ahead_ms`` > 0 (CUDA): a GPU sleep
+    that long is queued before each call and the events bracket the call alone, so the host has queued the
+    call's kernels before the GPU reaches them: their time without host gaps (unless the call synchronises)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if ahead_ms > 0:
+                torch.cuda.synchronize()
+                U.gpu_sleep(device, 1e-3 * ahead_ms)
             start.record()
             fn()
             end.record()
@@ -259,6 +268,18 @@ def run_case(args, kind, layout, n, world, device, dtype, run) -> dict:
     # is compared with to see the cost of the summaries and corrections apart from the kernel's own scaling)
     row.update(rank_ms=rank_ms, max_rank_ms=max(rank_ms), baseline_ms=base, local_call_ms=local,
                efficiency=base / (world * max(rank_ms)))
+    if args.gpu_time:  # the host kept ahead by twice each call's wall time
+        rank_gpu = []
+        for rank in range(world):
+            local_tensors = shard_of(full, plan, rank)
+            rank_gpu.append(timed(lambda: rank_step(kind, plan, rank, world, local_tensors, run, args.backward),
+                                  args.iters, 1, device, ahead_ms=2 * rank_ms[rank] + 1))
+        local_gpu = timed(lambda: full_call(kind, part, run, args.backward), args.iters, 1, device,
+                          ahead_ms=2 * local + 1)
+        base_gpu = timed(lambda: full_call(kind, full, run, args.backward), args.iters, 1, device,
+                         ahead_ms=2 * base + 1) if n * world <= args.full_limit else world * local_gpu
+        row.update(rank_gpu_ms=rank_gpu, baseline_gpu_ms=base_gpu, local_call_gpu_ms=local_gpu,
+                   efficiency_gpu=base_gpu / (world * max(rank_gpu)))
     if args.profile:
         busiest = max(range(world), key=rank_ms.__getitem__)
         local_tensors = shard_of(full, plan, busiest)

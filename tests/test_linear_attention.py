@@ -149,11 +149,13 @@ def _device_mesh(shape, names):
 HALF_TOL = dict(rtol=2e-2, atol=2e-2)
 
 
-def _check_world(world: int, cases: list[dict]):
-    results = run_world(_cp_rank, world, cases)
+def _check_world(world: int, cases: list[dict], results=None, tol=None):
+    """The ranks' results (run here by _cp_rank unless given) against the float64 reference, within ``tol``
+    (default: float64's, or bfloat16's for 16-bit cases)."""
+    results = run_world(_cp_rank, world, cases) if results is None else results
     for i, case in enumerate(cases):
         o, final, grads = reference(case)
-        tol = TOL if case.get("dtype", F64) == F64 else HALF_TOL
+        tol = tol or (TOL if case.get("dtype", F64) == F64 else HALF_TOL)
         for r in range(world):
             got_o, got_final, got_grads, positions = results[r][i]
             if case.get("mesh"):  # the tokens Sharding(layout, group=mesh).shard gave the rank

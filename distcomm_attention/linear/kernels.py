@@ -162,8 +162,14 @@ _BOUNDS: "OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]]" = OrderedDict()
 def _bounds(cu_seqlens: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(host, device) copies of the boundaries, the same tensor objects for the same boundaries: fla caches
     what it derives from them by identity (chunk indices, offsets), so a repeated call neither recomputes them
-    nor copies between host and device; the device copy is made without blocking the host."""
-    key = (tuple(int(x) for x in cu_seqlens.tolist()), str(device))
+    nor copies between host and device."""
+    return host_and_device(tuple(int(x) for x in cu_seqlens.tolist()), device)
+
+
+def host_and_device(values: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(host, device) int64 copies of ``values``, the same tensor objects for the same values (a small LRU
+    cache); the device copy is made from pinned memory without blocking the host."""
+    key = (values, str(device))
     hit = _BOUNDS.get(key)
     if hit is None:
         host = torch.tensor(key[0], dtype=torch.long)

@@ -42,7 +42,7 @@ import torch
 
 from distcomm_attention import _validation
 from distcomm_attention.sharding import mesh_field
-from distcomm_attention.linear import _checks
+from distcomm_attention.linear import _checks, kernels
 from distcomm_attention.linear.exchange import all_gather_rows
 from distcomm_attention.linear.kernels import open_segments, passes_of, select_kernel
 
@@ -238,11 +238,42 @@ class _Fold(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call, gathered, steps, need):
+        ctx.call, ctx.steps, ctx.need = call, steps, need
+        ctx.index = call._fold_index(gathered, steps)
+        if ctx.index is not None:  # one launch (fold_kernel.py)
+            from distcomm_attention.linear import fold_kernel
+
+            ctx.orders = sorted(need)
+            index, t, _, _ = ctx.index
+            states = fold_kernel.fold_states(gathered, index[: 2 * t], *call._fold_dims())
+            ctx.save_for_backward(gathered, states)
+            return tuple(states[o].view(call.b_shape).clone() for o in ctx.orders)
         out, entering = _Fold.chain(call, gathered, steps, need)
-        ctx.call, ctx.steps, ctx.need, ctx.orders = call, steps, need, sorted(out)
+        ctx.orders = sorted(out)
         ctx.save_for_backward(gathered, *(e for e in entering if e is not None))
         # distinct tensors, none a view of the gathered table (autograd's rules for a function's outputs)
         return tuple(out[o].view(call.b_shape).clone() for o in ctx.orders)
+
+    @staticmethod
+    def kernel_backward(ctx, grads):
+        """The backward by fold_kernel: the gradients of the states after every folded step in one launch, then
+        B's gradients are those, A's one batched product with the states entering the steps."""
+        from distcomm_attention.linear import fold_kernel
+
+        call, (index, t, nb, na) = ctx.call, ctx.index
+        gathered, states = ctx.saved_tensors
+        d_states = torch.zeros_like(states)
+        for o, d in zip(ctx.orders, grads):
+            if d is not None:
+                d_states[o] = d.flatten(0, 1)
+        after = fold_kernel.fold_grads(gathered, index[: 2 * t], *call._fold_dims(), d_states)
+        grad = torch.zeros(gathered.shape, dtype=gathered.dtype, device=gathered.device)
+        flat, width = grad.view(-1, grad.shape[-1]), torch.Size(call.a_shape).numel()
+        step_b, slot_b, step_a, slot_a = index[2 * t :].split([nb, nb, na, na])
+        flat[:, width:].index_copy_(0, slot_b, after.index_select(0, step_b).flatten(1))
+        g, h = after.index_select(0, step_a), states.index_select(0, step_a)
+        flat[:, :width].index_copy_(0, slot_a, call._map_grad(g.flatten(0, 1), h.flatten(0, 1)).view(na, -1))
+        return None, grad, None, None
 
     @staticmethod
     def backward(ctx, *grads):
@@ -257,6 +288,8 @@ class _Fold(torch.autograd.Function):
             outs, douts = zip(*pairs)
             (grad,) = torch.autograd.grad(outs, gathered, douts, create_graph=True, allow_unused=True)
             return None, grad if grad is not None else torch.zeros_like(gathered), None, None
+        if ctx.index is not None:
+            return _Fold.kernel_backward(ctx, grads)
         gathered, *saved = ctx.saved_tensors
         saved = list(saved)
         maps_a, _ = call._tables(gathered)
@@ -464,6 +497,37 @@ class _Call:
         if self.delta:
             return torch.baddbmm(b, a, h)
         return torch.addcmul(b, a[:, None, None], h)
+
+    def _fold_on_kernel(self, gathered) -> bool:
+        """Whether the fold runs as fold_kernel's launches: float32 tables on CUDA, K within its tile."""
+        if not (gathered.is_cuda and gathered.dtype == torch.float32 and gathered.stride(-1) == 1):
+            return False
+        try:
+            from distcomm_attention.linear import fold_kernel
+        except ImportError:  # no triton
+            return False
+        return not self.delta or self.dk <= fold_kernel.MAX_K
+
+    def _fold_dims(self):
+        """fold_kernel's (na, rows, dk, dv, delta) for this call's maps."""
+        return torch.Size(self.a_shape).numel(), self.rows * self.hv, self.dk, self.dv, self.delta
+
+    def _fold_index(self, gathered, steps):
+        """(index, T, nb, na) for fold_kernel, or None where the fold runs as a loop of products: ``index`` on
+        the table's device holds each step's map offset in ``gathered`` (-1: none) and restart flag, then the
+        folded steps and their slots (row of the flat (W * slots) table), then those of the steps with a
+        product (not restarts)."""
+        if not self._fold_on_kernel(gathered):
+            return None
+        per = gathered.shape[1]
+        offsets = [-1 if at is None else at[0] * gathered.stride(0) + at[1] * gathered.stride(1) for _, at, _ in steps]
+        restarts = [int(bool(restart)) for _, _, restart in steps]
+        folded = [(t, at[0] * per + at[1]) for t, (_, at, _) in enumerate(steps) if at is not None]
+        products = [(t, slot) for (t, slot) in folded if not steps[t][2]]
+        values = (*offsets, *restarts, *(t for t, _ in folded), *(s for _, s in folded),
+                  *(t for t, _ in products), *(s for _, s in products))
+        _, index = kernels.host_and_device(values, gathered.device)
+        return index, len(steps), len(folded), len(products)
 
     def _map_grad(self, g, h):
         """d(A h + B)/dA contracted with g: g h^T (delta), sum(g * h) per head (scalar decay)."""
