@@ -65,8 +65,8 @@ def _loop(table, steps, na, rows, dk, dv, delta):
     return torch.stack(states), leaves
 
 
-@pytest.mark.parametrize("delta, rows, dk, dv", [(True, 3, 8, 40), (True, 2, 24, 16), (False, 3, 8, 40),
-                                                 (False, 2, 128, 20)])
+@pytest.mark.parametrize("delta, rows, dk, dv", [(True, 3, 8, 40), (True, 2, 24, 16), (True, 2, 128, 48),
+                                                 (False, 3, 8, 40), (False, 2, 128, 20)])
 @pytest.mark.parametrize("expanded", [False, True])
 def test_fold_kernels_match_float64(delta, rows, dk, dv, expanded):
     from distcomm_attention.linear import fold_kernel
@@ -122,15 +122,19 @@ def _kernel_rank(rank: int, world: int, cases: list[dict]):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the CPU ranks run the kernels interpreted")
 def test_linear_layers_with_the_fold_kernels():
     """float32 inputs on the PyTorch chunk kernel with the fold on fold_kernel, against the float64 recurrence:
-    zigzag with documents crossing boundaries (both recurrences), balanced documents with final states."""
+    zigzag with documents crossing boundaries (both recurrences), balanced documents, with final states; and
+    contiguous without them, where rank 1 folds run 0 alone, a restart (no product)."""
     from tests.test_linear_attention import run_world
 
     docs = [0, 3, 4, 15, 16]
     f32 = torch.float32
     cases = [_case("gdn", "zigzag", 16, docs, dtype=f32), _case("scalar", "zigzag", 16, docs, dtype=f32),
-             _case("gdn", "balanced", 32, [0, 3, 4, 15, 16, 32], dtype=f32), _case("gdn", "contiguous", 32, dtype=f32)]
-    results = run_world(_kernel_rank, 4, cases)
+             _case("gdn", "balanced", 32, [0, 3, 4, 15, 16, 32], dtype=f32)]
+    no_finals = [dict(_case(kind, "contiguous", 32, dtype=f32), finals=False) for kind in ("gdn", "scalar")]
+    results = run_world(_kernel_rank, 4, cases + no_finals)
     for r, (_, launches) in enumerate(results):
-        # every rank folds (zigzag reads the state entering both its runs) and differentiates the fold
-        assert launches.count("fold_states") >= 3 and launches.count("fold_grads") >= 3, (r, launches)
-    _check_world(4, cases, results=[res for res, _ in results], tol=F32_TOL)
+        # every rank folds in each case with final states; without them each rank but the first (which reads
+        # no incoming state) in each; every fold is differentiated
+        folds = len(cases) + (len(no_finals) if r else 0)
+        assert launches.count("fold_states") == launches.count("fold_grads") == folds, (r, launches)
+    _check_world(4, cases + no_finals, results=[res for res, _ in results], tol=F32_TOL)

@@ -270,9 +270,11 @@ class _Fold(torch.autograd.Function):
         grad = torch.zeros(gathered.shape, dtype=gathered.dtype, device=gathered.device)
         flat, width = grad.view(-1, grad.shape[-1]), torch.Size(call.a_shape).numel()
         step_b, slot_b, step_a, slot_a = index[2 * t :].split([nb, nb, na, na])
-        flat[:, width:].index_copy_(0, slot_b, after.index_select(0, step_b).flatten(1))
-        g, h = after.index_select(0, step_a), states.index_select(0, step_a)
-        flat[:, :width].index_copy_(0, slot_a, call._map_grad(g.flatten(0, 1), h.flatten(0, 1)).view(na, -1))
+        if nb:
+            flat[:, width:].index_copy_(0, slot_b, after.index_select(0, step_b).flatten(1))
+        if na:  # restarts alone read no A
+            g, h = after.index_select(0, step_a), states.index_select(0, step_a)
+            flat[:, :width].index_copy_(0, slot_a, call._map_grad(g.flatten(0, 1), h.flatten(0, 1)).view(na, -1))
         return None, grad, None, None
 
     @staticmethod
