@@ -14,8 +14,8 @@ the path elsewhere).
         after[t]  the gradient of the state after step t, given d_states[t], the gradient of states[t]: B_t's
                   gradient, and A_t's contracted with states[t] (``recurrence._Fold.backward``)
 
-Each program carries one [K, BV] tile of the state through every step, in float32, the products exact
-(``input_precision="ieee"``, as the reference's float32 products without TF32). A loop of batched products
+Each program carries one [K, BV] tile of the state through every step, in float32, its products to float32's
+accuracy (``PRECISION``). A loop of batched products
 costs a host launch per step (tens of microseconds each on a GPU, where the products take a few): this is
 one launch for all of them.
 """
@@ -28,12 +28,16 @@ import triton.language as tl
 
 __all__ = ["fold_states", "fold_grads", "MAX_K"]
 
-MAX_K = 128  # A's whole K x K tile in registers per program
+MAX_K = 128  # A's whole K x K tile per program
+# float32 products as three TF32 products on the tensor cores: float32's accuracy (on an H100, K = V = 128, 32
+# heads, 16 steps: 5.5e-7 relative against the loop of float32 products, 7.8e-7 with "ieee") in 0.10 ms, where
+# "ieee" (no tensor cores) took 1.8-8.8 ms and the loop of products 0.20 ms of GPU time and 0.35 ms of host time
+PRECISION = "tf32x3"
 
 
 @triton.jit
 def _fold_kernel(table, steps, states, T, NA: tl.constexpr, R: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, DELTA: tl.constexpr):
+                 BK: tl.constexpr, BV: tl.constexpr, DELTA: tl.constexpr, PRECISION: tl.constexpr):
     i_r, i_v = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -53,14 +57,15 @@ def _fold_kernel(table, steps, states, T, NA: tl.constexpr, R: tl.constexpr, K: 
                 if DELTA:
                     b_a = tl.load(table + off + i_r * K * K + o_k[:, None] * K + o_k[None, :],
                                   mask=(o_k[:, None] < K) & (o_k[None, :] < K), other=0.0)
-                    b_h = tl.dot(b_a, b_h, input_precision="ieee") + b_b
+                    b_h = tl.dot(b_a, b_h, input_precision=PRECISION) + b_b
                 else:
                     b_h = tl.load(table + off + i_r) * b_h + b_b
 
 
 @triton.jit
 def _fold_grad_kernel(table, steps, d_states, after, T, NA: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DELTA: tl.constexpr):
+                      V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DELTA: tl.constexpr,
+                      PRECISION: tl.constexpr):
     i_r, i_v = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -81,7 +86,7 @@ def _fold_grad_kernel(table, steps, d_states, after, T, NA: tl.constexpr, R: tl.
                 if DELTA:  # A^T g
                     b_a = tl.load(table + off + i_r * K * K + o_k[None, :] * K + o_k[:, None],
                                   mask=(o_k[:, None] < K) & (o_k[None, :] < K), other=0.0)
-                    b_g = tl.dot(b_a, b_g, input_precision="ieee")
+                    b_g = tl.dot(b_a, b_g, input_precision=PRECISION)
                 else:
                     b_g = tl.load(table + off + i_r) * b_g
         b_g += tl.load(d_states + at, mask=m_kv, other=0.0)
@@ -93,10 +98,10 @@ def _launch(kernel, table, steps, outs, na, rows, dk, dv, delta):
     if table.dtype != torch.float32 or table.stride(-1) != 1:
         raise ValueError("fold kernel: a float32 table with contiguous numbers")
     bk = max(16, triton.next_power_of_2(dk))
-    bv = min(64 if bk <= 64 else 32, max(16, triton.next_power_of_2(dv)))
+    bv = min(32, max(16, triton.next_power_of_2(dv)))
     t = steps.shape[0] // 2
     kernel[(rows, triton.cdiv(dv, bv))](table, steps, *outs, t, NA=na, R=rows, K=dk, V=dv, BK=bk, BV=bv,
-                                        DELTA=delta, num_warps=8 if delta and bk >= 128 else 4)
+                                        DELTA=delta, PRECISION=PRECISION, num_warps=8 if bk >= 128 else 4)
 
 
 def fold_states(table: torch.Tensor, steps: torch.Tensor, na: int, rows: int, dk: int, dv: int,
