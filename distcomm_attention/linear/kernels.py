@@ -302,6 +302,16 @@ class TorchPasses:
             return torch.autograd.grad((o, end), x, (do, dht))
 
 
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the open segments' backward (FlaPasses._before_dht)."""
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    return _SIDE[device]
+
+
 class FlaPasses:
     """The four operations of Note [Open segments in two passes] by fla-core's gated-delta-rule chunk kernels
     (its forward and backward, split where the passes need): CUDA tensors of 16/32 bits."""
@@ -328,6 +338,7 @@ class FlaPasses:
             self.w, self.u, self.solved = chunk_gated_delta_rule_fwd_intra(
                 k=self.k, v=self.v, g=self.g, beta=self.beta, chunk_size=self.CHUNK, **common)
         self.common = common
+        self.pending = None  # the backward's parts that need no end-state gradient (state_grad, then input_grads)
 
     def saved(self):
         return [self.q, self.k, self.v, self.beta, self.g, self.solved]
@@ -377,32 +388,83 @@ class FlaPasses:
                             **self.common)
         return o.to(self.q.dtype)
 
+    def _before_dht(self, h_in, do, side: bool):
+        """fla's backward up to its reverse state pass, the parts that need no end-state gradient: w and u
+        recomputed, the chunk states from S_in and their new values, the values' local gradient. ``side``: the
+        state pass and the local gradient on a side stream (they overlap what the caller runs next, dS_in's
+        reverse pass); the current stream waits for them when input_grads uses them."""
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+        from fla.ops.common.chunk_o import chunk_bwd_dv_local
+
+        w, u = self._w_u()
+        if self.cu is not None:  # fla's cached chunk offsets made here, on the main stream, not on the side one
+            from fla.ops.utils.index import prepare_chunk_offsets
+
+            prepare_chunk_offsets(self.cu, self.CHUNK)
+        main = torch.cuda.current_stream()
+        stream = _side_stream(self.q.device) if side else main
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=self.k, w=w, u=u, g=self.g,
+                                                       initial_state=h_in.float().contiguous(),
+                                                       output_final_state=False, chunk_size=self.CHUNK, **self.common)
+            dv = chunk_bwd_dv_local(q=self.q, k=self.k, do=do, g=self.g, scale=self.scale, chunk_size=self.CHUNK,
+                                    **self.common)
+        if side:  # the allocator's stream bookkeeping: read on the side stream, or made there and read here
+            for t in (w, u, do, h_in, self.q, self.k, self.g, self.cu, self.indices):
+                if t is not None:
+                    t.record_stream(stream)
+            for t in (h, v_new, dv):
+                t.record_stream(main)
+        self.pending = (w, h, v_new, dv, stream)
+        return w
+
     def state_grad(self, h_in, do):
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
-        from fla.ops.common.chunk_o import chunk_bwd_dv_local
 
         from distcomm_attention.linear import maps_kernel
 
         with self.device:
-            w, _ = self._w_u()
             do = do.contiguous()
             if self.k.shape[-1] <= maps_kernel.MAX_K:  # one reverse state-only pass (maps_kernel.py)
+                w = self._before_dht(h_in, do, side=True)
                 return maps_kernel.delta_state_grad(self.q, self.k, w, self.g, do, self.scale, self.cu)
-            dv = chunk_bwd_dv_local(q=self.q, k=self.k, do=do, g=self.g, scale=self.scale, chunk_size=self.CHUNK,
-                                    **self.common)
+            w = self._before_dht(h_in, do, side=False)
+            dv = self.pending[3]
             _, dh0, _ = chunk_gated_delta_rule_bwd_dhu(q=self.q, k=self.k, w=w, do=do, dv=dv, g=self.g,
                                                        h0=h_in.float().contiguous(), dht=None, scale=self.scale,
                                                        chunk_size=self.CHUNK, **self.common)
         return dh0
 
     def input_grads(self, h_in, do, dht):
-        from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+        """fla's ``chunk_gated_delta_rule_bwd`` from its reverse state pass on, the parts before it taken from
+        state_grad where it ran (fla-core 0.6.0's sequence of kernels)."""
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+        from fla.ops.common.chunk_o import chunk_bwd_dqkwg
+        from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
+        from fla.ops.utils import chunk_local_cumsum
 
         with self.device:
-            dq, dk, dv, db, dg, _, _, _ = chunk_gated_delta_rule_bwd(
-                q=self.q, k=self.k, v=self.v, g=self.g, beta=self.beta, A=self.solved, scale=self.scale,
-                initial_state=h_in.float().contiguous(), do=do.contiguous(), dht=dht.float().contiguous(),
-                chunk_size=self.CHUNK, **self.common)
+            do = do.contiguous()
+            if self.pending is None:
+                self._before_dht(h_in, do, side=False)
+            w, h, v_new, dv, stream = self.pending
+            self.pending = None
+            here = torch.cuda.current_stream()
+            here.wait_stream(stream)
+            if stream != here:
+                for t in (h, v_new, dv):
+                    t.record_stream(here)
+            dh, _, dv = chunk_gated_delta_rule_bwd_dhu(q=self.q, k=self.k, w=w, do=do, dv=dv, g=self.g,
+                                                       h0=h_in.float().contiguous(), dht=dht.float().contiguous(),
+                                                       scale=self.scale, chunk_size=self.CHUNK, **self.common)
+            dq, dk, dw, dg = chunk_bwd_dqkwg(q=self.q, k=self.k, v=v_new, w=w, g=self.g, h=h, dv=dv, do=do, dh=dh,
+                                             scale=self.scale, chunk_size=self.CHUNK, **self.common)
+            dk2, dv, db, dg2 = prepare_wy_repr_bwd(k=self.k, v=self.v, beta=self.beta, g=self.g, A=self.solved,
+                                                   dw=dw, du=dv, **self.common)
+            dk.add_(dk2)
+            dg.add_(dg2)
+            dg = chunk_local_cumsum(dg, chunk_size=self.CHUNK, reverse=True, **self.common)
         return dq, dk, dv, dg, db
 
 
@@ -453,6 +515,7 @@ class _Output(torch.autograd.Function):
     def backward(ctx, do):
         p = ctx.passes
         if p.do is not None:
+            p.pending = None  # the parts kept for the input gradients of the backward that never came
             raise RuntimeError(
                 "an open segment's outputs were differentiated twice before its maps were: a backward that "
                 "reaches the outputs but not q, k, v, g, beta (autograd.grad or backward(inputs=...) leaving "
@@ -461,7 +524,7 @@ class _Output(torch.autograd.Function):
         p.restore(tensors)
         # contiguous once for both backward passes (autograd's gradient of a sum is an expanded tensor)
         p.h_in, p.do = h_in.detach(), do.contiguous()
-        dh_in = p.state_grad(p.h_in, do) if ctx.needs_input_grad[2] else None
+        dh_in = p.state_grad(p.h_in, p.do) if ctx.needs_input_grad[2] else None
         p.release()
         return None, None, dh_in
 
