@@ -27,8 +27,10 @@ MAX_DIM = 128  # K and V: one tile each
 
 
 @triton.jit
-def _fwd_kernel(o0, q, w, s, o, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def _tile(q, s, w, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+          BK: tl.constexpr, BV: tl.constexpr):
+    """The program's (batch row and value head, token tile): (flat token rows, their mask, the outputs' offsets
+    and mask, w of the rows, q @ S in float32)."""
     i_bh, i_t = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_b, i_h = i_bh // HV, i_bh % HV
     o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
@@ -41,8 +43,13 @@ def _fwd_kernel(o0, q, w, s, o, T, H: tl.constexpr, HV: tl.constexpr, K: tl.cons
     b_s = tl.load(s + i_bh * K * V + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
     b_qs = tl.dot(b_q, b_s.to(b_q.dtype))
     b_w = tl.load(w + rows * HV + i_h, mask=m_t, other=0.0)
-    m_o = m_t[:, None] & m_v[None, :]
-    p = (rows[:, None] * HV + i_h) * V + o_v[None, :]
+    return rows * HV + i_h, m_t, (rows[:, None] * HV + i_h) * V + o_v[None, :], m_t[:, None] & m_v[None, :], b_w, b_qs
+
+
+@triton.jit
+def _fwd_kernel(o0, q, w, s, o, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    _, _, p, m_o, b_w, b_qs = _tile(q, s, w, T, H, HV, K, V, BT, BK, BV)
     b_o = tl.load(o0 + p, mask=m_o, other=0.0).to(tl.float32) + b_w[:, None] * b_qs
     tl.store(o + p, b_o.to(o.dtype.element_ty), mask=m_o)
 
@@ -51,22 +58,9 @@ def _fwd_kernel(o0, q, w, s, o, T, H: tl.constexpr, HV: tl.constexpr, K: tl.cons
 def _bwd_kernel(do, q, w, s, dw, dwo, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                 BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     # per (batch row and value head, token tile): dw = sum_v dout * (q @ S) in float32, and w * dout
-    i_bh, i_t = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    i_b, i_h = i_bh // HV, i_bh % HV
-    o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
-    m_t = o_t < T
-    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    rows = i_b * T + o_t
-    b_q = tl.load(q + (rows[:, None] * H + i_h // (HV // H)) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
-                  other=0.0)
-    b_s = tl.load(s + i_bh * K * V + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-    b_qs = tl.dot(b_q, b_s.to(b_q.dtype))
-    m_o = m_t[:, None] & m_v[None, :]
-    p = (rows[:, None] * HV + i_h) * V + o_v[None, :]
+    p_w, m_t, p, m_o, b_w, b_qs = _tile(q, s, w, T, H, HV, K, V, BT, BK, BV)
     b_do = tl.load(do + p, mask=m_o, other=0.0).to(tl.float32)
-    b_w = tl.load(w + rows * HV + i_h, mask=m_t, other=0.0)
-    tl.store(dw + rows * HV + i_h, tl.sum(b_do * b_qs, axis=1), mask=m_t)
+    tl.store(dw + p_w, tl.sum(b_do * b_qs, axis=1), mask=m_t)
     tl.store(dwo + p, (b_do * b_w[:, None]).to(dwo.dtype.element_ty), mask=m_o)
 
 

@@ -36,14 +36,20 @@ PRECISION = "tf32x3"
 
 
 @triton.jit
-def _fold_kernel(table, steps, states, T, NA: tl.constexpr, R: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                 BK: tl.constexpr, BV: tl.constexpr, DELTA: tl.constexpr, PRECISION: tl.constexpr):
+def _tile(R: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The program's (row, column tile): (row, key offsets, the tile's mask and offsets in one step's states,
+    one step's size in 64 bits)."""
     i_r, i_v = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
-    p_kv = i_r * K * V + o_k[:, None] * V + o_v[None, :]
-    step = tl.full([], R * K * V, tl.int64)  # one step's states, in 64 bits
+    return i_r, o_k, m_kv, i_r * K * V + o_k[:, None] * V + o_v[None, :], tl.full([], R * K * V, tl.int64)
+
+
+@triton.jit
+def _fold_kernel(table, steps, states, T, NA: tl.constexpr, R: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, DELTA: tl.constexpr, PRECISION: tl.constexpr):
+    i_r, o_k, m_kv, p_kv, step = _tile(R, K, V, BK, BV)
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     for t in range(0, T):
         tl.store(states + t * step + p_kv, b_h, mask=m_kv)
@@ -66,12 +72,7 @@ def _fold_kernel(table, steps, states, T, NA: tl.constexpr, R: tl.constexpr, K: 
 def _fold_grad_kernel(table, steps, d_states, after, T, NA: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DELTA: tl.constexpr,
                       PRECISION: tl.constexpr):
-    i_r, i_v = tl.program_id(0), tl.program_id(1)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_kv = (o_k[:, None] < K) & (o_v[None, :] < V)
-    p_kv = i_r * K * V + o_k[:, None] * V + o_v[None, :]
-    step = tl.full([], R * K * V, tl.int64)  # one step's states, in 64 bits
+    i_r, o_k, m_kv, p_kv, step = _tile(R, K, V, BK, BV)
     b_g = tl.zeros([BK, BV], dtype=tl.float32)  # the gradient of the state after step t
     for i in range(0, T):
         t = T - 1 - i
