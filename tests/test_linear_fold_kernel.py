@@ -138,3 +138,44 @@ def test_linear_layers_with_the_fold_kernels():
         folds = len(cases) + (len(no_finals) if r else 0)
         assert launches.count("fold_states") == launches.count("fold_grads") == folds, (r, launches)
     _check_world(4, cases + no_finals, results=[res for res, _ in results], tol=F32_TOL)
+
+
+@pytest.mark.gpu2
+def test_fold_kernels_on_a_table_off_the_current_device():
+    """A table on cuda:1 while cuda:0 is current: the kernels launch on the table's GPU (as the loop did)."""
+    from distcomm_attention.linear import fold_kernel
+
+    table, na = _table(True, 2, 16, 24)
+    table = table.to(torch.float32).to("cuda:1")
+    index = _index(table, STEPS)
+    expected, _ = _loop(table, STEPS, na, 2, 16, 24, True)
+    with torch.cuda.device(0):
+        states = fold_kernel.fold_states(table, index, na, 2, 16, 24, True)
+        after = fold_kernel.fold_grads(table, index, na, 2, 16, 24, True, torch.ones_like(states))
+    assert states.device == after.device == table.device
+    torch.testing.assert_close(states.cpu().to(F64), expected.detach(), **F32_TOL)
+
+
+@pytest.mark.gpu
+def test_fold_kernel_error_on_a_long_chain():
+    """64 steps of near-isometric maps at K = V = 128 (W = 32 zigzag reads that many): the TF32x3 products'
+    error against float64 stays within a few T x 2^-22 relative (T = 64 steps; the module's docstring), states
+    and gradients (exact float32 products would give about 1e-6, a wrong product about 1)."""
+    from distcomm_attention.linear import fold_kernel
+
+    gen = torch.Generator().manual_seed(7)
+    rows, dk, dv, t = 4, 128, 128, 64
+    q, _ = torch.linalg.qr(torch.randn(t, rows, dk, dk, generator=gen, dtype=F64))
+    a, b = 0.999 * q, 0.1 * torch.randn(t, rows, dk, dv, generator=gen, dtype=F64)
+    table = torch.cat([a.flatten(1), b.flatten(1)], 1)[:, None].to(torch.float32).cuda()  # (W = t, slots 1, ...)
+    steps = [(i, (i, 0), i == 0) for i in range(t)]
+    expected, leaves = _loop(table, steps, rows * dk * dk, rows, dk, dv, True)
+    states = fold_kernel.fold_states(table, _index(table, steps), rows * dk * dk, rows, dk, dv, True)
+    bound = 4 * t * 2.0**-22
+    assert (states.cpu().to(F64) - expected).abs().max() <= bound * expected.abs().max()
+    d = torch.randn(expected.shape, generator=gen, dtype=F64)
+    after = fold_kernel.fold_grads(table, _index(table, steps), rows * dk * dk, rows, dk, dv, True,
+                                   d.to(torch.float32).cuda()).cpu().to(F64)
+    grads = torch.autograd.grad(expected, [leaves[i][1] for i in range(t - 1)], d)
+    want = torch.stack(grads)
+    assert (after[: t - 1] - want).abs().max() <= bound * want.abs().max()

@@ -501,8 +501,10 @@ class _Call:
         return torch.addcmul(b, a[:, None, None], h)
 
     def _fold_on_kernel(self, gathered) -> bool:
-        """Whether the fold runs as fold_kernel's launches: float32 tables on CUDA, K within its tile."""
-        if not (gathered.is_cuda and gathered.dtype == torch.float32 and gathered.stride(-1) == 1):
+        """Whether the fold runs as fold_kernel's launches: float32 tables on NVIDIA GPUs (its TF32 products),
+        K within its tile."""
+        if not (gathered.is_cuda and torch.version.hip is None and gathered.dtype == torch.float32
+                and gathered.stride(-1) == 1):
             return False
         try:
             from distcomm_attention.linear import fold_kernel
