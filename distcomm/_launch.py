@@ -8,6 +8,11 @@ Used by ``python -m distcomm.demo`` and by the test suite. Design (fast and robu
 - tensors come back as plain data (nested lists) and are rebuilt in the parent;
 - a child's traceback is re-raised in the parent; a hang ends in a ``TimeoutError`` naming the ranks
   that did not finish, and every child is killed;
+- worlds form one at a time on a machine (a file lock from the ranks' start until every rank has joined, or
+  until a world that cannot form is torn down): gloo's full-mesh connect retries a peer's address until its
+  timeout, so the ranks of a world whose peer died keep connecting to that peer's port, and a world forming
+  meanwhile whose listener got the same port takes the stray connection (seen as "connectFullMesh failed:
+  Connection closed by peer" in another test's world under pytest-xdist);
 - every rank's exit code is checked: a rank that reported its result and then exits with a non-zero code
   or is killed by a signal (e.g. an abort while the interpreter shuts down) fails the run, naming the rank
   and its exit code. Nothing is ever retried: a world that cannot be formed is an error too.
@@ -22,9 +27,15 @@ import os
 import queue as queue_mod
 import signal
 import socket
+import tempfile
 import time
 import traceback
 from datetime import timedelta
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: worlds form without the lock
+    fcntl = None
 
 import torch
 import torch.distributed as dist
@@ -146,6 +157,24 @@ def _rank_errors(errors: dict[int, str]) -> str:
     return "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
 
 
+class _FormationLock:
+    """A machine-wide lock held while one world forms (the module's docstring): taken when made, released once."""
+
+    PATH = os.path.join(tempfile.gettempdir(), "distcomm_world_formation.lock")
+
+    def __init__(self):
+        self._file = None
+        if fcntl is not None:
+            self._file = open(self.PATH, "a")  # noqa: SIM115 (held while the world forms)
+            fcntl.flock(self._file, fcntl.LOCK_EX)
+
+    def release(self):
+        if self._file is not None:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+
+
 def _run_once(fn, world_size: int, args, backend: str, timeout: float):
     ctx = _context()
     store = _loopback_store(world_size)
@@ -154,8 +183,13 @@ def _run_once(fn, world_size: int, args, backend: str, timeout: float):
         ctx.Process(target=_worker, args=(r, world_size, store.port, backend, fn, args, results, timeout), daemon=True)
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    forming = _FormationLock()
+    try:
+        for p in procs:
+            p.start()
+    except BaseException:
+        forming.release()
+        raise
     out: dict[int, object] = {}
     errors: dict[int, str] = {}
     ready: set[int] = set()
@@ -186,6 +220,8 @@ def _run_once(fn, world_size: int, args, backend: str, timeout: float):
                 continue
             if status == "ready":
                 ready.add(rank)
+                if len(ready) == world_size:  # every rank connected: the next world may form
+                    forming.release()
             elif status == "init_error":
                 errors[rank] = f"rank {rank} of {world_size} could not join the process group:\n{payload}"
                 deadline = min(deadline, time.monotonic() + 5.0)
@@ -219,4 +255,5 @@ def _run_once(fn, world_size: int, args, backend: str, timeout: float):
             if p.is_alive():
                 p.kill()
                 p.join()
+        forming.release()  # after a world that could not form is gone: its ranks connect no more
 

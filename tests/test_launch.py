@@ -181,6 +181,53 @@ def test_a_world_that_cannot_form_fails_once_without_retry(monkeypatch):
     assert len(stores) == 1
 
 
+def _rank_of(rank, world, marker):
+    with open(f"{marker}.{rank}", "w"):
+        pass
+    return rank
+
+
+def test_worlds_form_one_at_a_time(tmp_path):
+    """While the machine-wide formation lock is held (another world forming), a launch starts no rank; once it is
+    released the world forms and runs. A world whose peer died would otherwise keep connecting to that peer's
+    port and reach the listener of a world forming meanwhile (docs in distcomm/_launch.py)."""
+    import threading
+
+    held = _launch._FormationLock()
+    marker = str(tmp_path / "started")
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(out=run_world(_rank_of, 2, marker, timeout=60)))
+    try:
+        thread.start()
+        time.sleep(1.5)
+        assert thread.is_alive() and not list(tmp_path.iterdir()), "a rank started while another world formed"
+    finally:
+        held.release()
+    thread.join(timeout=60)
+    assert result.get("out") == [0, 1] and len(list(tmp_path.iterdir())) == 2
+
+
+def test_the_formation_lock_is_released_after_every_world(monkeypatch):
+    """Released once the ranks have joined, and after a world that cannot form has been torn down."""
+    events = []
+
+    class Recorded(_launch._FormationLock):
+        def __init__(self):
+            events.append("taken")
+            super().__init__()
+
+        def release(self):
+            if self._file is not None:
+                events.append("released")
+            super().release()
+
+    monkeypatch.setattr(_launch, "_FormationLock", Recorded)
+    assert run_world(_dies_after_reporting_rank, 2, "none", timeout=30) == [0, 1]
+    with pytest.raises(RuntimeError, match="could not join the process group"):
+        run_world(_never_runs_rank, 2, backend="no-such-backend", timeout=30)
+    assert events == ["taken", "released", "taken", "released"]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(world_size=0), "world_size must be an int >= 1, got 0"),
     (dict(world_size=2.0), "world_size must be an int >= 1, got 2.0"),
