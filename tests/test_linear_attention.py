@@ -902,3 +902,109 @@ def test_backward_fills_no_input_sized_zeros(kind, layout, docs):
              and e.concrete_inputs and len(e.concrete_inputs) > 1 and tuple(e.concrete_inputs[1] or ()) in shapes]
     assert all(t.grad is not None for t in local)
     assert not fills, fills
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU: a Qwen3.5-shaped hybrid on 2 GPUs over NCCL, bf16 with fla's kernels, against one GPU
+# ---------------------------------------------------------------------------------------------------------
+
+GPU_SEQ = 2048
+
+
+def _qwen3_5_gpu_config():
+    """Qwen3.5's linear-attention heads (16 key heads, 32 value heads of 128, conv of 4) in a small model (Qwen3-Next
+    with dense MLPs where transformers has no Qwen3.5)."""
+    shared = dict(
+        vocab_size=HF_VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        max_position_embeddings=GPU_SEQ, attention_dropout=0.0,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"])
+    try:
+        from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    except ImportError:
+        from transformers import Qwen3NextConfig
+
+        return Qwen3NextConfig(**shared, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0, 1, 2, 3])
+    return Qwen3_5TextConfig(**shared)
+
+
+def _qwen3_5_gpu(dtype, device, attn_implementation="sdpa"):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_qwen3_5_gpu_config(), attn_implementation=attn_implementation,
+                                             dtype=torch.float64)
+    return model.to(dtype=dtype, device=device)
+
+
+def _gpu_ids() -> torch.Tensor:
+    return torch.randint(0, HF_VOCAB, (1, GPU_SEQ), generator=_gen("gpu-ids"))
+
+
+def _torch_path(monkeypatch, model):
+    """transformers' own PyTorch recurrence for ``model``'s GDN layers: where fla is installed transformers calls
+    its kernels (Triton, CUDA tensors only) through a wrapper of the PyTorch function (``__wrapped__``)."""
+    import sys
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("transformers.models.qwen3") and name.endswith("modeling_" + name.split(".")[-2]):
+            for attr in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+                fn = getattr(module, attr, None)
+                if fn is not None and hasattr(fn, "__wrapped__"):
+                    monkeypatch.setattr(module, attr, fn.__wrapped__)
+    for layer in model.modules():
+        for attr in ("chunk_gated_delta_rule", "recurrent_gated_delta_rule"):
+            fn = getattr(layer, attr, None)
+            if fn is not None:
+                monkeypatch.setattr(layer, attr, getattr(fn, "__wrapped__", fn))
+        if hasattr(layer, "causal_conv1d_fn"):
+            monkeypatch.setattr(layer, "causal_conv1d_fn", None)
+    return model
+
+
+def _loss_and_grads(model, **inputs):
+    loss = model(**inputs, use_cache=False).loss if "labels" in inputs else None
+    loss.backward()
+    return loss.detach().double().cpu(), {n: p.grad.double().cpu() for n, p in model.named_parameters()}
+
+
+def _hf_gpu_rank(rank: int, world: int, layout: str):
+    from distcomm_attention.integrations import huggingface as ring_hf
+
+    ring = ring_hf.register("cp_hybrid_gpu", layout=layout)
+    model = ring.attach(_qwen3_5_gpu(torch.bfloat16, torch.device("cuda", rank), ring.name), kernel="fla")
+    ids = _gpu_ids().cuda(rank)
+    inputs = ring.shard_inputs(input_ids=ids, labels=ids)
+    loss = model(**inputs).loss  # shard_inputs turns the cache off
+    loss.backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters() if "linear_attn" in n}
+    return loss.detach().float(), grads
+
+
+@pytest.mark.gpu2
+@pytest.mark.timeout(900)
+def test_qwen3_5_shaped_hybrid_on_two_gpus_matches_one_gpu(monkeypatch):
+    """Qwen3.5's GDN heads, 2048 tokens, bf16 on 2 GPUs over NCCL (zigzag) with fla's kernels: the loss and the
+    linear-attention layers' parameter gradients (summed over the ranks) are as close to the float64 model on
+    the CPU as the same bf16 model on one GPU is (transformers' own layers on fla's kernels): within 2x its
+    error plus 1e-3 of the reference's largest magnitude."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("fla")
+    results = run_world(_hf_gpu_rank, 2, "zigzag", backend="nccl", timeout=600)
+    ids = _gpu_ids()
+    one = _qwen3_5_gpu(torch.bfloat16, torch.device("cuda", 0))
+    one_loss, one_grads = _loss_and_grads(one, input_ids=ids.cuda(), labels=ids.cuda())
+    ref = _torch_path(monkeypatch, _qwen3_5_gpu(torch.float64, "cpu"))
+    ref_loss, ref_grads = _loss_and_grads(ref, input_ids=ids, labels=ids)
+    cp_loss = sum(r[0].double() for r in results)
+    errors = {"loss": (abs(float(cp_loss - ref_loss)), abs(float(one_loss - ref_loss)), abs(float(ref_loss)))}
+    for name in results[0][1]:
+        cp = sum(r[1][name].double() for r in results)
+        ref = ref_grads[name]
+        errors[name] = (float((cp - ref).abs().max()), float((one_grads[name] - ref).abs().max()),
+                        float(ref.abs().max()))
+    assert len(errors) > 10, sorted(errors)  # the three GDN layers' projections, conv, gates, norm
+    print({k: tuple(round(x, 6) for x in v) for k, v in errors.items()})
+    for name, (cp, one_gpu, scale) in errors.items():
+        assert cp <= 2 * one_gpu + 1e-3 * scale, (name, cp, one_gpu, scale)
