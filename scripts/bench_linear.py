@@ -406,14 +406,19 @@ def main(argv=None) -> int:
         for layout in args.layouts:
             for n in args.tokens:
                 for world in args.worlds:
-                    row = run_case(args, kind, layout, n, world, device, dtype, run)
+                    try:
+                        row = run_case(args, kind, layout, n, world, device, dtype, run)
+                    except torch.OutOfMemoryError as e:  # a row too large for this GPU (e.g. the baseline)
+                        row = dict(kind=kind, layout=layout, tokens_per_gpu=n, world=world,
+                                   error=f"out of memory: {str(e).splitlines()[0]}")
+                        torch.cuda.empty_cache()
                     if args.dry_run:
                         errors = split_check(kind, layout, min(world, 4), args.doc_len, run, device, dtype)
                         row["dry_step_max_error"] = max(errors.values())
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-    if args.json is not None:
-        args.json.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
+                    if args.json is not None:  # each row as it ends: a later failure keeps the earlier ones
+                        args.json.write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
     if args.dry_run:
         bad = [r for r in rows if r["dry_step_max_error"] > 1e-9]
         if bad:

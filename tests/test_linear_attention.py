@@ -747,6 +747,35 @@ def test_bench_dry_run(tmp_path):
     assert len(rows) == 4 and all(r["dry_step_max_error"] < 1e-9 and r["bytes_maps"] > 0 for r in rows)
 
 
+def test_bench_records_a_row_out_of_memory_and_goes_on(tmp_path, monkeypatch):
+    """A row that runs out of GPU memory becomes an error row naming it; the rows after it still run, and the JSON
+    holds every row written so far."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import bench_linear
+    finally:
+        sys.path.pop(0)
+    real = bench_linear.run_case
+
+    def run_case(args, kind, layout, n, world, *rest):
+        if world == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB.")
+        return real(args, kind, layout, n, world, *rest)
+
+    monkeypatch.setattr(bench_linear, "run_case", run_case)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    out = tmp_path / "rows.json"
+    assert bench_linear.main(["--dry-run", "--kinds", "gdn", "--layouts", "zigzag", "--tokens", "32",
+                              "--worlds", "2,4", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["world"] for r in rows] == [2, 4]
+    assert rows[0]["error"].startswith("out of memory: CUDA out of memory") and "bytes_maps" not in rows[0]
+    assert "error" not in rows[1] and rows[1]["bytes_maps"] > 0
+
+
 def test_bench_without_fla_says_so():
     """Without fla the benchmark exits with status 1 naming the package to install."""
     import subprocess
