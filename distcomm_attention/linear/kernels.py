@@ -397,10 +397,11 @@ class FlaPasses:
         from fla.ops.common.chunk_o import chunk_bwd_dv_local
 
         w, u = self._w_u()
+        offsets = None
         if self.cu is not None:  # fla's cached chunk offsets made here, on the main stream, not on the side one
             from fla.ops.utils.index import prepare_chunk_offsets
 
-            prepare_chunk_offsets(self.cu, self.CHUNK)
+            offsets = prepare_chunk_offsets(self.cu, self.CHUNK)
         main = torch.cuda.current_stream()
         stream = _side_stream(self.q.device) if side else main
         stream.wait_stream(main)
@@ -411,7 +412,7 @@ class FlaPasses:
             dv = chunk_bwd_dv_local(q=self.q, k=self.k, do=do, g=self.g, scale=self.scale, chunk_size=self.CHUNK,
                                     **self.common)
         if side:  # the allocator's stream bookkeeping: read on the side stream, or made there and read here
-            for t in (w, u, do, h_in, self.q, self.k, self.g, self.cu, self.indices):
+            for t in (w, u, do, h_in, self.q, self.k, self.g, self.cu, self.indices, offsets):
                 if t is not None:
                     t.record_stream(stream)
             for t in (h, v_new, dv):
