@@ -220,7 +220,8 @@ class _Fold(torch.autograd.Function):
     entering run j is S_j; S_{j+1} = A_j S_j + B_j (B_j alone for a restart, S_j for a run not folded). The
     forward is one product per folded run (``call._product``), the backward the mirror chain
     (dA_j = g_{j+1} S_j^T, dB_j = g_{j+1}, g_j = A_j^T g_{j+1} + dS_j): a few operations per step where
-    autograd recorded ten (the fold's host time per step counts on the GPU, where the products are tiny)."""
+    autograd recorded ten. On float32 tables on CUDA both are one launch of fold_kernel.py each (a loop's host
+    launch per step costs more on the GPU than its tiny product)."""
 
     @staticmethod
     def chain(call, gathered, steps, need):
@@ -260,7 +261,7 @@ class _Fold(torch.autograd.Function):
         B's gradients are those, A's one batched product with the states entering the steps."""
         from distcomm_attention.linear import fold_kernel
 
-        call, (index, t, nb, na) = ctx.call, ctx.index
+        call, (index, t, n_folded, n_products) = ctx.call, ctx.index
         gathered, states = ctx.saved_tensors
         d_states = torch.zeros_like(states)
         for o, d in zip(ctx.orders, grads):
@@ -269,12 +270,13 @@ class _Fold(torch.autograd.Function):
         after = fold_kernel.fold_grads(gathered, index[: 2 * t], *call._fold_dims(), d_states)
         grad = torch.zeros(gathered.shape, dtype=gathered.dtype, device=gathered.device)
         flat, width = grad.view(-1, grad.shape[-1]), torch.Size(call.a_shape).numel()
-        step_b, slot_b, step_a, slot_a = index[2 * t :].split([nb, nb, na, na])
-        if nb:
+        step_b, slot_b, step_a, slot_a = index[2 * t :].split([n_folded, n_folded, n_products, n_products])
+        if n_folded:
             flat[:, width:].index_copy_(0, slot_b, after.index_select(0, step_b).flatten(1))
-        if na:  # restarts alone read no A
+        if n_products:  # restarts alone read no A
             g, h = after.index_select(0, step_a), states.index_select(0, step_a)
-            flat[:, :width].index_copy_(0, slot_a, call._map_grad(g.flatten(0, 1), h.flatten(0, 1)).view(na, -1))
+            grad_a = call._map_grad(g.flatten(0, 1), h.flatten(0, 1)).view(n_products, -1)
+            flat[:, :width].index_copy_(0, slot_a, grad_a)
         return None, grad, None, None
 
     @staticmethod
@@ -517,7 +519,7 @@ class _Call:
         return torch.Size(self.a_shape).numel(), self.rows * self.hv, self.dk, self.dv, self.delta
 
     def _fold_index(self, gathered, steps):
-        """(index, T, nb, na) for fold_kernel, or None where the fold runs as a loop of products: ``index`` on
+        """(index, T, folded steps, steps with a product) for fold_kernel, or None where the fold runs as a loop of products: ``index`` on
         the table's device holds each step's map offset in ``gathered`` (-1: none) and restart flag, then the
         folded steps and their slots (row of the flat (W * slots) table), then those of the steps with a
         product (not restarts)."""
