@@ -9,8 +9,8 @@ Used by ``python -m distcomm.demo`` and by the test suite. Design (fast and robu
 - a child's traceback is re-raised in the parent; a hang ends in a ``TimeoutError`` naming the ranks
   that did not finish, and every child is killed;
 - worlds form one at a time on a machine (a file lock from the ranks' start until every rank has joined, or
-  until a world that cannot form is torn down). gloo's full-mesh connect retries a refused address until its
-  timeout, so the ranks of a world whose peer died can keep connecting to that peer's port, and a world
+  until a world that cannot form is torn down). gloo's full-mesh connect keeps trying a refused address until
+  its timeout, so the ranks of a world whose peer died can keep connecting to that peer's port, and a world
   forming meanwhile whose listener got the same port would take the stray connection: the likely cause of a
   "connectFullMesh failed: Connection closed by peer" seen once in a test's world under pytest-xdist while
   another pytest session ran worlds too (not reproduced on demand);

@@ -519,10 +519,10 @@ class _Call:
         return torch.Size(self.a_shape).numel(), self.rows * self.hv, self.dk, self.dv, self.delta
 
     def _fold_index(self, gathered, steps):
-        """(index, T, folded steps, steps with a product) for fold_kernel, or None where the fold runs as a loop of products: ``index`` on
-        the table's device holds each step's map offset in ``gathered`` (-1: none) and restart flag, then the
-        folded steps and their slots (row of the flat (W * slots) table), then those of the steps with a
-        product (not restarts)."""
+        """(index, T, folded steps, steps with a product) for fold_kernel, or None where the fold runs as a loop
+        of products: ``index`` on the table's device holds each step's map offset in ``gathered`` (-1: none)
+        and restart flag, then the folded steps and their slots (row of the flat (W * slots) table), then those
+        of the steps with a product (not restarts)."""
         if not self._fold_on_kernel(gathered):
             return None
         per = gathered.shape[1]
