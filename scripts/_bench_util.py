@@ -230,6 +230,39 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def gpu_seconds(fn: Callable[[], object], iters: int, ahead_s: float = 0.0) -> float:
+    """Median CUDA seconds of one call of ``fn``, CUDA events around each call alone; ``ahead_s`` > 0: a GPU
+    sleep that long queued before each call, so the host has queued the call's kernels before the GPU
+    reaches them: their time without host gaps (unless the call synchronises)."""
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if ahead_s > 0:
+            torch.cuda.synchronize()
+            gpu_sleep(torch.device("cuda"), ahead_s)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def host_seconds(fn: Callable[[], object], gpu_s: float, iters: int, device: torch.device) -> float:
+    """Median host seconds of one call of ``fn``, each call behind a GPU sleep of twice ``gpu_s`` (at least
+    2 ms; on CUDA), so the host never waits for the GPU unless the call synchronises (then it shows about the
+    sleep): the Python and launch time of the call, what bounds a call whose GPU work is shorter."""
+    times = []
+    for _ in range(iters):
+        synchronize(device)
+        gpu_sleep(device, 2 * max(gpu_s, 1e-3))
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    synchronize(device)
+    return sorted(times)[len(times) // 2]
+
+
 def time_loop(fn: Callable[[], object], *, iters: int, warmup: int, device: torch.device,
               barrier: bool = True) -> float:
     """Mean seconds per call of ``fn`` over ``iters`` back-to-back calls after ``warmup`` calls.

@@ -43,6 +43,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _bench_util as U  # noqa: E402
 import bench_strategies as bs  # noqa: E402
 
 from distcomm_attention.kernels import dispatch  # noqa: E402
@@ -271,7 +272,7 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
                                       args.ranks)
             else:
                 ranks = bs.pick_ranks(bs.planned_rank_s(base, lay, vis, world, n, heads, kv_heads, d), args.ranks)
-            times, sent, sparse = [], 0, None
+            times, gpu, host, sent, sparse = [], [], [], 0, None
             for r in ranks:
                 if strategy in HYBRIDS:
                     t = _Sent(EmulatedLink(degree, 0, _inside(link_name)))
@@ -286,6 +287,9 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
                 if base in ("allgather", "hybrid", "hybrid_allgather"):
                     sparse = "sparse" in path
                 times.append(bs._timed(f, args.iters, args.warmup))
+                if getattr(args, "host_time", False):  # the kernels alone (host kept ahead) and the host alone
+                    gpu.append(U.gpu_seconds(f, args.iters, ahead_s=2 * times[-1] + 1e-3))
+                    host.append(U.host_seconds(f, times[-1], args.iters, dev))
                 for c in counted:
                     c.sent.clear()
                 f()
@@ -293,6 +297,8 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
                 sent = max(sent, sum(c.total for c in counted))
             per[strategy] = {"ranks": ranks, "rank_s": times, "max_s": max(times), "bytes_sent": sent,
                              "efficiency": single / (world * max(times))}
+            if host:
+                per[strategy].update(gpu_s=gpu, host_s=host)
             if sparse is not None:
                 per[strategy]["sparse"] = sparse
         row["links"][link_name] = per
@@ -398,11 +404,27 @@ def host_cost(args) -> dict:
             "posts": args.posts, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
 
 
+def host_probe_us(launches: int = 500) -> float:
+    """This machine's host microseconds per launch of a one-element CUDA op (median of 5 runs of
+    ``launches``, the GPU kept ahead; fewer than CUDA's queue of pending launches holds): a reference for the
+    host terms of the rows, which move with the CPU."""
+    x = torch.zeros(1, device="cuda")
+
+    def run():
+        for _ in range(launches):
+            x.add_(1)
+
+    run()
+    return 1e6 * U.host_seconds(run, 1e-6 * 20 * launches, 5, x.device) / launches
+
+
 def _line(row) -> str:
     parts = [f"S={row['seq']} W={row['world']} {row['documents']} {row['layout']}: single {row['single_s']*1e3:.2f} ms"]
     for link, per in row["links"].items():
         shown = ", ".join(f"{s} {m['efficiency']:.2f}" + (f" ({m['max_s']*1e3:.2f} ms, pred {m['prediction_error']:+.0%})"
                                                             if "prediction_error" in m else "")
+                          + (f" [gpu {max(m['gpu_s'])*1e3:.2f}, host {max(m['host_s'])*1e3:.2f} ms]" if "host_s" in m
+                             else "")
                           for s, m in per.items())
         parts.append(f"  {link}: {shown}" + (f"; pick {row[link + '_pick']}, fastest {row[link + '_fastest']}"
                                               if link + "_pick" in row else "")
@@ -434,6 +456,10 @@ def main():
     parser.add_argument("--host-cost", action="store_true",
                         help="print one JSON line: the link's host microseconds per post and wait, per operation")
     parser.add_argument("--posts", type=int, default=500, help="timed posts per operation for --host-cost")
+    parser.add_argument("--host-time", action="store_true",
+                        help="per timed rank also gpu_s (CUDA time with the host kept ahead by a GPU sleep: the "
+                             "kernels and the link alone) and host_s (host seconds per call: Python and launches), "
+                             "and the machine's host_probe_us_per_launch in the JSON")
     args = parser.parse_args()
     if args.host_cost:
         print(json.dumps(host_cost(args)), flush=True)
@@ -443,7 +469,9 @@ def main():
     probe = torch.empty(1, 1, heads, args.head_dim, device="cuda", dtype=torch.bfloat16)
     name, fwd, bwd = dispatch.select_kernels(args.backend, probe, Visibility(True), 0.0)
     args.packs = dispatch.packs(name)  # the cost model counts the calls this backend issues
-    rows = []
+    rows, meta = [], {"device": torch.cuda.get_device_name()}
+    if args.host_time:
+        meta["host_probe_us_per_launch"] = host_probe_us()
     for case in args.cases.split(","):
         seq, world = map(int, case.split("x"))
         for mix in args.docs.split(","):
@@ -452,7 +480,7 @@ def main():
             print(_line(row), flush=True)
             rows.append(row)
             if args.out:
-                Path(args.out).write_text(json.dumps({"rows": rows, "device": torch.cuda.get_device_name()}, indent=1))
+                Path(args.out).write_text(json.dumps({"rows": rows, **meta}, indent=1))
 
 
 if __name__ == "__main__":

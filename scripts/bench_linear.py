@@ -77,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="CPU, no fla: check the arguments, plans and bytes, run one tiny step per simulated rank")
     p.add_argument("--profile", action="store_true",
                    help="GPU: per kernel, the CUDA time of the busiest rank's step and of one call over n tokens; "
-                        "the step's host time (host_ms)")
+                        "the step's host time (profile_rank_host_ms)")
     p.add_argument("--gpu-time", action="store_true",
                    help="GPU: also each time with the host kept ahead (a GPU sleep queued before each call): the "
                         "kernels' time without the GPU waiting for Python, as inside a model whose earlier layers "
@@ -165,22 +165,13 @@ def timed(fn, iters: int, warmup: int, device, ahead_ms: float = 0.0) -> float:
     call's kernels before the GPU reaches them: their time without host gaps (unless the call synchronises)."""
     for _ in range(warmup):
         fn()
+    if device.type == "cuda":
+        return 1e3 * U.gpu_seconds(fn, iters, 1e-3 * ahead_ms)
     times = []
     for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if ahead_ms > 0:
-                torch.cuda.synchronize()
-                U.gpu_sleep(device, 1e-3 * ahead_ms)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return sorted(times)[len(times) // 2]
 
 
@@ -197,21 +188,6 @@ def kernel_times(fn, top: int = 14) -> list[tuple[str, float]]:
             totals[e.name[:70]] = totals.get(e.name[:70], 0.0) + e.time_range.elapsed_us() / 1e3
     ranked = sorted(totals.items(), key=lambda kv: -kv[1])
     return [(name, round(ms, 4)) for name, ms in ranked[:top]] + [("total", round(sum(totals.values()), 4))]
-
-
-def host_ms(fn, gpu_ms: float, iters: int, device) -> float:
-    """Median host milliseconds of one call of ``fn``, each call behind a GPU sleep of twice ``gpu_ms`` (on
-    CUDA), so the host never waits for the GPU unless the call synchronises (then it shows about the sleep):
-    where a rank's wall time exceeds its kernels' (the Python around fla's kernel calls, or a sync)."""
-    times = []
-    for _ in range(iters):
-        U.synchronize(device)
-        U.gpu_sleep(device, 2e-3 * max(gpu_ms, 1.0))
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    U.synchronize(device)
-    return sorted(times)[len(times) // 2]
 
 
 def host_top(fn, iters: int, device, top: int = 30) -> dict[str, list[tuple[str, float, float, int]]]:
@@ -286,7 +262,7 @@ def run_case(args, kind, layout, n, world, device, dtype, run) -> dict:
         row["profile_rank"] = busiest
         step = lambda: rank_step(kind, plan, busiest, world, local_tensors, run, args.backward)  # noqa: E731
         row["profile_rank_kernels"] = kernel_times(step)
-        row["profile_rank_host_ms"] = host_ms(step, rank_ms[busiest], args.iters, device)
+        row["profile_rank_host_ms"] = 1e3 * U.host_seconds(step, 1e-3 * rank_ms[busiest], args.iters, device)
         row["profile_rank_host_top"] = host_top(step, args.iters, device)
         row["profile_local_call_kernels"] = kernel_times(lambda: full_call(kind, part, run, args.backward))
     del full
