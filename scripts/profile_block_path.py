@@ -80,7 +80,9 @@ def _host_s(step, iters: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _cprofile(step, calls: int, top: int) -> str:
+def cprofile_text(step, calls: int, top: int, sort: str = "cumulative") -> str:
+    """cProfile of ``calls`` calls of ``step`` (the GPU drained before and after): the ``top`` functions by
+    ``sort`` ("cumulative" or "tottime", own time)."""
     torch.cuda.synchronize()
     prof = cProfile.Profile()
     prof.enable()
@@ -89,7 +91,7 @@ def _cprofile(step, calls: int, top: int) -> str:
     torch.cuda.synchronize()
     prof.disable()
     s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(top)
+    pstats.Stats(prof, stream=s).sort_stats(sort).print_stats(top)
     return s.getvalue()
 
 
@@ -173,7 +175,7 @@ def main():
         host = _host_s(step, args.iters)
         kernels = _kernel_table(step, args.profile_calls)
         row = {"rank": rank, "gpu_s": gpu, "host_s": host, "efficiency": single / (world * gpu),
-               "kernels": kernels, "cprofile": _cprofile(step, args.profile_calls, args.top)}
+               "kernels": kernels, "cprofile": cprofile_text(step, args.profile_calls, args.top)}
         if strategy == "ulysses":
             row["raw_s"] = _raw_ulysses(seq, heads, kv_heads, world, d, docs, args.iters, args.warmup)
         report["strategies"][strategy] = row

@@ -14,9 +14,6 @@ beside the library's around it:
 
 from __future__ import annotations
 
-import cProfile
-import io
-import pstats
 import sys
 from pathlib import Path
 
@@ -28,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _bench_util as U  # noqa: E402
 import bench_emulated as be  # noqa: E402
 import bench_strategies as bs  # noqa: E402
+from profile_block_path import cprofile_text  # noqa: E402
 
 from distcomm_attention.kernels import dispatch  # noqa: E402
 from distcomm_attention.planning.visibility import Visibility  # noqa: E402
@@ -38,16 +36,9 @@ def profile(name: str, step, calls: int = 5, top: int = 28) -> None:
         step()
     torch.cuda.synchronize()
     host = U.host_seconds(step, 0.05, 5, torch.device("cuda"))
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        step()
-    torch.cuda.synchronize()
-    prof.disable()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    text = cprofile_text(step, calls, top, sort="tottime")
     print(f"===== {name}: host {host * 1e3:.2f} ms per call", flush=True)
-    print("\n".join(line[:160] for line in text.getvalue().splitlines()[:top + 12]), flush=True)
+    print("\n".join(line[:160] for line in text.splitlines()[:top + 12]), flush=True)
 
 
 def main():
