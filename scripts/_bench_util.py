@@ -250,17 +250,22 @@ def gpu_seconds(fn: Callable[[], object], iters: int, ahead_s: float = 0.0) -> f
 
 def host_seconds(fn: Callable[[], object], gpu_s: float, iters: int, device: torch.device) -> float:
     """Median host seconds of one call of ``fn``, each call behind a GPU sleep of twice ``gpu_s`` (at least
-    2 ms; on CUDA), so the host never waits for the GPU unless the call synchronises (then it shows about the
-    sleep): the Python and launch time of the call, what bounds a call whose GPU work is shorter."""
-    times = []
+    2 ms; on CUDA), so the host never waits for the GPU: the Python and launch time of the call, what bounds a
+    call whose GPU work is shorter. NaN where a call returned only after the sleep had ended (the call waited
+    for the GPU, or the sleep was too short): then the host time is not known."""
+    times, waited = [], False
     for _ in range(iters):
         synchronize(device)
         gpu_sleep(device, 2 * max(gpu_s, 1e-3))
+        slept = torch.cuda.Event() if device.type == "cuda" else None
+        if slept is not None:
+            slept.record()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
+        waited = waited or (slept is not None and slept.query())
     synchronize(device)
-    return sorted(times)[len(times) // 2]
+    return math.nan if waited else sorted(times)[len(times) // 2]
 
 
 def time_loop(fn: Callable[[], object], *, iters: int, warmup: int, device: torch.device,

@@ -2,7 +2,8 @@
 
 Each case is timed behind a GPU sleep (``_bench_util.host_seconds``: the host never waits for the GPU) and
 profiled with cProfile by own time, so that the host cost of the kernel's own Python interface can be read
-beside the library's around it:
+beside the library's around it (the cProfile runs back to back, without a sleep ahead: its own times include
+the host's waits, which show as ``_cuda_synchronize``):
 
 - one raw flash-attn-4 varlen forward + backward over a 128k log-normal pack with Ulysses' per-rank heads at
   W = 8 (4 query heads, 1 kv head), and one dense causal call over 16k tokens with 32/8 heads;
@@ -47,7 +48,7 @@ def main():
     rnd = lambda *shape: torch.randn(*shape, device=dev, dtype=dt, generator=g)  # noqa: E731
     seq, world = 131072, 8
     docs = bs.documents("lognormal", seq)
-    profile("raw fa4 varlen 128k 4/1 heads (55 docs)",
+    profile(f"raw fa4 varlen 128k 4/1 heads ({len(docs) - 1} docs)",
             bs._fa4_single(rnd(1, seq, 4, d), rnd(1, seq, 1, d), rnd(1, seq, 1, d), True, docs))
     profile("raw fa4 dense 16k 32/8",
             bs._fa4_single(rnd(1, 16384, 32, d), rnd(1, 16384, 8, d), rnd(1, 16384, 8, d), True))

@@ -69,6 +69,14 @@ def simulated_rank(strategy: str, make_link, mix: str, layout: str, *, device, d
     bytes counted, on random shards (seed 0): q, dout (1, n, HEADS, head_dim), k, v (1, n, KV_HEADS,
     head_dim) -> (path taken, (out, dq, dk, dv), the counting transports). The hybrids run Ulysses rank 0 of
     DEGREE on ring rank RANK // DEGREE, as the benchmark times them."""
+    path, step, sent = simulated_step(strategy, make_link, mix, layout, device=device, dtype=dtype, backend=backend,
+                                      seq=seq, head_dim=head_dim)
+    return path, step(), sent
+
+
+def simulated_step(strategy: str, make_link, mix: str, layout: str, *, device, dtype, backend: str, seq: int = SEQ,
+                   head_dim: int = HEAD_DIM):
+    """``simulated_rank``'s (path, the step itself, the counting transports), the step not yet run."""
     be = _bench()
     hybrid = strategy.startswith("hybrid")
     _, vis, concrete = be.plan_case(seq, WORLD // DEGREE if hybrid else WORLD, mix, layout)
@@ -85,7 +93,29 @@ def simulated_rank(strategy: str, make_link, mix: str, layout: str, *, device, d
     else:
         sent = (be._Sent(make_link(WORLD, RANK)),)
         path, step = be.rank_step(strategy, sent[0], q, k, v, dout, concrete, vis, WORLD, RANK, fwd, bwd, scale)
-    return path, step(), sent
+    return path, step, sent
+
+
+@pytest.mark.parametrize("strategy", ("ring", "allgather", "ulysses", "hybrid", "hybrid_allgather"))
+@pytest.mark.parametrize("case", CASES)
+def test_repeated_call_never_waits_for_the_gpu(case, strategy):
+    """A simulated rank's repeated call, queued behind a long GPU sleep, returns while the sleep still runs:
+    nothing in it waits for the GPU. This also catches what ``torch.cuda.set_sync_debug_mode`` does not see,
+    such as a host-to-device copy from pageable memory (the driver may wait for the stream before it copies;
+    64k tokens, so that the all-gather's order index is 512 KiB)."""
+    mix, layout = CASES[case]
+    path, step, _ = simulated_step(strategy, lambda size, rank: EmulatedLink(size, rank, NVLINK), mix, layout,
+                                   device=torch.device("cuda"), dtype=torch.bfloat16, backend="triton", seq=65536)
+    step()
+    step()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # about a second
+    slept = torch.cuda.Event()
+    slept.record()
+    step()
+    waited = slept.query()  # True only if the host reached here after the sleep ended
+    torch.cuda.synchronize()
+    assert not waited, f"{strategy} ({path}, {case}) waited for the GPU"
 
 
 @contextlib.contextmanager

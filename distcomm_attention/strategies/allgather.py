@@ -43,6 +43,8 @@ Note [All-gather KV]
 
 from __future__ import annotations
 
+import collections
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -60,10 +62,23 @@ from distcomm_attention.strategies.ring import (_dq_result, _no_autocast, backwa
 __all__ = ["AllGatherKV", "allgather_attention", "gather_kv", "local_backward"]
 
 
+_ORDERS: collections.OrderedDict = collections.OrderedDict()  # (id, device) -> (host order, its device copy)
+
+
 def _on(order: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``order`` (a host tensor) on ``device`` without waiting for the device: a blocking copy would hold the
-    host until every kernel queued before it had run."""
-    return order.to(device, non_blocking=True)
+    """``order`` (a host tensor, ``natural_order``'s: the same object for the same shards) on ``device``, copied
+    once per device from pinned memory: a copy from pageable memory makes the host wait for every kernel
+    queued before it, even with ``non_blocking``."""
+    if device.type != "cuda":
+        return order.to(device)
+    key = (id(order), device)
+    hit = _ORDERS.get(key)
+    if hit is None or hit[0] is not order:  # the cache holds ``order``, so its id is not reused meanwhile
+        hit = _ORDERS[key] = (order, order.pin_memory().to(device, non_blocking=True))
+        while len(_ORDERS) > 32:
+            _ORDERS.popitem(last=False)
+    _ORDERS.move_to_end(key)
+    return hit[1]
 
 
 def _to_buffer(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
