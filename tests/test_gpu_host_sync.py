@@ -1,7 +1,10 @@
 """No host synchronisation on the hot path: after a call has planned and cached its device tensors, a
 repeated context_parallel_attn forward + backward over NCCL runs under ``torch.cuda.set_sync_debug_mode
 ("error")``, which raises on any operation that makes the host wait for the GPU (a blocking host-to-device
-copy, ``.item()``, ``.tolist()``, ``torch.cuda.synchronize``). Marked ``gpu2``: run on the GPU machine."""
+copy, ``.item()``, ``.tolist()``, ``torch.cuda.synchronize``); and, queued behind a GPU sleep of about a
+second, it returns while the sleep still runs, which also catches what the debug mode does not see (a
+host-to-device copy from pageable memory, which the driver may start only once the stream has drained: the
+index tensors of 32k tokens are 256 KiB). Marked ``gpu2``: run on the GPU machine."""
 
 import os
 
@@ -14,9 +17,10 @@ for _name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_D
     os.environ.setdefault(_name, "0" if _name == "NCCL_NVLS_ENABLE" else "1")  # no NVLink multicast
 
 STRATEGIES = ("ring", "allgather", "ulysses", "auto")
+SEQ = 32768
 CASES = [  # (name, layout, documents over the whole sequence, kv heads)
     ("dense causal zigzag", "zigzag", None, 2),
-    ("packed balanced", "balanced", [0, 100, 900, 1000, 1700, 2048], 2),
+    ("packed balanced", "balanced", [0, 1600, 14400, 16000, 27200, SEQ], 2),
     ("kv heads replicated", "zigzag", None, 1),
 ]
 
@@ -29,7 +33,7 @@ def _rank(rank: int, world: int):
     failures = []
     for name, layout, docs, kv_heads in CASES:
         g = torch.Generator(device=device).manual_seed(0)
-        full = [torch.randn(1, 2048, h, 64, device=device, dtype=torch.bfloat16, generator=g)
+        full = [torch.randn(1, SEQ, h, 64, device=device, dtype=torch.bfloat16, generator=g)
                 for h in (4, kv_heads, kv_heads, 4)]
         cu = docs  # on the host, as the docs advise: a CUDA cu_seqlens is read back once per call
         q, k, v, dout = (shard_sequence(x, layout, cu_seqlens=cu).contiguous() for x in full)
@@ -48,6 +52,14 @@ def _rank(rank: int, world: int):
                 failures.append(f"{name}, {strategy}: {' '.join(str(exc).split())[:300]}")
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(2e9))  # about a second
+            slept = torch.cuda.Event()
+            slept.record()
+            step()
+            if slept.query():  # the host reached here only after the sleep ended
+                failures.append(f"{name}, {strategy}: the call returned after a queued GPU sleep ended (it waited "
+                                f"for the GPU)")
             torch.cuda.synchronize()
     return failures
 

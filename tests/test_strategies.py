@@ -1093,3 +1093,19 @@ def test_sharding_a_2d_mesh_for_the_hybrids():
             got = results[int(mesh_ranks[r, u])]
             assert got["shard"] == [float(p) for p in want] and got["ids"] == want
             assert got["back"] == [float(p) for p in range(32)]
+
+
+def test_index_copies_and_inverse_are_made_once_per_order():
+    """The strategies' reorder indices are the plans' cached host tensors: the inverse permutation is computed
+    once per order (the same tensor for every call on the same shards) and is the order's inverse; on the
+    host, ``on_device`` hands the index itself back (no copy)."""
+    from distcomm_attention.planning.plans import natural_order
+    from distcomm_attention.strategies import dispatch
+    from distcomm_attention.strategies.indices import on_device
+
+    order = natural_order("zigzag", 4, 6)
+    assert order is natural_order("zigzag", 4, 6)
+    inverse = dispatch._inverse(order)
+    assert dispatch._inverse(order) is inverse
+    assert torch.equal(order[inverse], torch.arange(order.numel()))
+    assert on_device(order, torch.device("cpu")) is order

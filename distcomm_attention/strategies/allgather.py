@@ -43,8 +43,6 @@ Note [All-gather KV]
 
 from __future__ import annotations
 
-import collections
-
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -55,6 +53,7 @@ from distcomm_attention.kernels.contract import RowSum, _runs
 from distcomm_attention.planning.exchange import Exchange, gather_keeps
 from distcomm_attention.planning.plans import gathered_in_natural_order, natural_order, own_rows, split_local
 from distcomm_attention.planning.visibility import RingPlan
+from distcomm_attention.strategies.indices import on_device
 from distcomm_attention.strategies.sparse_gather import SparseGather
 from distcomm_attention.strategies.ring import (_dq_result, _no_autocast, backward_start, block_grads,
                                                 ring_forward, step_grads)
@@ -62,27 +61,8 @@ from distcomm_attention.strategies.ring import (_dq_result, _no_autocast, backwa
 __all__ = ["AllGatherKV", "allgather_attention", "gather_kv", "local_backward"]
 
 
-_ORDERS: collections.OrderedDict = collections.OrderedDict()  # (id, device) -> (host order, its device copy)
-
-
-def _on(order: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``order`` (a host tensor, ``natural_order``'s: the same object for the same shards) on ``device``, copied
-    once per device from pinned memory: a copy from pageable memory makes the host wait for every kernel
-    queued before it, even with ``non_blocking``."""
-    if device.type != "cuda":
-        return order.to(device)
-    key = (id(order), device)
-    hit = _ORDERS.get(key)
-    if hit is None or hit[0] is not order:  # the cache holds ``order``, so its id is not reused meanwhile
-        hit = _ORDERS[key] = (order, order.pin_memory().to(device, non_blocking=True))
-        while len(_ORDERS) > 32:
-            _ORDERS.popitem(last=False)
-    _ORDERS.move_to_end(key)
-    return hit[1]
-
-
 def _to_buffer(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
-    return x if order is None else x.index_select(1, _on(order, x.device))
+    return x if order is None else x.index_select(1, on_device(order, x.device))
 
 
 def _from_buffer(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
@@ -90,7 +70,7 @@ def _from_buffer(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
     if order is None:
         return x
     out = torch.empty_like(x)
-    out[:, _on(order, x.device)] = x
+    out[:, on_device(order, x.device)] = x
     return out
 
 

@@ -35,6 +35,7 @@ from distcomm_attention.planning.visibility import Visibility, ring_plan
 from distcomm_attention.strategies import allgather as _allgather
 from distcomm_attention.strategies import ulysses as _ulysses
 from distcomm_attention.sharding import concrete_layout, is_2d_mesh, mesh_field, mesh_grid, resolve_layout
+from distcomm_attention.strategies.indices import on_device
 from distcomm_attention.strategies.prepare import prepare
 from distcomm_attention.strategies.ring import ring_backward, ring_forward
 from distcomm_attention.strategies.sparse_ring import (ring_planner, run_ring, sparse_ring_backward,
@@ -84,6 +85,20 @@ def _reorder(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return t.index_select(1, index)
 
 
+_INVERSES: dict = {}  # id(order) -> (order, its inverse permutation)
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    """The inverse permutation of ``order`` (``natural_order``'s, cached: the same object for the same shards),
+    computed once per order."""
+    hit = _INVERSES.get(id(order))
+    if hit is None or hit[0] is not order:
+        if len(_INVERSES) >= 64:
+            _INVERSES.clear()
+        hit = _INVERSES[id(order)] = (order, torch.argsort(order))
+    return hit[1]
+
+
 class _Ring:
     """A ring over ``comm`` as Ulysses' inner computation (the hybrid's ring dimension, or a ring of one for
     plain Ulysses, whose rows are put into natural order and back: Note [Ulysses]).
@@ -96,18 +111,15 @@ class _Ring:
                  halves=None):
         self.comm, self.plan, self.softcap, self.scale, self.fwd, self.bwd = comm, plan, softcap, scale, fwd, bwd
         self.order = order
-        self.inverse = None if order is None else torch.argsort(order)
-        self._on_device: dict = {}
+        self.inverse = None if order is None else _inverse(order)
         # Note [Ulysses halves]: the split of the rows (``halves``) and the plans of its two parts
         self.halves = halves if parts is not None and comm.size == 1 else None
         self._parts = parts
 
-    def _index(self, which: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """``which`` (order or inverse) on ``device``, copied there once per call."""
-        key = (id(which), str(device))
-        if key not in self._on_device:
-            self._on_device[key] = which.to(device, non_blocking=True)
-        return self._on_device[key]
+    @staticmethod
+    def _index(which: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``which`` (order or inverse: cached host tensors) on ``device``, copied there once."""
+        return on_device(which, device)
 
     def natural(self, *ts):
         if self.order is None:

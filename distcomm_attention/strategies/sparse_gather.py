@@ -33,6 +33,7 @@ import torch
 
 from distcomm_attention.planning import layouts
 from distcomm_attention.planning.exchange import Exchange
+from distcomm_attention.strategies.indices import on_device
 
 __all__ = ["SparseGather"]
 
@@ -108,13 +109,9 @@ class SparseGather:
         self.back_runs = _runs(self.send_index, torch.arange(self.send_index.numel()), limit=4 * MAX_RUNS)
         # (arrived row, buffer row, length) of the other ranks' rows
         self.place_runs = _runs(torch.arange(self.place.numel()), self.place, limit=4 * MAX_RUNS)
-        self._on: dict = {}
 
     def _index(self, name: str, device: torch.device) -> torch.Tensor:
-        key = (name, str(device))
-        if key not in self._on:
-            self._on[key] = getattr(self, name).to(device, non_blocking=True)
-        return self._on[key]
+        return on_device(getattr(self, name), device)  # ``_indices``' cached tensors
 
     def own_ranges(self, k0: int, k1: int) -> list[tuple[int, int, int]]:
         """The own rows among buffer rows [k0, k1) as (shard row start, stop, offset from k0), by ``own_runs``."""

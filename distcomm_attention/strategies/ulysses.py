@@ -82,6 +82,7 @@ from torch.autograd.function import once_differentiable
 
 from distcomm import _groups
 from distcomm_attention import transport
+from distcomm_attention.strategies.indices import on_device
 from distcomm_attention.strategies.ring import _no_autocast
 
 __all__ = ["check_heads", "kv_head_index", "gather_key_mask", "head_groups", "ulysses"]
@@ -234,7 +235,6 @@ class Halves:
         self.order = (starts[0][rank[first]] + row[first],
                       starts[1][rank[second]] + row[second] - prefix[rank[second]])
         self.inverse = tuple(torch.argsort(o) for o in self.order)  # what a part sends back, in source order
-        self._on: dict = {}
 
     def rows(self, rank: int, part: int) -> slice:
         """The rows of ``rank``'s shard in ``part`` (0: before the cut)."""
@@ -247,10 +247,7 @@ class Halves:
 
     def index(self, name: str, part: int, device: torch.device) -> torch.Tensor:
         """``order`` or ``inverse`` of ``part`` on ``device`` (copied once)."""
-        key = (name, part, str(device))
-        if key not in self._on:
-            self._on[key] = getattr(self, name)[part].to(device, non_blocking=True)
-        return self._on[key]
+        return on_device(getattr(self, name)[part], device)  # ``halves`` is cached: so are these
 
 
 @functools.lru_cache(maxsize=32)
