@@ -1101,7 +1101,7 @@ def test_index_copies_and_inverse_are_made_once_per_order():
     host, ``on_device`` hands the index itself back (no copy)."""
     from distcomm_attention.planning.plans import natural_order
     from distcomm_attention.strategies import dispatch
-    from distcomm_attention.strategies.indices import on_device
+    from distcomm_attention._device import on_device
 
     order = natural_order("zigzag", 4, 6)
     assert order is natural_order("zigzag", 4, 6)

@@ -25,6 +25,7 @@ import torch
 from distcomm_attention import _validation
 from distcomm_attention.sharding import mesh_field
 from distcomm_attention.linear import _checks
+from distcomm_attention._device import on_device
 from distcomm_attention.linear.exchange import all_gather_rows
 from distcomm_attention.linear.plan import rank_positions
 
@@ -126,7 +127,7 @@ def causal_conv1d_cp(
     parts = [rows]
     halo = None
     if width > 1 and comm.size > 1:
-        mine = rows.index_select(0, sends[comm.rank].to(x.device))
+        mine = rows.index_select(0, on_device(sends[comm.rank], x.device))
         mine = torch.nn.functional.pad(mine, (0, 0, 0, 0, 0, slots - mine.shape[0]))
         halo = all_gather_rows(mine, comm.group, comm.size)
         parts.append(halo.reshape(comm.size * slots, *rows.shape[1:]))
@@ -134,7 +135,7 @@ def causal_conv1d_cp(
         parts.append(rows.new_zeros((comm.size * slots,) + rows.shape[1:]))
     parts.append(rows.new_zeros((1,) + rows.shape[1:]))
     src = torch.cat(parts)
-    taps = src[table.to(x.device)]  # (T, width, B, C): column j is position p - j
+    taps = src[on_device(table, x.device)]  # (T, width, B, C): column j is position p - j (the cached plan's)
     out = torch.einsum("tjbc,cj->tbc", taps, w.flip(-1).to(x.dtype))
     if bias is not None:
         out = out + bias.to(x.dtype)

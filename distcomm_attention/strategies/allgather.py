@@ -53,7 +53,7 @@ from distcomm_attention.kernels.contract import RowSum, _runs
 from distcomm_attention.planning.exchange import Exchange, gather_keeps
 from distcomm_attention.planning.plans import gathered_in_natural_order, natural_order, own_rows, split_local
 from distcomm_attention.planning.visibility import RingPlan
-from distcomm_attention.strategies.indices import on_device
+from distcomm_attention._device import on_device
 from distcomm_attention.strategies.sparse_gather import SparseGather
 from distcomm_attention.strategies.ring import (_dq_result, _no_autocast, backward_start, block_grads,
                                                 ring_forward, step_grads)

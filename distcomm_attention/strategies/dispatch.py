@@ -35,7 +35,7 @@ from distcomm_attention.planning.visibility import Visibility, ring_plan
 from distcomm_attention.strategies import allgather as _allgather
 from distcomm_attention.strategies import ulysses as _ulysses
 from distcomm_attention.sharding import concrete_layout, is_2d_mesh, mesh_field, mesh_grid, resolve_layout
-from distcomm_attention.strategies.indices import on_device
+from distcomm_attention._device import on_device
 from distcomm_attention.strategies.prepare import prepare
 from distcomm_attention.strategies.ring import ring_backward, ring_forward
 from distcomm_attention.strategies.sparse_ring import (ring_planner, run_ring, sparse_ring_backward,

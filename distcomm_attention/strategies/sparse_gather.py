@@ -33,7 +33,7 @@ import torch
 
 from distcomm_attention.planning import layouts
 from distcomm_attention.planning.exchange import Exchange
-from distcomm_attention.strategies.indices import on_device
+from distcomm_attention._device import on_device
 
 __all__ = ["SparseGather"]
 

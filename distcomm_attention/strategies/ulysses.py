@@ -82,7 +82,7 @@ from torch.autograd.function import once_differentiable
 
 from distcomm import _groups
 from distcomm_attention import transport
-from distcomm_attention.strategies.indices import on_device
+from distcomm_attention._device import on_device
 from distcomm_attention.strategies.ring import _no_autocast
 
 __all__ = ["check_heads", "kv_head_index", "gather_key_mask", "head_groups", "ulysses"]

@@ -1,4 +1,5 @@
-"""Index tensors the strategies hand to the GPU, copied there once per device from pinned memory.
+"""Index tensors the strategies and the linear layers hand to the GPU, copied there once per device from pinned
+memory.
 
 A host-to-device copy from pageable memory can make the host wait for every kernel queued on the stream
 before it (the driver stages such a copy once the stream has drained; ``non_blocking`` does not prevent it,
