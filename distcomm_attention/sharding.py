@@ -62,6 +62,7 @@ import distcomm.functional as dfunc
 from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention import _validation
+from distcomm_attention._device import to_device
 from distcomm_attention.planning import balance, layouts
 from distcomm_attention.strategies.ring import ring_all_gather
 
@@ -473,7 +474,7 @@ def shard_sequence(
             raise ValueError(f"sequence length {seq_len} along dim {dim} must divide by the mesh size "
                              f"{rings * degree} (ring {rings} x ulysses {degree})")
         concrete = balance.resolve(layout, seq_len, rings, docs)
-        index = layouts.hybrid_positions(concrete, seq_len, rings, ring_rank, degree, piece).to(x.device)
+        index = to_device(layouts.hybrid_positions(concrete, seq_len, rings, ring_rank, degree, piece), x.device)
         _record(comm, layout, docs)
         return x.index_select(dim, index)
     comm, ring_size, rank = _ring_position(ring_size, group, rank)
@@ -574,6 +575,5 @@ def gather_sequence(
     else:
         cat = ring_all_gather(x_local, comm, dim)
     if mesh is not None:  # the hybrids' shards, in the default group's rank order
-        order = _mesh_order(group, concrete, seq_len).to(cat.device)
-        return cat.index_select(dim, torch.argsort(order))
+        return cat.index_select(dim, to_device(torch.argsort(_mesh_order(group, concrete, seq_len)), cat.device))
     return layouts.unshard_concat(cat, concrete, ring_size, dim)

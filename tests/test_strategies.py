@@ -1097,15 +1097,41 @@ def test_sharding_a_2d_mesh_for_the_hybrids():
 
 def test_index_copies_and_inverse_are_made_once_per_order():
     """The strategies' reorder indices are the plans' cached host tensors: the inverse permutation is computed
-    once per order (the same tensor for every call on the same shards) and is the order's inverse; on the
-    host, ``on_device`` hands the index itself back (no copy)."""
-    from distcomm_attention.planning.plans import natural_order
-    from distcomm_attention.strategies import dispatch
+    once per shards (the same tensor for every call) and is the order's inverse; on the host, ``on_device``
+    hands the index itself back (no copy)."""
     from distcomm_attention._device import on_device
+    from distcomm_attention.planning.plans import natural_inverse, natural_order
 
     order = natural_order("zigzag", 4, 6)
     assert order is natural_order("zigzag", 4, 6)
-    inverse = dispatch._inverse(order)
-    assert dispatch._inverse(order) is inverse
+    inverse = natural_inverse("zigzag", 4, 6)
+    assert natural_inverse("zigzag", 4, 6) is inverse
     assert torch.equal(order[inverse], torch.arange(order.numel()))
     assert on_device(order, torch.device("cpu")) is order
+
+
+def test_device_copies_live_as_long_as_their_index():
+    """``on_device`` (here with a counting stand-in for the copy, on the CPU): one copy per index and device,
+    the same copy on every later call, and the copy dropped once the index is gone (a plan for other documents
+    makes new indices: the old copies must not pile up)."""
+    import gc
+
+    from distcomm_attention import _device
+
+    made = []
+
+    def copy(index, device):
+        made.append(index.clone())
+        return made[-1]
+
+    before = _device.cached_copies()
+    a, b = torch.arange(5), torch.arange(7)
+    first = _device.on_device(a, torch.device("cpu"), copy=copy)
+    assert torch.equal(first, a) and first is not a
+    assert _device.on_device(a, torch.device("cpu"), copy=copy) is first
+    assert _device.on_device(b, torch.device("cpu"), copy=copy) is made[1]
+    assert len(made) == 2 and _device.cached_copies() == before + 2
+    del a, first
+    gc.collect()
+    assert _device.cached_copies() == before + 1
+    assert _device.on_device(b, torch.device("cpu"), copy=copy) is made[1] and len(made) == 2

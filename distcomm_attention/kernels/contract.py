@@ -73,6 +73,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from distcomm_attention._device import to_device
 from distcomm_attention.planning.calls import PackedCall, fits, packed_calls
 from distcomm_attention.planning.visibility import BlockMask, Piece, Visibility, pieces_of
 
@@ -175,7 +176,7 @@ def _packed_varlen(call: PackedCall, batch: int, n: int, nk: int, device: torch.
         (r_lo, r_hi), (lo, hi) = (0, n), (0, nk)
     index = None
     if 3 * covered < hi - lo:
-        index = torch.cat([torch.arange(a, b) for a, b in keys]).to(device, non_blocking=True)
+        index = to_device(torch.cat([torch.arange(a, b) for a, b in keys]), device)
         key_at = tuple(itertools.accumulate((b - a for a, b in keys[:-1]), initial=0))
         width = covered
     else:

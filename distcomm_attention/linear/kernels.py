@@ -30,6 +30,7 @@ Note [Chunked delta rule]
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -157,6 +158,7 @@ def fla_backward_problem(device: torch.device, triton_version: str | None = None
 
 
 _BOUNDS: "OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]]" = OrderedDict()
+_BOUNDS_LOCK = threading.Lock()
 
 
 def _bounds(cu_seqlens: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,15 +172,16 @@ def host_and_device(values: tuple[int, ...], device: torch.device) -> tuple[torc
     """(host, device) int64 copies of ``values``, the same tensor objects for the same values (a small LRU
     cache); the device copy is made from pinned memory without blocking the host."""
     key = (values, str(device))
-    hit = _BOUNDS.get(key)
-    if hit is None:
-        host = torch.tensor(key[0], dtype=torch.long)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        hit = _BOUNDS[key] = (host, host.to(device, non_blocking=True))
-        while len(_BOUNDS) > 64:
-            _BOUNDS.popitem(last=False)
-    _BOUNDS.move_to_end(key)
+    with _BOUNDS_LOCK:  # threaded ranks share the cache
+        hit = _BOUNDS.get(key)
+        if hit is None:
+            host = torch.tensor(key[0], dtype=torch.long)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            hit = _BOUNDS[key] = (host, host.to(device, non_blocking=True))
+            while len(_BOUNDS) > 64:
+                _BOUNDS.popitem(last=False)
+        _BOUNDS.move_to_end(key)
     return hit
 
 

@@ -46,6 +46,8 @@ from typing import NamedTuple
 
 import torch
 
+from distcomm_attention._device import to_device
+
 __all__ = [
     "LAYOUTS",
     "Block",
@@ -242,7 +244,7 @@ def shard(x: torch.Tensor, layout: str, ring_size: int, rank: int, dim: int = 1)
     if layout == "contiguous":
         n = idx.numel()
         return x.narrow(dim, rank * n, n)
-    return x.index_select(dim, idx.to(x.device))
+    return x.index_select(dim, to_device(idx, x.device))
 
 
 def unshard(shards: list[torch.Tensor] | tuple[torch.Tensor, ...], layout: str, dim: int = 1) -> torch.Tensor:
@@ -262,7 +264,7 @@ def unshard_concat(cat: torch.Tensor, layout: str, ring_size: int, dim: int) -> 
         return cat
     seq_len = cat.shape[dim]
     order = torch.cat([positions(layout, seq_len, ring_size, r) for r in range(ring_size)])
-    return cat.index_select(dim, torch.argsort(order).to(cat.device))
+    return cat.index_select(dim, to_device(torch.argsort(order), cat.device))
 
 
 def block_plan(layout: str, causal: bool, ring_size: int, rank: int, src: int, local_len: int) -> tuple[Block, ...]:

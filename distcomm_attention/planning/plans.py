@@ -48,6 +48,14 @@ def natural_order(layout: str, ring_size: int, local_len: int) -> torch.Tensor |
     return torch.argsort(order)
 
 
+@functools.lru_cache(maxsize=64)
+def natural_inverse(layout: str, ring_size: int, local_len: int) -> torch.Tensor | None:
+    """The inverse of ``natural_order`` (natural row i's place in the source-order concatenation), or None;
+    cached like it."""
+    order = natural_order(layout, ring_size, local_len)
+    return None if order is None else torch.argsort(order)
+
+
 def _causal_split(q0: int, row_lo: torch.Tensor, row_hi: torch.Tensor) -> tuple[Block, ...] | None:
     """A run whose rows see [a, c + i + 1) as a full block [a, c) and a causal block [c, c + m), or None."""
     m = row_lo.numel()

@@ -53,6 +53,7 @@ from typing import NamedTuple
 
 import torch
 
+from distcomm_attention._device import on_device
 from distcomm_attention.planning import layouts
 
 __all__ = [
@@ -197,7 +198,7 @@ class RingPlan:
             return CAUSAL
         key = (step_index, block_index, str(device))
         if key not in self._device_masks:
-            arrays = tuple(a.to(device) for a in block.intervals)
+            arrays = tuple(on_device(a, device) for a in block.intervals)  # the plan keeps block.intervals
             self._device_masks[key] = BlockMask("interval", *arrays, pieces=self._pieces(step_index, block_index))
         return self._device_masks[key]
 

@@ -30,7 +30,7 @@ from distcomm_attention.kernels import dispatch as kernel_dispatch
 from distcomm_attention.planning import cost, layouts
 from distcomm_attention.planning.layouts import hybrid_positions
 from distcomm_attention.planning.exchange import compact_gathered_plan, gathered_exchange, sparse_ring
-from distcomm_attention.planning.plans import gathered_plan, half_plans, local_plan, natural_order
+from distcomm_attention.planning.plans import gathered_plan, half_plans, local_plan, natural_inverse, natural_order
 from distcomm_attention.planning.visibility import Visibility, ring_plan
 from distcomm_attention.strategies import allgather as _allgather
 from distcomm_attention.strategies import ulysses as _ulysses
@@ -85,20 +85,6 @@ def _reorder(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return t.index_select(1, index)
 
 
-_INVERSES: dict = {}  # id(order) -> (order, its inverse permutation)
-
-
-def _inverse(order: torch.Tensor) -> torch.Tensor:
-    """The inverse permutation of ``order`` (``natural_order``'s, cached: the same object for the same shards),
-    computed once per order."""
-    hit = _INVERSES.get(id(order))
-    if hit is None or hit[0] is not order:
-        if len(_INVERSES) >= 64:
-            _INVERSES.clear()
-        hit = _INVERSES[id(order)] = (order, torch.argsort(order))
-    return hit[1]
-
-
 class _Ring:
     """A ring over ``comm`` as Ulysses' inner computation (the hybrid's ring dimension, or a ring of one for
     plain Ulysses, whose rows are put into natural order and back: Note [Ulysses]).
@@ -108,10 +94,10 @@ class _Ring:
     each tensor once and saves the reordered ones for the backward."""
 
     def __init__(self, comm: RingComm, plan, softcap: float, scale: float, fwd, bwd, order=None, parts=None,
-                 halves=None):
+                 halves=None, inverse=None):
         self.comm, self.plan, self.softcap, self.scale, self.fwd, self.bwd = comm, plan, softcap, scale, fwd, bwd
         self.order = order
-        self.inverse = None if order is None else _inverse(order)
+        self.inverse = inverse if order is None or inverse is not None else torch.argsort(order)
         # Note [Ulysses halves]: the split of the rows (``halves``) and the plans of its two parts
         self.halves = halves if parts is not None and comm.size == 1 else None
         self._parts = parts
@@ -185,7 +171,8 @@ def ulysses_inner(comm: RingComm, vis: Visibility, layout, ranks: int, local_len
     plan = local_plan(vis, seq_len) if plan is None else plan
     split_rows = _ulysses.halves(layout, ranks, local_len) if split and ranks > 1 else None
     parts = None if split_rows is None else half_plans(vis, seq_len, split_rows.cut)
-    return _Ring(comm, plan, softcap, scale, fwd, bwd, natural_order(layout, ranks, local_len), parts, split_rows)
+    return _Ring(comm, plan, softcap, scale, fwd, bwd, natural_order(layout, ranks, local_len), parts, split_rows,
+                 natural_inverse(layout, ranks, local_len))
 
 
 def _verification_comm(group) -> RingComm:
