@@ -22,8 +22,8 @@ _LOCK = threading.Lock()
 
 
 def to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``index`` on ``device``; on CUDA copied from pinned memory without blocking the host."""
-    if device.type != "cuda":
+    """``index`` on ``device``; from the host to CUDA copied through pinned memory without blocking the host."""
+    if device.type != "cuda" or index.device.type != "cpu":
         return index.to(device)
     return index.pin_memory().to(device, non_blocking=True)
 
@@ -37,7 +37,7 @@ def on_device(index: torch.Tensor, device: torch.device, *, copy=to_device) -> t
     ``index`` lives: its device copy is dropped when it is (a plan for other documents makes new indices,
     and the old ones go with the plans' caches). Used from another stream than the one that made the copy,
     that stream waits for the copy first. ``copy``: how a copy is made (``to_device``; tests pass their own)."""
-    if device.type != "cuda" and copy is to_device:
+    if (device.type != "cuda" or index.device.type != "cpu") and copy is to_device:
         return index.to(device)
     device = _key_device(device) if device.type == "cuda" else device
     key = (id(index), str(device))
