@@ -45,6 +45,7 @@ __all__ = ["run_world"]
 
 _CTX = None
 _INIT_TIMEOUT_S = 30.0
+_PEER_GRACE_S = 5.0  # how long the other ranks may still run once one has failed (they usually block on it)
 _EXIT_GRACE_S = 10.0  # how long a rank that reported may take to exit, at least
 
 
@@ -207,7 +208,9 @@ def _run_once(fn, world_size: int, args, backend: str, timeout: float):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(out) - set(errors))
-                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s" + _rank_errors(errors))
+                within = (f"within {timeout:.0f}s" if not errors else
+                          f"within {_PEER_GRACE_S:.0f}s of rank(s) {sorted(errors)} failing")
+                raise TimeoutError(f"ranks {missing} did not finish {within}" + _rank_errors(errors))
             try:
                 rank, status, payload = results.get(timeout=min(remaining, 0.5))
             except queue_mod.Empty:
@@ -217,7 +220,7 @@ def _run_once(fn, world_size: int, args, backend: str, timeout: float):
                     if results.empty():
                         for r in dead:
                             errors[r] = f"process exited with {_exit_status(procs[r].exitcode)} without reporting"
-                        deadline = min(deadline, time.monotonic() + 5.0)
+                        deadline = min(deadline, time.monotonic() + _PEER_GRACE_S)
                 continue
             if status == "ready":
                 ready.add(rank)
@@ -225,13 +228,13 @@ def _run_once(fn, world_size: int, args, backend: str, timeout: float):
                     forming.release()
             elif status == "init_error":
                 errors[rank] = f"rank {rank} of {world_size} could not join the process group:\n{payload}"
-                deadline = min(deadline, time.monotonic() + 5.0)
+                deadline = min(deadline, time.monotonic() + _PEER_GRACE_S)
             elif status == "ok":
                 out[rank] = _from_plain(payload)
             else:
                 errors[rank] = payload
                 # Peers of a failed rank usually block in a collective: give them a moment, then stop.
-                deadline = min(deadline, time.monotonic() + 5.0)
+                deadline = min(deadline, time.monotonic() + _PEER_GRACE_S)
         if errors:
             raise RuntimeError("rank(s) failed:" + _rank_errors(errors))
         exit_wait = max(deadline - time.monotonic(), _EXIT_GRACE_S)

@@ -158,6 +158,24 @@ def test_a_rank_that_exits_without_reporting_fails_at_once():
     assert time.monotonic() - start < 30
 
 
+def _fails_while_peer_blocks_rank(rank, world):
+    if rank == 0:
+        raise ValueError("rank 0 fails at once")
+    time.sleep(60)  # a peer that would block on the failed rank
+    return rank
+
+
+def test_a_peer_left_blocked_by_a_failed_rank_is_named_with_the_failure():
+    """Once a rank fails, the others get a short grace, and the error names them as not finishing within that
+    grace after the failure (not within the run's whole timeout, which did not elapse), with the failure's
+    traceback."""
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish within 5s of rank\(s\) \[0\] failing(.|\n)*"
+                                           r"rank 0 fails at once"):
+        run_world(_fails_while_peer_blocks_rank, 2, timeout=120)
+    assert time.monotonic() - start < 60
+
+
 def _never_runs_rank(rank, world):
     raise AssertionError("the world was never formed, the rank function must not run")
 
