@@ -16,9 +16,19 @@ import torch
 
 __all__ = ["on_device", "to_device"]
 
-# (id of a host index, device) -> (weak reference to the index, its device copy, the copy's event, its stream)
+# (id of a host index, device) -> _Copy of it on that device
 _COPIES: dict = {}
-_LOCK = threading.Lock()
+# Reentrant: a garbage collection inside ``on_device`` may run a dead index's finalizer (``_forget``) on the
+# same thread while the lock is held.
+_LOCK = threading.RLock()
+
+
+class _Copy:
+    __slots__ = ("index", "made", "event", "streams")
+
+    def __init__(self, index, made, event, stream):
+        self.index, self.made, self.event = weakref.ref(index), made, event
+        self.streams = {stream}  # streams known to read the copy after it was made
 
 
 def to_device(index: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -35,42 +45,53 @@ def _key_device(device: torch.device) -> torch.device:
 def on_device(index: torch.Tensor, device: torch.device, *, copy=to_device) -> torch.Tensor:
     """``index`` (a host tensor that a plan caches and nobody writes) on ``device``, copied once for as long as
     ``index`` lives: its device copy is dropped when it is (a plan for other documents makes new indices,
-    and the old ones go with the plans' caches). Used from another stream than the one that made the copy,
-    that stream waits for the copy first. ``copy``: how a copy is made (``to_device``; tests pass their own)."""
+    and the old ones go with the plans' caches). A stream other than the one that made the copy waits for
+    it and is recorded as a reader, once per stream. During CUDA graph capture a copy is only looked up: the
+    first call over these shards must run before capture. ``copy``: how a copy is made (``to_device``;
+    tests pass their own)."""
     if (device.type != "cuda" or index.device.type != "cpu") and copy is to_device:
         return index.to(device)
-    device = _key_device(device) if device.type == "cuda" else device
+    cuda = device.type == "cuda"
+    device = _key_device(device) if cuda else device
     key = (id(index), str(device))
     with _LOCK:
         hit = _COPIES.get(key)
-        if hit is not None and hit[0]() is not index:  # a dead index's id, reused
+        if hit is not None and hit.index() is not index:  # a dead index's id, reused
             hit = None
+        capturing = cuda and torch.cuda.is_current_stream_capturing()
         if hit is None:
+            if capturing:
+                raise RuntimeError(
+                    "an index of this call's plan is not on the GPU yet, and copying it while a CUDA graph is "
+                    "being captured would record a copy from a buffer freed after capture: run the call once "
+                    "before capturing it")
             made = copy(index, device)
+            if made is index or getattr(made, "_base", None) is index:
+                raise ValueError("on_device: `copy` must return a new tensor, not `index` or a view of it")
             event = stream = None
-            if device.type == "cuda":
+            if cuda:
                 stream = torch.cuda.current_stream(device)
                 event = torch.cuda.Event()
                 event.record(stream)
-            hit = _COPIES[key] = (weakref.ref(index), made, event, stream)
+            hit = _COPIES[key] = _Copy(index, made, event, stream)
             weakref.finalize(index, _forget, key, made)
-    _, made, event, stream = hit
-    if stream is not None:
-        current = torch.cuda.current_stream(device)
-        if current != stream:  # read on another stream: after the copy, and kept until that stream is done
-            current.wait_event(event)
-            made.record_stream(current)
-    return made
+        elif cuda and not capturing:  # captured work runs after the copies made before capture
+            current = torch.cuda.current_stream(device)
+            if current not in hit.streams:  # read on another stream: after the copy, kept until it is done
+                current.wait_event(hit.event)
+                hit.made.record_stream(current)
+                hit.streams.add(current)
+        return hit.made
 
 
 def _forget(key, made) -> None:
     with _LOCK:
         hit = _COPIES.get(key)
-        if hit is not None and hit[1] is made:
+        if hit is not None and hit.made is made:
             del _COPIES[key]
 
 
-def cached_copies() -> int:
-    """How many device copies are held (for tests)."""
+def _cached_copies() -> int:
+    """How many device copies are held (for the tests)."""
     with _LOCK:
         return len(_COPIES)

@@ -1124,14 +1124,92 @@ def test_device_copies_live_as_long_as_their_index():
         made.append(index.clone())
         return made[-1]
 
-    before = _device.cached_copies()
+    before = _device._cached_copies()
     a, b = torch.arange(5), torch.arange(7)
     first = _device.on_device(a, torch.device("cpu"), copy=copy)
     assert torch.equal(first, a) and first is not a
     assert _device.on_device(a, torch.device("cpu"), copy=copy) is first
     assert _device.on_device(b, torch.device("cpu"), copy=copy) is made[1]
-    assert len(made) == 2 and _device.cached_copies() == before + 2
+    assert len(made) == 2 and _device._cached_copies() == before + 2
     del a, first
     gc.collect()
-    assert _device.cached_copies() == before + 1
+    assert _device._cached_copies() == before + 1
     assert _device.on_device(b, torch.device("cpu"), copy=copy) is made[1] and len(made) == 2
+
+
+def test_device_copies_wait_on_other_streams_and_refuse_a_copy_during_capture(monkeypatch):
+    """``on_device``'s CUDA bookkeeping with stand-in streams and events (no GPU): the copy's event is recorded
+    on the copying stream; a hit from that stream does nothing; a hit from another stream waits on the event and
+    records that stream as a reader, once; during graph capture a hit neither waits nor records, and a miss
+    raises (a copy captured into a graph would read a buffer freed after capture)."""
+    from distcomm_attention import _device
+
+    class Stream:
+        def __init__(self):
+            self.waited = []
+
+        def wait_event(self, event):
+            self.waited.append(event)
+
+    class Event:
+        made = []
+
+        def __init__(self):
+            self.on = []
+            Event.made.append(self)
+
+        def record(self, stream):
+            self.on.append(stream)
+
+    class Made:
+        def __init__(self):
+            self.readers = []
+
+        def record_stream(self, stream):
+            self.readers.append(stream)
+
+    a, b, c = Stream(), Stream(), Stream()
+    current, capturing = [a], [False]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    dev = torch.device("cuda", 0)
+    copy = lambda index, device: Made()  # noqa: E731
+    index = torch.arange(4)
+    made = _device.on_device(index, dev, copy=copy)
+    assert len(Event.made) == 1 and Event.made[0].on == [a]
+    assert _device.on_device(index, dev, copy=copy) is made and a.waited == [] and made.readers == []
+    current[0] = b
+    assert _device.on_device(index, dev, copy=copy) is made
+    assert _device.on_device(index, dev, copy=copy) is made
+    assert b.waited == Event.made and made.readers == [b]  # once for stream b
+    current[0], capturing[0] = c, True
+    assert _device.on_device(index, dev, copy=copy) is made and c.waited == [] and made.readers == [b]
+    with pytest.raises(RuntimeError, match="run the call once before capturing it"):
+        _device.on_device(torch.arange(3), dev, copy=copy)
+    capturing[0] = False
+    with pytest.raises(ValueError, match="must return a new tensor"):
+        _device.on_device(torch.arange(5), torch.device("cpu"), copy=lambda index, device: index[:])
+
+
+def test_a_finalizer_inside_on_device_does_not_deadlock():
+    """A garbage collection while ``on_device`` holds its lock (here forced inside the copy) may finalize a dead
+    cached index on the same thread; its clean-up takes the same lock, which must not hang."""
+    import gc
+
+    from distcomm_attention import _device
+
+    dead = torch.arange(3)
+    cycle = [dead]
+    cycle.append(cycle)  # only a collection frees it
+    _device.on_device(dead, torch.device("cpu"), copy=lambda index, device: index.clone())
+    del dead, cycle
+    before = _device._cached_copies()
+
+    def collecting_copy(index, device):
+        gc.collect()  # runs the dead index's finalizer here, under the lock
+        return index.clone()
+
+    kept = torch.arange(6)
+    assert torch.equal(_device.on_device(kept, torch.device("cpu"), copy=collecting_copy), kept)
+    assert _device._cached_copies() == before  # one dropped, one added

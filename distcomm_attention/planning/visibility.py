@@ -197,8 +197,10 @@ class RingPlan:
         if block.mode == "causal":
             return CAUSAL
         key = (step_index, block_index, str(device))
+        # on_device on every call, not only the first: a stream other than the copying one must wait for the
+        # copy (it returns the same tensors: the plan keeps block.intervals alive)
+        arrays = tuple(on_device(a, device) for a in block.intervals)
         if key not in self._device_masks:
-            arrays = tuple(on_device(a, device) for a in block.intervals)  # the plan keeps block.intervals
             self._device_masks[key] = BlockMask("interval", *arrays, pieces=self._pieces(step_index, block_index))
         return self._device_masks[key]
 
