@@ -6,7 +6,7 @@ Reported per strategy:
 
 - ``gpu_s``: the step's time on the GPU (CUDA events, median of ``--iters`` back-to-back calls);
 - ``host_s``: the host's wall time per step when it never waits for the GPU (``torch.cuda._sleep`` queued
-  ahead of each step): host-bound where host_s >= gpu_s;
+  ahead of each step; NaN if a step waited for it anyway): host-bound where host_s >= gpu_s;
 - ``kernels``: the CUDA kernels of a few profiled steps (torch.profiler), summed by name per step, split
   into attention kernels (flash-attn-4 / cuDNN / Triton attention) and the rest (copies, index, merge);
 - Ulysses only, ``raw_s``: one flash-attn-4 varlen fwd+bwd over the whole pack with H/W query heads and
@@ -24,7 +24,6 @@ import io
 import json
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import _bench_util as U  # noqa: E402
 import bench_emulated as be  # noqa: E402
 import bench_strategies as bs  # noqa: E402
 
@@ -64,20 +64,6 @@ def _kernel_table(step, calls: int) -> dict:
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:20]
     return {"attention_s": attn, "all_kernels_s": total, "launches": sum(n for _, n in by_name.values()),
             "top": [{"name": name[:120], "s": t, "launches": n} for name, (t, n) in top]}
-
-
-def _host_s(step, iters: int) -> float:
-    """Median host seconds per step while the GPU is busy with a queued sleep (~100 ms, queued before each
-    step, so that neither the GPU nor a full launch queue makes the host wait)."""
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(2e8))
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return sorted(times)[len(times) // 2]
 
 
 def cprofile_text(step, calls: int, top: int, sort: str = "cumulative") -> str:
@@ -172,7 +158,7 @@ def main():
                 torch.cuda.synchronize()
             continue
         gpu = bs._timed(step, args.iters, args.warmup)
-        host = _host_s(step, args.iters)
+        host = U.host_seconds(step, 0.05, args.iters, torch.device("cuda"))  # behind ~100 ms of GPU sleep
         kernels = _kernel_table(step, args.profile_calls)
         row = {"rank": rank, "gpu_s": gpu, "host_s": host, "efficiency": single / (world * gpu),
                "kernels": kernels, "cprofile": cprofile_text(step, args.profile_calls, args.top)}

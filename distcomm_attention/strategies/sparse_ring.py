@@ -42,6 +42,7 @@ from torch.autograd.function import once_differentiable
 from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention import transport
+from distcomm_attention._device import to_device
 from distcomm_attention.planning.exchange import SparseRing, sparse_ring
 from distcomm_attention.planning.visibility import ring_plan
 from distcomm_attention.strategies.ring import (_as_bytes, _dq_result, _no_autocast, backward_start, forward_step,
@@ -64,10 +65,7 @@ def _selection(runs, device: torch.device) -> slice | torch.Tensor:
     without blocking the host on CUDA."""
     if len(runs) <= 1:
         return slice(*runs[0]) if runs else slice(0, 0)
-    index = torch.cat([torch.arange(a, b) for a, b in runs])
-    if device.type == "cuda":
-        index = index.pin_memory()
-    return index.to(device, non_blocking=True)
+    return to_device(torch.cat([torch.arange(a, b) for a, b in runs]), device)
 
 
 def _moves(sp: SparseRing, device: torch.device) -> tuple[_Move, ...]:
