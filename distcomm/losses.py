@@ -109,7 +109,7 @@ def _check_scalar(op: str, name: str, value, like: torch.Tensor) -> torch.Tensor
             raise ValueError(f"{op}: `{name}` must be a real number a float can hold, got an int of "
                              f"{value.bit_length()} bits")
         # Built in the compute dtype: a number rounded to half precision would change the loss.
-        return torch.tensor(float(value), dtype=_compute_dtype(like.dtype), device=like.device)
+        return torch.full((), float(value), dtype=_compute_dtype(like.dtype), device=like.device)  # no copy
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{op}: `{name}` must be a scalar tensor or a real number, got {type(value).__name__}")
     if value.numel() != 1:

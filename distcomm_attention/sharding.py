@@ -261,7 +261,7 @@ def shift_labels(labels: torch.Tensor, dim: int = 1, *, cu_seqlens=None, ignore_
     out = torch.full_like(labels, ignore_index)
     out.narrow(dim, 0, seq_len - 1).copy_(labels.narrow(dim, 1, seq_len - 1))
     if docs is not None:
-        ends = torch.tensor(docs[1:], dtype=torch.long, device=labels.device) - 1
+        ends = to_device(torch.tensor(docs[1:], dtype=torch.long), labels.device) - 1
         out.index_fill_(dim, ends, ignore_index)
     return out
 
@@ -345,7 +345,7 @@ def position_ids(
         docs = _validation.check_cu_seqlens(cu_seqlens, seq_len)
         concrete = concrete_layout(resolved.layout, comm, seq_len, rings, docs, "position_ids")
         ids = layouts.hybrid_positions(concrete, seq_len, rings, ring_rank, degree, piece)
-        return ids if device is None else ids.to(device)
+        return ids if device is None else to_device(ids, torch.device(device))
     comm, ring_size, rank = _ring_position(ring_size, group, rank)
     resolved = resolve_layout(layout, comm)
     resolved.raise_if_ambiguous("position_ids")  # nothing is communicated here: no peer waits
@@ -353,7 +353,7 @@ def position_ids(
     docs = _validation.check_cu_seqlens(cu_seqlens, local_seq * ring_size)
     concrete = concrete_layout(resolved.layout, comm, local_seq * ring_size, ring_size, docs, "position_ids")
     ids = layouts.positions(concrete, local_seq * ring_size, ring_size, rank)
-    return ids if device is None else ids.to(device)
+    return ids if device is None else to_device(ids, torch.device(device))
 
 
 def _check_dim(dim) -> None:

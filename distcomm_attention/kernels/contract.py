@@ -73,7 +73,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from distcomm_attention._device import to_device
+from distcomm_attention._device import on_device
 from distcomm_attention.planning.calls import PackedCall, fits, packed_calls
 from distcomm_attention.planning.visibility import BlockMask, Piece, Visibility, pieces_of
 
@@ -155,10 +155,31 @@ class _Packed(NamedTuple):
         return k[:, lo:hi], v[:, lo:hi]
 
 
-@functools.lru_cache(maxsize=1024)
+def _on(x: Tensor | None, device: torch.device) -> Tensor | None:
+    """A cached host index on ``device`` (``_device.on_device``: copied once, without a host wait, and waited
+    for by every stream that reads it)."""
+    return x if x is None or device.type == "cpu" else on_device(x, device)
+
+
+def _varlen_on(varlen: Varlen, device: torch.device) -> Varlen:
+    """``varlen`` (host tensors, cached) with its boundaries on ``device``."""
+    return varlen._replace(cu_q=_on(varlen.cu_q, device), cu_k=_on(varlen.cu_k, device),
+                           used_q=_on(varlen.used_q, device), used_k=_on(varlen.used_k, device))
+
+
 def _packed_varlen(call: PackedCall, batch: int, n: int, nk: int, device: torch.device) -> _Packed:
+    """``_packed_host``'s arguments with its index tensors on ``device``."""
+    packed = _packed_host(call, batch, n, nk)
+    if device.type == "cpu":
+        return packed
+    return packed._replace(varlen=_varlen_on(packed.varlen, device), key_index=_on(packed.key_index, device))
+
+
+@functools.lru_cache(maxsize=1024)
+def _packed_host(call: PackedCall, batch: int, n: int, nk: int) -> _Packed:
     """The varlen arguments of a packed call over ``batch`` packed batch elements, and the runs of rows and keys
-    its segments cover (cached).
+    its segments cover (cached; index tensors on the host: ``_packed_varlen`` puts them on the device, where
+    the cache would otherwise copy each from pageable memory on every new plan and make the host wait).
 
     The kernel gets only the rows between the first and last piece's and the keys between the first and the
     last key run (for one batch element; with several, every row and key: a slice of each would be a copy);
@@ -176,7 +197,7 @@ def _packed_varlen(call: PackedCall, batch: int, n: int, nk: int, device: torch.
         (r_lo, r_hi), (lo, hi) = (0, n), (0, nk)
     index = None
     if 3 * covered < hi - lo:
-        index = to_device(torch.cat([torch.arange(a, b) for a, b in keys]), device)
+        index = torch.cat([torch.arange(a, b) for a, b in keys])
         key_at = tuple(itertools.accumulate((b - a for a, b in keys[:-1]), initial=0))
         width = covered
     else:
@@ -191,7 +212,7 @@ def _packed_varlen(call: PackedCall, batch: int, n: int, nk: int, device: torch.
     cu_k = [e * width + key_pos(p.k0) for e in range(batch) for p in ps] + [batch * width]
     used_q = [p.q1 - p.q0 for _ in range(batch) for p in ps]
     used_k = [p.k1 - p.k0 for _ in range(batch) for p in ps]
-    i32 = dict(dtype=torch.int32, device=device)
+    i32 = dict(dtype=torch.int32)
     varlen = Varlen(torch.tensor(cu_q, **i32), torch.tensor(cu_k, **i32), max(used_q), max(used_k),
                     torch.tensor(used_q, **i32), torch.tensor(used_k, **i32))
     return _Packed(varlen, rows, keys, (r_lo, r_hi), (lo, hi), index, key_at)
@@ -222,15 +243,20 @@ def window_calls(pieces: tuple[Piece, ...]) -> tuple[WindowCall, ...]:
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=256)
 def _varlen(call: WindowCall, batch: int, device: torch.device) -> Varlen:
-    """The call's boundaries for ``batch`` packed batch elements, on ``device`` (cached)."""
+    """The call's boundaries for ``batch`` packed batch elements, on ``device``."""
+    return _varlen_on(_varlen_host(call, batch), device)
+
+
+@functools.lru_cache(maxsize=256)
+def _varlen_host(call: WindowCall, batch: int) -> Varlen:
+    """The call's boundaries for ``batch`` packed batch elements, on the host (cached)."""
     nq, nk = call.q1 - call.q0, call.k1 - call.k0
     cu_q = [b * nq + c for b in range(batch) for c in call.cu_q[:-1]] + [batch * nq]
     cu_k = [b * nk + c for b in range(batch) for c in call.cu_k[:-1]] + [batch * nk]
     longest = lambda cu: max(b - a for a, b in zip(cu, cu[1:]))  # noqa: E731
-    return Varlen(torch.tensor(cu_q, dtype=torch.int32, device=device),
-                  torch.tensor(cu_k, dtype=torch.int32, device=device), longest(call.cu_q), longest(call.cu_k))
+    return Varlen(torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32), longest(call.cu_q),
+                  longest(call.cu_k))
 
 
 def _pack(x: Tensor) -> Tensor:

@@ -405,5 +405,5 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     starts = (position_ids == 0).nonzero().flatten()
     if n and (starts.numel() == 0 or int(starts[0]) != 0):
         starts = torch.cat([starts.new_zeros(1), starts])
-    end = torch.tensor([n], dtype=starts.dtype, device=starts.device)
+    end = starts.new_full((1,), n)
     return torch.cat([starts, end]).to(torch.int32)

@@ -99,6 +99,13 @@ def check_heads(heads: int, kv_heads: int, degree: int) -> None:
         )
 
 
+@functools.lru_cache(maxsize=64)
+def _kv_head_ids(heads: int, kv_heads: int, degree: int) -> torch.Tensor | None:
+    """``kv_head_index`` as a host tensor (cached: its device copy is made once, ``on_device``)."""
+    index = kv_head_index(heads, kv_heads, degree)
+    return None if index is None else torch.tensor(index)
+
+
 def kv_head_index(heads: int, kv_heads: int, degree: int) -> list[int] | None:
     """The kv heads to send, in rank-major order, or None to send k, v as they are (see Note [Ulysses])."""
     if kv_heads % degree == 0:
@@ -375,8 +382,8 @@ class _UlyssesAttn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, key_mask, group, degree: int, inner, pipelined: bool):
         kv_heads = k.shape[2]
-        index = kv_head_index(q.shape[2], kv_heads, degree)
-        ids = None if index is None else torch.tensor(index).to(k.device, non_blocking=True)
+        ids = _kv_head_ids(q.shape[2], kv_heads, degree)
+        ids = None if ids is None else on_device(ids, k.device)
         if ids is not None:
             k, v = k.index_select(2, ids), v.index_select(2, ids)
         t = transport.for_group(group)
