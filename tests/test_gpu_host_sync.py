@@ -7,7 +7,9 @@ host-to-device copy from pageable memory, which the driver may start only once t
 index tensors of 32k tokens are 256 KiB). Marked ``gpu2``: run on the GPU machine."""
 
 import contextlib
+import cProfile
 import os
+import pstats
 import traceback
 import warnings
 
@@ -47,19 +49,7 @@ def _rank(rank: int, world: int):
                 out.backward(dout)
 
             step()  # plans, caches, kernel compilation
-            torch.cuda.synchronize()
-            with _synchronizing_calls() as found:
-                step()
-            failures += [f"{name}, {strategy}: a synchronizing call at {where}" for where in dict.fromkeys(found)]
-            torch.cuda.synchronize()
-            torch.cuda._sleep(int(2e9))  # about a second
-            slept = torch.cuda.Event()
-            slept.record()
-            step()
-            if slept.query():  # the host reached here only after the sleep ended
-                failures.append(f"{name}, {strategy}: the call returned after a queued GPU sleep ended (it waited "
-                                f"for the GPU)")
-            torch.cuda.synchronize()
+            failures += _never_waits(step, (), f"{name}, {strategy}")
     return failures
 
 
@@ -78,28 +68,84 @@ def _synchronizing_calls():
 
     def show(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" in str(message):
-            frames = [f for f in traceback.extract_stack() if "distcomm" in f.filename][-4:]
+            frames = [f for f in traceback.extract_stack()[:-1] if _ours(f.filename)][-5:]
             found.append(" <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames)))
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = show
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
+    # the mode switched on before the collection (a process's first switch reports a synchronization of its
+    # own); the backward on this thread, so that a synchronizing call in it is seen with the frames that made it
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(), torch.autograd.set_multithreading_enabled(False):
+            warnings.simplefilter("always")
+            warnings.showwarning = show
             yield found
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
-def _documents(rng: "torch.Generator", count: int) -> list[int]:
-    """Boundaries of ``count`` documents of random lengths over SEQ tokens (host ints)."""
-    cuts = torch.randperm(SEQ - 1, generator=rng)[:count - 1] + 1
-    return [0, *sorted(int(c) for c in cuts), SEQ]
+def _ours(filename: str) -> bool:
+    return "distcomm" in filename or os.path.basename(filename) == os.path.basename(__file__)
+
+
+def _compiled(prof: cProfile.Profile) -> str:
+    """The kernel compilers' and loaders' functions that ran in ``prof`` (a first call of a kernel
+    specialisation loads its binary, which waits for the GPU), or ''."""
+    names = {f"{os.path.basename(f)}:{name}" for f, _, name in pstats.Stats(prof).stats
+             if name in ("compile", "load_binary", "<built-in method cuda_utils.load_binary>")
+             or "compiler" in os.path.basename(f)}
+    return ", ".join(sorted(names))
+
+
+def _waited_in(prof: cProfile.Profile) -> str:
+    """The three functions with the most own time in ``prof`` (one that waited for the GPU holds the wait),
+    each with its callers in the library or this file."""
+    stats = pstats.Stats(prof).stats
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:3]
+    out = []
+    for (filename, line, name), (_, _, own, _, callers) in top:
+        by = ", ".join(f"{os.path.basename(c[0])}:{c[1]} {c[2]}" for c in callers if _ours(c[0]))
+        out.append(f"{name} ({os.path.basename(filename)}:{line}) {own * 1e3:.0f} ms, called by [{by}]")
+    return "; ".join(out)
+
+
+def _never_waits(step, args, label: str, first_loads: bool = False) -> list[str]:
+    """Run ``step(*args)`` queued behind a GPU sleep of about two seconds: what made the host wait (a
+    synchronizing call, or returning only after the sleep ended), each a line naming ``label``. With
+    ``first_loads``, a call that compiled or loaded a kernel (a new specialisation: loading its binary waits
+    for the GPU, once per process) may return late: the list then holds one line starting "loaded"."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(4e9))
+    slept = torch.cuda.Event()
+    slept.record()
+    prof = cProfile.Profile()
+    with _synchronizing_calls() as found:
+        prof.enable()
+        step(*args)
+        prof.disable()
+    failures = [f"{label}: a synchronizing call at {where}" for where in dict.fromkeys(found)]
+    compiled = _compiled(prof)
+    if first_loads and compiled:
+        failures.append(f"loaded: {compiled}")
+    elif slept.query():  # the host reached here only after the sleep ended
+        failures.append(f"{label}: the call returned after a queued GPU sleep ended (it waited for the GPU"
+                        f"{'; it compiled or loaded a kernel: ' + compiled if compiled else ''}); most own time: "
+                        f"{_waited_in(prof)}")
+    torch.cuda.synchronize()
+    return failures
+
+
+def _documents(rng: "torch.Generator", count: int, seq: int = SEQ, align: int = 64) -> list[int]:
+    """Boundaries of ``count`` documents of random lengths over ``seq`` tokens (host ints), multiples of
+    ``align``: the kernels' specialisations on their integer arguments (Triton's on divisibility by 16) are
+    then those of the warm-up calls, and a timed call with new documents compiles nothing."""
+    cuts = (torch.randperm(seq // align - 1, generator=rng)[:count - 1] + 1) * align
+    return [0, *sorted(int(c) for c in cuts), seq]
 
 
 def _new_documents_rank(rank: int, world: int):
     """Every call has documents it has not seen (a new plan: masks, indices and sharding built and copied to
-    the GPU on that call), and still returns while a queued GPU sleep runs."""
+    the GPU on that call), and still returns while a queued GPU sleep runs, unless it compiled or loaded a
+    kernel (a specialisation the earlier calls did not need: once per process); most calls do not."""
     from distcomm_attention import context_parallel_attn, shard_sequence
 
     device = torch.device("cuda", rank)
@@ -109,7 +155,7 @@ def _new_documents_rank(rank: int, world: int):
     for layout in ("balanced", "zigzag"):
         for strategy in STRATEGIES:
             calls = []
-            for count in (7, 9, 13, 9, 11):  # warm-up (planning code, kernel compilation), then the timed call
+            for count in (7, 9, 13, 9, 5, 12, 8, 11, 6, 10):  # four warm-up calls, then six timed ones
                 cu = _documents(rng, count)
                 g = torch.Generator(device=device).manual_seed(count)
                 full = [torch.randn(1, SEQ, h, 64, device=device, dtype=torch.bfloat16, generator=g)
@@ -121,24 +167,81 @@ def _new_documents_rank(rank: int, world: int):
                 out = context_parallel_attn(q, k, v, strategy=strategy, causal=True, layout=layout, cu_seqlens=cu)
                 out.backward(dout)
 
-            for call in calls[:-1]:
+            for call in calls[:4]:
                 step(*call)
-            torch.cuda.synchronize()
-            torch.cuda._sleep(int(4e9))  # about two seconds: the new plan is built on the host meanwhile
-            slept = torch.cuda.Event()
-            slept.record()
-            with _synchronizing_calls() as found:
-                step(*calls[-1])
-            failures += [f"{layout}, {strategy}: a synchronizing call at {where}" for where in dict.fromkeys(found)]
-            if slept.query():
-                failures.append(f"{layout}, {strategy}: a call with new documents returned after a queued GPU "
-                                f"sleep ended (it waited for the GPU)")
-            torch.cuda.synchronize()
+            found = [f for call in calls[4:] for f in _never_waits(step, call, f"{layout}, {strategy}, new documents",
+                                                                  first_loads=True)]
+            loaded = [f for f in found if f.startswith("loaded")]
+            failures += [f for f in found if not f.startswith("loaded")]
+            if len(loaded) > len(calls[4:]) // 2:
+                failures.append(f"{layout}, {strategy}: {len(loaded)} of {len(calls[4:])} calls with new documents "
+                                f"compiled or loaded a kernel: {loaded}")
     return failures
 
 
 @pytest.mark.gpu2
 def test_calls_with_new_documents_never_wait_for_the_gpu():
     per_rank = run_world(_new_documents_rank, 2, backend="nccl", timeout=600)
+    failures = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+    assert not failures, "\n".join(failures)
+
+
+def _linear_rank(rank: int, world: int, device_type: str = "cuda"):
+    """The linear layers of a hybrid model (the conv with its halo, the gated delta rule by fla's kernels) on
+    calls with the same documents and with new ones: neither waits for the GPU. Forward + backward where
+    fla's backward runs on this machine, else the forward (``fla_backward_problem``). PyTorch's chunked kernel,
+    the reference, launches thousands of small kernels per call: queued behind a sleep its launches fill the
+    GPU's queue and the host waits by design, so it is not what this checks."""
+    from distcomm_attention import shard_sequence
+    from distcomm_attention.linear import causal_conv1d_cp, chunk_gated_delta_rule_cp
+    from distcomm_attention.linear.kernels import fla_backward_problem
+
+    device = torch.device(device_type, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    seq, heads, value_heads, dim, width = 8192, 4, 8, 64, 4
+    rng = torch.Generator().manual_seed(2)  # the same documents on every rank
+    g = torch.Generator(device=device).manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, device=device, generator=g)  # noqa: E731
+    backward = device_type != "cuda" or fla_backward_problem(device) is None
+    kernel = "fla" if device_type == "cuda" else "torch"
+    conv_w = rnd(heads * dim, width).requires_grad_(backward)
+    failures = []
+    for layout in ("zigzag", "balanced"):
+        def inputs(cu):
+            x = rnd(1, seq, heads * dim).to(torch.bfloat16)
+            v, gate, beta = rnd(1, seq, value_heads, dim), rnd(1, seq, value_heads), rnd(1, seq, value_heads)
+            shard = lambda t: shard_sequence(t, layout, cu_seqlens=cu).contiguous()  # noqa: E731
+            return (cu, shard(x).requires_grad_(backward), shard(v.to(torch.bfloat16)).requires_grad_(backward),
+                    shard(torch.nn.functional.logsigmoid(gate)), shard(beta.sigmoid()))
+
+        def step(cu, x, v, gate, beta):
+            h = causal_conv1d_cp(x, conv_w, activation="silu", cu_seqlens=cu, layout=layout)
+            qk = h.reshape(1, -1, heads, dim)
+            out, _ = chunk_gated_delta_rule_cp(qk, qk, v, gate, beta, cu_seqlens=cu, layout=layout,
+                                               use_qk_l2norm_in_kernel=True, kernel=kernel)
+            if backward:
+                out.float().square().mean().backward()
+
+        same = inputs(_documents(rng, 5, seq))
+        for call in (same, same):
+            step(*call)
+        failures += _never_waits(step, same, f"{layout}, same documents")
+        new = [inputs(_documents(rng, count, seq)) for count in (6, 9, 4, 11, 7, 3, 8)]
+        for call in new[:3]:
+            step(*call)
+        found = [f for call in new[3:] for f in _never_waits(step, call, f"{layout}, new documents", first_loads=True)]
+        loaded = [f for f in found if f.startswith("loaded")]
+        failures += [f for f in found if not f.startswith("loaded")]
+        if len(loaded) > len(new[3:]) // 2:
+            failures.append(f"{layout}: {len(loaded)} of {len(new[3:])} calls with new documents compiled or loaded "
+                            f"a kernel: {loaded}")
+    return failures
+
+
+@pytest.mark.gpu2
+def test_linear_layers_never_wait_for_the_gpu():
+    pytest.importorskip("fla", reason="the linear layers' GPU kernels are fla-core's")
+    per_rank = run_world(_linear_rank, 2, backend="nccl", timeout=600)
     failures = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
     assert not failures, "\n".join(failures)

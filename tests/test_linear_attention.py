@@ -870,6 +870,20 @@ def test_fla_boundaries_are_reused():
     assert first[0].tolist() == first[1].tolist() == [0, 3, 7] and first[1].dtype == torch.long
 
 
+@pytest.mark.parametrize("bounds, chunk", [([0, 3, 7], 64), ([0, 64, 65, 200, 200, 329], 64), ([0, 1, 9, 16], 4)])
+def test_fla_chunk_indices(bounds, chunk):
+    """The chunk indices handed to fla (made here, copied through pinned memory): one (sequence, chunk of it) row
+    per chunk of every sequence, empty sequences none, in order; the same tensor for the same boundaries."""
+    from distcomm_attention.linear import kernels
+
+    host, _ = kernels._bounds(torch.tensor(bounds), torch.device("cpu"))
+    got = kernels.chunk_indices(host, torch.device("cpu"), chunk)
+    want = [[i, j] for i, (a, b) in enumerate(zip(bounds, bounds[1:])) for j in range(-(-(b - a) // chunk))]
+    assert got.tolist() == want and got.dtype == torch.long
+    assert kernels.chunk_indices(kernels._bounds(torch.tensor(bounds), torch.device("cpu"))[0],
+                                 torch.device("cpu"), chunk) is got
+
+
 @pytest.mark.parametrize("kind", ["gdn", "ssd"])
 @pytest.mark.parametrize("docs, finals", [(None, False), ([0, 12, 32], True), ([0, 8, 24, 32], True)])
 def test_the_fold_backward_and_double_backward(kind, docs, finals):

@@ -37,6 +37,8 @@ from collections.abc import Callable
 import torch
 from torch.autograd.function import once_differentiable
 
+from distcomm_attention._device import to_device
+
 __all__ = ["torch_chunk", "fla_chunk", "select_kernel", "KERNELS", "fla_available", "open_segments", "TorchPasses",
            "FlaPasses", "passes_of"]
 
@@ -185,6 +187,28 @@ def host_and_device(values: tuple[int, ...], device: torch.device) -> tuple[torc
     return hit
 
 
+_INDICES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+
+
+def chunk_indices(host: torch.Tensor, device: torch.device, chunk: int = CHUNK) -> torch.Tensor:
+    """fla's chunk indices of the boundaries ``host`` (a host tensor of ``_bounds``): one row (sequence, chunk
+    of it) per chunk, as ``fla.ops.utils.index.prepare_chunk_indices`` makes them, but made here and copied
+    through pinned memory, the same tensor for the same boundaries (fla's own is copied from pageable memory:
+    the host would wait for the GPU on every new set of documents)."""
+    key = (tuple(host.tolist()), chunk, str(device))
+    with _BOUNDS_LOCK:
+        hit = _INDICES.get(key)
+        if hit is None:
+            counts = (host[1:] - host[:-1] + chunk - 1).div(chunk, rounding_mode="floor")
+            sequence = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+            within = torch.arange(sequence.numel()) - (counts.cumsum(0) - counts)[sequence]
+            hit = _INDICES[key] = to_device(torch.stack([sequence, within], 1).to(host.dtype), device)
+            while len(_INDICES) > 64:
+                _INDICES.popitem(last=False)
+        _INDICES.move_to_end(key)
+    return hit
+
+
 def fla_chunk(q, k, v, g, beta, *, scale: float, initial_state=None, cu_seqlens=None):
     """The kernel contract by fla-core's Triton kernels (CUDA tensors). Scalar decay with HV > H expands the
     key heads first (fla's ``chunk_simple_gla`` takes as many key heads as value heads)."""
@@ -201,8 +225,9 @@ def fla_chunk(q, k, v, g, beta, *, scale: float, initial_state=None, cu_seqlens=
         o, state = chunk_simple_gla(q, k, v, g=g, scale=scale, initial_state=h0, output_final_state=True,
                                     cu_seqlens=cu, cu_seqlens_cpu=host)
     else:
+        indices = None if cu is None else chunk_indices(host, q.device)  # (fla's scalar-decay call takes none)
         o, state = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
-                                          cu_seqlens=cu, cu_seqlens_cpu=host)
+                                          cu_seqlens=cu, cu_seqlens_cpu=host, chunk_indices=indices)
     return o, state
 
 
@@ -325,12 +350,11 @@ class FlaPasses:
         from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
         from fla.ops.utils import chunk_local_cumsum
         from fla.ops.utils.constant import RCP_LN2
-        from fla.ops.utils.index import prepare_chunk_indices
 
         self.q, self.k, self.v, self.beta = (t.detach().contiguous() for t in (q, k, v, beta))
         self.scale = scale
         self.host, self.cu = (None, None) if cu_seqlens is None else _bounds(cu_seqlens, q.device)
-        self.indices = None if self.cu is None else prepare_chunk_indices(self.cu, self.CHUNK, cu_seqlens_cpu=self.host)
+        self.indices = None if self.cu is None else chunk_indices(self.host, q.device, self.CHUNK)
         self.count = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
         common = dict(cu_seqlens=self.cu, chunk_indices=self.indices)
         self.device = torch.cuda.device(q.device)
