@@ -89,10 +89,15 @@ def _ours(filename: str) -> bool:
 
 def _compiled(prof: cProfile.Profile) -> str:
     """The kernel compilers' and loaders' functions that ran in ``prof`` (a first call of a kernel
-    specialisation loads its binary, which waits for the GPU), or ''."""
-    names = {f"{os.path.basename(f)}:{name}" for f, _, name in pstats.Stats(prof).stats
-             if name in ("compile", "load_binary", "<built-in method cuda_utils.load_binary>")
-             or "compiler" in os.path.basename(f)}
+    specialisation compiles it and loads its binary, which waits for the GPU): Triton's binary loader and
+    handle set-up, and the compile steps of Triton and of CuTe DSL (flash-attn-4); '' if none ran."""
+    names = set()
+    for filename, _, name in pstats.Stats(prof).stats:
+        loads = "load_binary" in name
+        compiles = name in ("compile", "_init_handles") and any(
+            part in filename for part in ("triton", "cutlass", "flash_attn", "tvm_ffi"))
+        if loads or compiles:
+            names.add(f"{os.path.basename(filename)}:{name}")
     return ", ".join(sorted(names))
 
 
