@@ -309,7 +309,8 @@ def position_ids(
             DeviceMesh ("ulysses", "ring"): the positions of this rank's hybrid shard.
         rank: the positions of this ring position instead of this process's (needs ``ring_size`` and
             ``layout``; no process group is consulted), e.g. to prepare every rank's inputs in one process.
-        device: where to put the result (default: CPU).
+        device: where to put the result (default: CPU). On CUDA it is copied without blocking the host, in
+            order on the current stream: read it on that stream (or wait for it on another).
         cu_seqlens, balance_window: the documents (and window) of layout "balanced" / "auto", as given to
             ``shard_sequence`` (Note [Balanced sharding]); ignored by the other layouts.
 

@@ -60,7 +60,16 @@ def _predict(call, name: str, hw):
     return cost.predict(call, name[:-len("_mesh")] if name in ON_MESH else name, hw)
 
 
-def check(paths: list[str], exclude: tuple[str, ...] = ()) -> list[dict]:
+def _seconds(per_strategy: dict, measure: str) -> float | None:
+    """The slowest timed rank's seconds: its wall time ("wall"), or its GPU-only time ("gpu": recorded by
+    ``bench_emulated.py --host-time``; None where the row has none)."""
+    if measure == "wall":
+        return per_strategy["max_s"]
+    gpu = per_strategy.get("gpu_s")
+    return max(gpu) if gpu else None
+
+
+def check(paths: list[str], exclude: tuple[str, ...] = (), measure: str = "wall") -> list[dict]:
     """Per (row, link, candidate set): the 1-D strategies over the whole world; and where the row ran the
     hybrids, "auto" on the mesh: the hybrids (their Ulysses dimension on NVLink-class links, the ring dimension
     on the row's link) and the 1-D strategies over the mesh's ranks on its sharding (``*_mesh``, on the row's
@@ -86,7 +95,8 @@ def check(paths: list[str], exclude: tuple[str, ...] = ()) -> list[dict]:
                     sets.append(("mesh", {**{s: (call, hw_mesh) for s in HYBRIDS},
                                           **{s: (flat, cost.links_across(hw_mesh)) for s in ON_MESH}}))
                 for kind, asked in sets:
-                    measured = {s: per[s]["max_s"] for s, (c, h) in asked.items() if s in per and _predict(c, s, h)}
+                    measured = {s: _seconds(per[s], measure) for s, (c, h) in asked.items()
+                                if s in per and _predict(c, s, h) and _seconds(per[s], measure) is not None}
                     if not measured:
                         continue
                     predicted = {s: _predict(asked[s][0], s, asked[s][1]).seconds for s in measured}
@@ -104,8 +114,10 @@ def main():
     p.add_argument("paths", nargs="+")
     p.add_argument("--exclude", default="", help="FILE:MIX,... rows to leave out (measured with older code)")
     p.add_argument("--out", default=None, help="write the comparison here (JSON)")
+    p.add_argument("--measure", default="wall", choices=("wall", "gpu"),
+                   help="compare with the wall time (default) or the GPU-only time (rows of --host-time runs)")
     args = p.parse_args()
-    rows = check(args.paths, tuple(x for x in args.exclude.split(",") if x))
+    rows = check(args.paths, tuple(x for x in args.exclude.split(",") if x), args.measure)
     errors = []
     for r in rows:
         parts = []

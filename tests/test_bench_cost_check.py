@@ -65,3 +65,19 @@ def test_cli_summary():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 9 and lines[-1].startswith("predictions within 15%: ") and "of 24" in lines[-1]
+
+
+def test_gpu_measure_compares_with_the_gpu_only_times():
+    """``--measure gpu`` compares the predictions with the slowest timed rank's GPU-only time where a run
+    recorded it (``bench_emulated.py --host-time``), and leaves out strategies without one."""
+    m = _module()
+    path = ROOT / "docs" / "bench" / "run8" / "packs_w8.json"
+    rows = m.check([str(path)], measure="gpu")
+    recorded = json.loads(path.read_text())["rows"]
+    assert len(rows) == len(recorded)
+    for r in rows:
+        source = next(x for x in recorded if x["documents"] == r["documents"])
+        for s, seconds in r["measured"].items():
+            assert seconds == max(source["links"][r["link"]][s]["gpu_s"])
+        assert r["fastest"] == min(r["measured"], key=r["measured"].get)
+    assert m._seconds({"max_s": 1.0}, "gpu") is None and m._seconds({"max_s": 1.0}, "wall") == 1.0

@@ -87,17 +87,20 @@ def _ours(filename: str) -> bool:
     return "distcomm" in filename or os.path.basename(filename) == os.path.basename(__file__)
 
 
+_LOADERS = ("/triton/compiler/", "/triton/runtime/", "/cutlass/", "/flash_attn/", "/tvm_ffi")
+
+
 def _compiled(prof: cProfile.Profile) -> str:
-    """The kernel compilers' and loaders' functions that ran in ``prof`` (a first call of a kernel
-    specialisation compiles it and loads its binary, which waits for the GPU): Triton's binary loader and
-    handle set-up, and the compile steps of Triton and of CuTe DSL (flash-attn-4); '' if none ran."""
-    names = set()
-    for filename, _, name in pstats.Stats(prof).stats:
+    """What compiled or loaded a kernel in ``prof`` (the first call of a kernel specialisation does, and loading
+    its binary waits for the GPU), with the seconds it took: Triton's binary loader and the top-level compile
+    of Triton and of CuTe DSL (flash-attn-4), each only where it took over 50 ms (Triton runs other compiler
+    functions on every launch); '' if nothing did."""
+    names = []
+    for (filename, _, name), (_, _, _, cumulative, _) in pstats.Stats(prof).stats.items():
         loads = "load_binary" in name
-        compiles = name in ("compile", "_init_handles") and any(
-            part in filename for part in ("triton", "cutlass", "flash_attn", "tvm_ffi"))
-        if loads or compiles:
-            names.add(f"{os.path.basename(filename)}:{name}")
+        compiles = name == "compile" and any(part in filename.replace(os.sep, "/") for part in _LOADERS)
+        if (loads or compiles) and cumulative > 0.05:
+            names.append(f"{os.path.basename(filename)}:{name} {cumulative:.2f} s")
     return ", ".join(sorted(names))
 
 
@@ -117,7 +120,8 @@ def _never_waits(step, args, label: str, first_loads: bool = False) -> list[str]
     """Run ``step(*args)`` queued behind a GPU sleep of about two seconds: what made the host wait (a
     synchronizing call, or returning only after the sleep ended), each a line naming ``label``. With
     ``first_loads``, a call that compiled or loaded a kernel (a new specialisation: loading its binary waits
-    for the GPU, once per process) may return late: the list then holds one line starting "loaded"."""
+    for the GPU, once per process) may return late: the list then holds one line starting "loaded" (only for
+    a call that did return late)."""
     torch.cuda.synchronize()
     torch.cuda._sleep(int(4e9))
     slept = torch.cuda.Event()
@@ -126,12 +130,13 @@ def _never_waits(step, args, label: str, first_loads: bool = False) -> list[str]
     with _synchronizing_calls() as found:
         prof.enable()
         step(*args)
+        waited = slept.query()  # the host reached here only after the sleep ended
         prof.disable()
     failures = [f"{label}: a synchronizing call at {where}" for where in dict.fromkeys(found)]
-    compiled = _compiled(prof)
+    compiled = _compiled(prof) if waited else ""
     if first_loads and compiled:
         failures.append(f"loaded: {compiled}")
-    elif slept.query():  # the host reached here only after the sleep ended
+    elif waited:
         failures.append(f"{label}: the call returned after a queued GPU sleep ended (it waited for the GPU"
                         f"{'; it compiled or loaded a kernel: ' + compiled if compiled else ''}); most own time: "
                         f"{_waited_in(prof)}")

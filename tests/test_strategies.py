@@ -234,11 +234,32 @@ def test_predict_refuses_ulysses_when_heads_do_not_divide():
     assert cost.predict(_call(world=8, heads=6, kv_heads=2, ulysses=2), "hybrid") is not None
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (8, 8), (32, 1)])
+def test_ulysses_prediction_counts_its_reorders(heads, kv_heads):
+    """Plain Ulysses over shards that are not in natural order (zigzag, striped, balanced) reorders q, k, v and
+    out forward and dout, dq, dk, dv backward: each row of the whole sequence read and written once at
+    ``copy_gbps``; contiguous shards need none. Checked as the difference of two predictions that differ only
+    in ``copy_gbps``, against the bytes counted here."""
+    world, n, d, item = 4, 512, 64, 2
+    h = heads // world
+    kv = cost._kv_sent(heads, kv_heads, world) // world  # a rank's kv heads after the all-to-all
+    slow, fast = cost.Hardware(copy_gbps=100.0), cost.Hardware(copy_gbps=1e9)
+    for layout in ("zigzag", "striped", "contiguous"):
+        c = _call(world=world, heads=heads, kv_heads=kv_heads, layout=layout, local_len=n, head_dim=d, itemsize=item)
+        extra = cost.predict(c, "ulysses", slow).compute_s - cost.predict(c, "ulysses", fast).compute_s
+        moved = 2 * 2 * world * n * d * item * (2 * h + 2 * kv)  # read + write, forward + backward
+        want = 0.0 if layout == "contiguous" else moved / 100e9 - moved / 1e18
+        assert math.isclose(extra, want, rel_tol=1e-9, abs_tol=1e-15), (layout, extra, want)
+        for strategy in ("ring", "allgather"):  # the others reorder nothing of the kind
+            assert cost.predict(c, strategy, slow) == cost.predict(c, strategy, fast)
+
+
 def test_hardware_refuses_values_the_model_cannot_divide_by():
     """A Hardware whose throughputs are not positive and finite, whose fixed costs are negative, or whose
     ``across`` is not a Hardware is refused when made, naming the field and the value (before any call can
     reach a collective with it)."""
     for field, value in (("a2a_gbps", 0.0), ("tflops", -1.0), ("p2p_gbps", math.inf), ("state_gbps", math.nan),
+                         ("copy_gbps", 0),
                          ("latency_s", -1e-6), ("call_overhead_s", math.inf), ("allgather_gbps", True),
                          ("reduce_scatter_gbps", "50")):
         with pytest.raises(ValueError, match=rf"Hardware: `{field}` must be a .*got {re.escape(repr(value))}"):

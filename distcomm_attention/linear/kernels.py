@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 from torch.autograd.function import once_differentiable
 
-from distcomm_attention._device import to_device
+from distcomm_attention._device import on_device
 
 __all__ = ["torch_chunk", "fla_chunk", "select_kernel", "KERNELS", "fla_available", "open_segments", "TorchPasses",
            "FlaPasses", "passes_of"]
@@ -159,7 +159,7 @@ def fla_backward_problem(device: torch.device, triton_version: str | None = None
     return None
 
 
-_BOUNDS: "OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]]" = OrderedDict()
+_BOUNDS: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 _BOUNDS_LOCK = threading.Lock()
 
 
@@ -172,19 +172,18 @@ def _bounds(cu_seqlens: torch.Tensor, device: torch.device) -> tuple[torch.Tenso
 
 def host_and_device(values: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(host, device) int64 copies of ``values``, the same tensor objects for the same values (a small LRU
-    cache); the device copy is made from pinned memory without blocking the host."""
+    cache of the host tensors; the device copy is the host tensor's ``on_device`` copy: made from pinned
+    memory without blocking the host, waited for by every stream that reads it, dropped with the host
+    tensor)."""
     key = (values, str(device))
     with _BOUNDS_LOCK:  # threaded ranks share the cache
-        hit = _BOUNDS.get(key)
-        if hit is None:
-            host = torch.tensor(key[0], dtype=torch.long)
-            if device.type == "cuda":
-                host = host.pin_memory()
-            hit = _BOUNDS[key] = (host, host.to(device, non_blocking=True))
+        host = _BOUNDS.get(key)
+        if host is None:
+            host = _BOUNDS[key] = torch.tensor(key[0], dtype=torch.long)
             while len(_BOUNDS) > 64:
                 _BOUNDS.popitem(last=False)
         _BOUNDS.move_to_end(key)
-    return hit
+    return host, (host if device.type == "cpu" else on_device(host, device))
 
 
 _INDICES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
@@ -192,21 +191,21 @@ _INDICES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 
 def chunk_indices(host: torch.Tensor, device: torch.device, chunk: int = CHUNK) -> torch.Tensor:
     """fla's chunk indices of the boundaries ``host`` (a host tensor of ``_bounds``): one row (sequence, chunk
-    of it) per chunk, as ``fla.ops.utils.index.prepare_chunk_indices`` makes them, but made here and copied
-    through pinned memory, the same tensor for the same boundaries (fla's own is copied from pageable memory:
-    the host would wait for the GPU on every new set of documents)."""
-    key = (tuple(host.tolist()), chunk, str(device))
+    of it) per chunk, as ``fla.ops.utils.index.prepare_chunk_indices`` makes them, but made here and put on
+    ``device`` by ``on_device`` (pinned, no host wait), the same tensor for the same boundaries (fla's own is
+    copied from pageable memory: the host would wait for the GPU on every new set of documents)."""
+    key = (tuple(host.tolist()), chunk)
     with _BOUNDS_LOCK:
-        hit = _INDICES.get(key)
-        if hit is None:
+        indices = _INDICES.get(key)
+        if indices is None:
             counts = (host[1:] - host[:-1] + chunk - 1).div(chunk, rounding_mode="floor")
             sequence = torch.repeat_interleave(torch.arange(counts.numel()), counts)
             within = torch.arange(sequence.numel()) - (counts.cumsum(0) - counts)[sequence]
-            hit = _INDICES[key] = to_device(torch.stack([sequence, within], 1).to(host.dtype), device)
+            indices = _INDICES[key] = torch.stack([sequence, within], 1).to(host.dtype)
             while len(_INDICES) > 64:
                 _INDICES.popitem(last=False)
         _INDICES.move_to_end(key)
-    return hit
+    return indices if device.type == "cpu" else on_device(indices, device)
 
 
 def fla_chunk(q, k, v, g, beta, *, scale: float, initial_state=None, cu_seqlens=None):

@@ -16,7 +16,10 @@ Note [Cost model]
         ring      per needed step: max(step compute, hop) with hop = bytes / p2p_bw + latency, where a hop
                   carries k, v forward and k, v plus fp32 dK, dV backward (Note [Ring attention loop]);
                   the last hop (dK, dV home) is not hidden
-        ulysses   compute + four all-to-alls forward (q, k, v, out) and four backward (dout, dq, dk, dv),
+        ulysses   compute + the reorders between the shards' order and natural order (none for contiguous
+                  shards; Note [Ulysses]): q, k, v and out forward, dout, dq, dk, dv backward, each row of the
+                  whole sequence read and written once, at copy_gbps
+                  + four all-to-alls forward (q, k, v, out) and four backward (dout, dq, dk, dv),
                   (U - 1) / U of each tensor leaves the rank, at a2a_bw, not overlapped; in two halves
                   (Note [Ulysses halves]) the two parts' calls, and of each direction's transfers the first
                   piece in and the last piece out, the others less the kernels they hide behind
@@ -61,6 +64,15 @@ Note [Cost model]
 
     Every figure above predates the all-gather's overlapped reduction (Note [All-gather KV]): the model's
     term for that overlap, and for the backward's calls of two steps, is not measured yet.
+
+    Ulysses' reorders (``copy_gbps``, 2000 GB/s: its eight index_selects over a log-normal pack at S = 128k,
+    W = 8, 1.34 GB read and written, took 0.65-0.69 ms in docs/bench/profile/ on an H100 and an H200). With
+    them (scripts/check_cost_model.py, docs/bench/run9/cost_check_ulysses_reorders.txt): Ulysses on the
+    packs went from -14%..0% to -4%..+7% of the measured time, dense from +1%..+7% to +2%..+8%; against run 8's
+    GPU-only times the mean error fell from 8.3% to 6.7% (every pick the fastest); against its wall times
+    (a slow host, on which the ring and the all-gather are host-bound on the packs) the heavy-tailed W = 8
+    pick moved from Ulysses to the all-gather, 1.35x Ulysses' wall time there (1.02x faster than Ulysses
+    on the GPU).
 """
 
 from __future__ import annotations
@@ -76,7 +88,8 @@ import torch
 from distcomm_attention.planning.calls import step_calls
 from distcomm_attention.planning.exchange import gather_keeps, gathered_exchange, sparse_ring
 from distcomm_attention.planning import layouts
-from distcomm_attention.planning.plans import gathered_plan, half_plans, local_plan, own_rows, split_local
+from distcomm_attention.planning.plans import (gathered_plan, half_plans, local_plan, natural_order, own_rows,
+                                               split_local)
 from distcomm_attention.planning.visibility import RingPlan, Visibility, ring_plan
 
 __all__ = ["Hardware", "Prediction", "StrategyChoice", "Call", "predict", "choose", "choose_among", "links_across",
@@ -94,6 +107,8 @@ class Hardware:
         tflops: attention kernel forward + backward throughput on large blocks, TFLOP/s.
         call_overhead_s: fixed cost of one block's forward + backward calls (launches, small-block losses).
         state_gbps: rate at which a block call's fp32 state (out, dQ, dK, dV accumulators) is touched.
+        copy_gbps: rate of a row reorder on the GPU (bytes read + written per second): Ulysses' index_selects
+            between the shards' order and natural order.
         p2p_gbps, a2a_gbps, allgather_gbps, reduce_scatter_gbps: link bandwidths per GPU, GB/s.
         latency_s: fixed cost of one collective or ring hop.
         across: the links of the hybrids' "ring" dimension where they differ from these (a mesh whose
@@ -104,6 +119,7 @@ class Hardware:
     tflops: float = 615.0
     call_overhead_s: float = 0.30e-3
     state_gbps: float = 618.0
+    copy_gbps: float = 2000.0
     p2p_gbps: float = 360.0
     a2a_gbps: float = 250.0
     allgather_gbps: float = 277.0
@@ -112,7 +128,7 @@ class Hardware:
     across: Hardware | None = None
 
     def __post_init__(self):
-        for name in ("tflops", "state_gbps", "p2p_gbps", "a2a_gbps", "allgather_gbps", "reduce_scatter_gbps"):
+        for name in ("tflops", "state_gbps", "copy_gbps", "p2p_gbps", "a2a_gbps", "allgather_gbps", "reduce_scatter_gbps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"Hardware: `{name}` must be a positive finite number, got {value!r}")
@@ -333,6 +349,16 @@ def _ulysses_halves_s(c: Call, degree: int, heads: int, kv_heads: int, parts: tu
     return forward + backward
 
 
+def _reorder_s(c: Call, heads: int, kv_heads: int, hw: Hardware) -> float:
+    """Plain Ulysses' reorders of the whole sequence between the shards' (source) order and natural order: q,
+    k, v in and out back forward, dout in and dq, dk, dv back backward, each row read and written once (Note
+    [Ulysses]); none where the shards' concatenation is in natural order. ``heads``, ``kv_heads``: a rank's."""
+    if natural_order(c.layout, c.world, c.local_len) is None:
+        return 0.0
+    moved = 2 * 2 * c.batch * c.local_len * c.world * c.head_dim * c.itemsize * (2 * heads + 2 * kv_heads)
+    return moved / (hw.copy_gbps * 1e9)
+
+
 def _kv_sent(heads: int, kv_heads: int, degree: int) -> int:
     """kv heads sent through Ulysses' all-to-all (Note [Ulysses])."""
     if kv_heads % degree == 0:
@@ -366,6 +392,7 @@ def predict(c: Call, strategy: str, hw: Hardware = Hardware()) -> Prediction | N
             else:  # Note [Ulysses halves]
                 parts = tuple(_compute_s(*_step_costs(p, c.packs)[0], c, heads, kv_heads, hw) for p in halves)
                 compute, comm = sum(parts), _ulysses_halves_s(c, u, c.heads, kv_sent, parts, hw)
+            compute += _reorder_s(c, heads, kv_heads, hw)
             mem = b * s * d * item * (2 * heads + 2 * kv_heads)
         else:
             rings = c.world // u
