@@ -1,0 +1,69 @@
+"""No ``torch.tensor(..., device=...)`` in the library outside the places allowed below: on CUDA it builds the
+tensor in pageable host memory and copies it with a blocking copy, so the host waits for every kernel queued
+before it. A call's index tensors go through ``distcomm_attention._device`` (``to_device``: pinned and
+non-blocking; ``on_device``: once per cached host index) instead. This is how the packed calls' varlen
+boundaries made every call with new documents wait for the GPU (tests/test_gpu_host_sync.py found it on 2
+GPUs); this test keeps the pattern from coming back where no GPU test runs."""
+
+import ast
+from pathlib import Path
+
+import distcomm_attention
+
+PACKAGE = Path(distcomm_attention.__file__).resolve().parent
+ALLOWED = {  # (file relative to the package, function): why a blocking copy is acceptable there
+    ("integrations/huggingface.py", "_verify_positions"): "check mode only, which gathers across ranks anyway",
+    ("planning/visibility.py", "visible_mask"): "the element-wise reference mask the tests compare plans with",
+}
+
+
+def _gives_device(keywords, device_dicts) -> bool:
+    """Whether call keywords pass a ``device`` other than "cpu", directly or by ``**name`` of a ``dict(...,
+    device=...)`` assigned in the same function."""
+    for k in keywords:
+        if k.arg == "device" and not (isinstance(k.value, ast.Constant) and k.value.value == "cpu"):
+            return True
+        if k.arg is None and isinstance(k.value, ast.Name) and k.value.id in device_dicts:
+            return True
+    return False
+
+
+def _device_tensors(source: str):
+    """(line, enclosing function) of every ``torch.tensor`` / ``torch.as_tensor`` call given a ``device`` other
+    than the literal "cpu" (as a keyword, or inside a ``dict(...)`` of the same function passed with ``**``)."""
+    found = []
+
+    def visit(node, function, device_dicts):
+        for child in ast.iter_child_nodes(node):
+            name, dicts = function, device_dicts
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name, dicts = child.name, {
+                    t.id for a in ast.walk(child) if isinstance(a, ast.Assign) and isinstance(a.value, ast.Call)
+                    and isinstance(a.value.func, ast.Name) and a.value.func.id == "dict"
+                    and _gives_device(a.value.keywords, set()) for t in a.targets if isinstance(t, ast.Name)}
+            if (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
+                    and child.func.attr in ("tensor", "as_tensor") and isinstance(child.func.value, ast.Name)
+                    and child.func.value.id == "torch" and _gives_device(child.keywords, device_dicts)):
+                found.append((child.lineno, function))
+            visit(child, name, dicts)
+
+    visit(ast.parse(source), None, set())
+    return found
+
+
+def test_the_finder_sees_the_pattern():
+    source = ("import torch\ndef f(x):\n    a = torch.tensor([1], device=x.device)\n"
+              "    b = torch.tensor([1], device='cpu')\n    return torch.as_tensor([2], dtype=None, device=x.device)\n"
+              "def g(x):\n    i32 = dict(dtype=torch.int32, device=x.device)\n    host = dict(dtype=torch.int32)\n"
+              "    return torch.tensor([1], **i32), torch.tensor([2], **host)\n")
+    assert _device_tensors(source) == [(3, "f"), (5, "f"), (9, "g")]
+
+
+def test_no_blocking_host_to_device_tensors_in_the_library():
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        found += [f"{rel}:{line} in {function}" for line, function in _device_tensors(path.read_text())
+                  if (rel, function) not in ALLOWED]
+    assert not found, ("torch.tensor(..., device=...) copies from pageable memory and blocks the host; use "
+                       "distcomm_attention._device.to_device / on_device: " + "; ".join(found))
