@@ -1,6 +1,7 @@
 """No ``torch.tensor(..., device=...)`` in the library outside the places allowed below: on CUDA it builds the
 tensor in pageable host memory and copies it with a blocking copy, so the host waits for every kernel queued
-before it. A call's index tensors go through ``distcomm_attention._device`` (``to_device``: pinned and
+before it; nor a host tensor just made and moved with ``.to(device)`` (a copy from pageable memory, which the
+driver may start only once the stream has drained, ``non_blocking`` or not). A call's index tensors go through ``distcomm_attention._device`` (``to_device``: pinned and
 non-blocking; ``on_device``: once per cached host index) instead. This is how the packed calls' varlen
 boundaries made every call with new documents wait for the GPU (tests/test_gpu_host_sync.py found it on 2
 GPUs); this test keeps the pattern from coming back where no GPU test runs."""
@@ -28,9 +29,31 @@ def _gives_device(keywords, device_dicts) -> bool:
     return False
 
 
+_MADE = ("tensor", "as_tensor", "arange", "cat", "stack", "from_numpy")  # torch functions that make a host tensor
+
+
+def _moves(call: ast.Call) -> bool:
+    """Whether ``x.to(...)`` / ``x.cuda()`` with ``x`` a tensor just made by ``torch.<_MADE>(...)`` (no device given:
+    on the host) moves it to a device: ``.cuda()``, a ``device=`` keyword, or a first argument that is not a
+    dtype (``torch.int32``, ``something.dtype``)."""
+    receiver = call.func.value
+    made = (isinstance(receiver, ast.Call) and isinstance(receiver.func, ast.Attribute)
+            and isinstance(receiver.func.value, ast.Name) and receiver.func.value.id == "torch"
+            and receiver.func.attr in _MADE and not any(k.arg == "device" for k in receiver.keywords))
+    if not made:
+        return False
+    if call.func.attr == "cuda" or any(k.arg == "device" for k in call.keywords):
+        return True
+    first = call.args[0] if call.args else None
+    dtype = isinstance(first, ast.Attribute) and (first.attr == "dtype" or (
+        isinstance(first.value, ast.Name) and first.value.id == "torch"))
+    return first is not None and not dtype
+
+
 def _device_tensors(source: str):
     """(line, enclosing function) of every ``torch.tensor`` / ``torch.as_tensor`` call given a ``device`` other
-    than the literal "cpu" (as a keyword, or inside a ``dict(...)`` of the same function passed with ``**``)."""
+    than the literal "cpu" (as a keyword, or inside a ``dict(...)`` of the same function passed with ``**``), and
+    of every host tensor just made and moved to a device with ``.to(...)`` / ``.cuda()`` (not pinned)."""
     found = []
 
     def visit(node, function, device_dicts):
@@ -45,6 +68,9 @@ def _device_tensors(source: str):
                     and child.func.attr in ("tensor", "as_tensor") and isinstance(child.func.value, ast.Name)
                     and child.func.value.id == "torch" and _gives_device(child.keywords, device_dicts)):
                 found.append((child.lineno, function))
+            elif (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
+                  and child.func.attr in ("to", "cuda") and _moves(child)):
+                found.append((child.lineno, function))
             visit(child, name, dicts)
 
     visit(ast.parse(source), None, set())
@@ -55,8 +81,11 @@ def test_the_finder_sees_the_pattern():
     source = ("import torch\ndef f(x):\n    a = torch.tensor([1], device=x.device)\n"
               "    b = torch.tensor([1], device='cpu')\n    return torch.as_tensor([2], dtype=None, device=x.device)\n"
               "def g(x):\n    i32 = dict(dtype=torch.int32, device=x.device)\n    host = dict(dtype=torch.int32)\n"
-              "    return torch.tensor([1], **i32), torch.tensor([2], **host)\n")
-    assert _device_tensors(source) == [(3, "f"), (5, "f"), (9, "g")]
+              "    return torch.tensor([1], **i32), torch.tensor([2], **host)\n"
+              "def h(x):\n    a = torch.tensor([1]).to(x.device, non_blocking=True)\n"
+              "    b = torch.arange(3).to(torch.int32)\n    c = torch.cat([x]).to(x.dtype)\n"
+              "    return torch.stack([x]).cuda(), torch.tensor([1]).pin_memory().to(x.device)\n")
+    assert _device_tensors(source) == [(3, "f"), (5, "f"), (9, "g"), (11, "h"), (14, "h")]
 
 
 def test_no_blocking_host_to_device_tensors_in_the_library():
