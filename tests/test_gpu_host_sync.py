@@ -162,7 +162,7 @@ def _new_documents_never_wait(step, warm: list, timed: list, label: str) -> list
 def _documents(rng: "torch.Generator", count: int, seq: int = SEQ, align: int = 64) -> list[int]:
     """Boundaries of ``count`` documents of random lengths over ``seq`` tokens (host ints), multiples of
     ``align``: the kernels' specialisations on their integer arguments (Triton's on divisibility by 16) are
-    then those of the warm-up calls, and a timed call with new documents compiles nothing."""
+    mostly those of the warm-up calls, so that few timed calls load a new one."""
     cuts = (torch.randperm(seq // align - 1, generator=rng)[:count - 1] + 1) * align
     return [0, *sorted(int(c) for c in cuts), seq]
 
