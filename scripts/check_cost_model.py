@@ -95,8 +95,12 @@ def check(paths: list[str], exclude: tuple[str, ...] = (), measure: str = "wall"
                     sets.append(("mesh", {**{s: (call, hw_mesh) for s in HYBRIDS},
                                           **{s: (flat, cost.links_across(hw_mesh)) for s in ON_MESH}}))
                 for kind, asked in sets:
-                    measured = {s: _seconds(per[s], measure) for s, (c, h) in asked.items()
-                                if s in per and _predict(c, s, h) and _seconds(per[s], measure) is not None}
+                    ran = [s for s, (c, h) in asked.items() if s in per and _predict(c, s, h)]
+                    measured = {s: _seconds(per[s], measure) for s in ran if _seconds(per[s], measure) is not None}
+                    if len(measured) < len(ran):  # a pick among fewer candidates than ran would mislead
+                        raise SystemExit(f"{Path(path).name} ({row['documents']}, {link_name}): no {measure} time "
+                                         f"recorded for {sorted(set(ran) - set(measured))}; --measure gpu needs "
+                                         f"a run of scripts/bench_emulated.py --host-time")
                     if not measured:
                         continue
                     predicted = {s: _predict(asked[s][0], s, asked[s][1]).seconds for s in measured}

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from distcomm_attention.planning import cost
 
 from tests.scripts import import_script
@@ -81,3 +83,5 @@ def test_gpu_measure_compares_with_the_gpu_only_times():
             assert seconds == max(source["links"][r["link"]][s]["gpu_s"])
         assert r["fastest"] == min(r["measured"], key=r["measured"].get)
     assert m._seconds({"max_s": 1.0}, "gpu") is None and m._seconds({"max_s": 1.0}, "wall") == 1.0
+    with pytest.raises(SystemExit, match=r"final_packs.json .*no gpu time recorded for .*--host-time"):
+        m.check([str(ROOT / "docs" / "bench" / "run6" / "final_packs.json")], measure="gpu")

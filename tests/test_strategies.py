@@ -235,22 +235,33 @@ def test_predict_refuses_ulysses_when_heads_do_not_divide():
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(8, 2), (8, 8), (32, 1)])
-def test_ulysses_prediction_counts_its_reorders(heads, kv_heads):
-    """Plain Ulysses over shards that are not in natural order (zigzag, striped, balanced) reorders q, k, v and
-    out forward and dout, dq, dk, dv backward: each row of the whole sequence read and written once at
-    ``copy_gbps``; contiguous shards need none. Checked as the difference of two predictions that differ only
-    in ``copy_gbps``, against the bytes counted here."""
+@pytest.mark.parametrize("batch", [1, 2])
+def test_ulysses_prediction_counts_its_row_copies(heads, kv_heads, batch):
+    """Plain Ulysses copies q, k, v and out forward and dout, dq, dk, dv backward, each row of a rank's heads over
+    the whole sequence read and written once per pass: packed for or placed from the all-to-all always, and
+    reordered between the shards' order and natural order where the shards are not in it (zigzag, striped,
+    balanced; not contiguous, nor a mesh assignment whose shards follow each other), in two halves always.
+    Checked as the difference of two predictions that differ only in ``copy_gbps``, against the bytes counted
+    here; the ring and the all-gather copy nothing of the kind."""
     world, n, d, item = 4, 512, 64, 2
     h = heads // world
     kv = cost._kv_sent(heads, kv_heads, world) // world  # a rank's kv heads after the all-to-all
+    one_pass = 2 * 2 * batch * world * n * d * item * (2 * h + 2 * kv)  # read + write, forward + backward
     slow, fast = cost.Hardware(copy_gbps=100.0), cost.Hardware(copy_gbps=1e9)
-    for layout in ("zigzag", "striped", "contiguous"):
-        c = _call(world=world, heads=heads, kv_heads=kv_heads, layout=layout, local_len=n, head_dim=d, itemsize=item)
+    docs = Visibility(causal=True, cu_seqlens=(0, 300, 1100, 1500, 2048))
+    balanced = balance.resolve("balanced", world * n, world, docs.cu_seqlens)
+    follows = layouts.mesh_assignment("contiguous", world * n, ((0, 1), (2, 3)))  # shards in natural order
+    cases = [("zigzag", Visibility(causal=True), False, 2), ("striped", Visibility(causal=True), False, 2),
+             (balanced, docs, False, 2), ("contiguous", Visibility(causal=True), False, 1),
+             (follows, Visibility(causal=True), False, 1), ("contiguous", Visibility(causal=True), True, 2),
+             ("zigzag", Visibility(causal=True), True, 2)]
+    for layout, vis, halves, passes in cases:
+        c = dataclasses.replace(_call(world=world, heads=heads, kv_heads=kv_heads, layout=layout, vis=vis,
+                                      local_len=n, head_dim=d, itemsize=item, batch=batch), ulysses_halves=halves)
         extra = cost.predict(c, "ulysses", slow).compute_s - cost.predict(c, "ulysses", fast).compute_s
-        moved = 2 * 2 * world * n * d * item * (2 * h + 2 * kv)  # read + write, forward + backward
-        want = 0.0 if layout == "contiguous" else moved / 100e9 - moved / 1e18
-        assert math.isclose(extra, want, rel_tol=1e-9, abs_tol=1e-15), (layout, extra, want)
-        for strategy in ("ring", "allgather"):  # the others reorder nothing of the kind
+        want = passes * one_pass * (1 / 100e9 - 1 / 1e18)
+        assert math.isclose(extra, want, rel_tol=1e-9), (layout, halves, extra, want)
+        for strategy in ("ring", "allgather"):
             assert cost.predict(c, strategy, slow) == cost.predict(c, strategy, fast)
 
 

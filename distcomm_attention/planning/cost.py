@@ -16,9 +16,10 @@ Note [Cost model]
         ring      per needed step: max(step compute, hop) with hop = bytes / p2p_bw + latency, where a hop
                   carries k, v forward and k, v plus fp32 dK, dV backward (Note [Ring attention loop]);
                   the last hop (dK, dV home) is not hidden
-        ulysses   compute + the reorders between the shards' order and natural order (none for contiguous
-                  shards; Note [Ulysses]): q, k, v and out forward, dout, dq, dk, dv backward, each row of the
-                  whole sequence read and written once, at copy_gbps
+        ulysses   compute + the row copies around the all-to-alls (Note [Ulysses]) of q, k, v and out forward,
+                  dout, dq, dk, dv backward, each of a rank's heads over the whole sequence read and written
+                  once at copy_gbps: packed for / placed from the all-to-all, and reordered between the shards'
+                  order and natural order where the shards are not in it (not contiguous; in two halves always)
                   + four all-to-alls forward (q, k, v, out) and four backward (dout, dq, dk, dv),
                   (U - 1) / U of each tensor leaves the rank, at a2a_bw, not overlapped; in two halves
                   (Note [Ulysses halves]) the two parts' calls, and of each direction's transfers the first
@@ -65,14 +66,11 @@ Note [Cost model]
     Every figure above predates the all-gather's overlapped reduction (Note [All-gather KV]): the model's
     term for that overlap, and for the backward's calls of two steps, is not measured yet.
 
-    Ulysses' reorders (``copy_gbps``, 2000 GB/s: its eight index_selects over a log-normal pack at S = 128k,
-    W = 8, 1.34 GB read and written, took 0.65-0.69 ms in docs/bench/profile/ on an H100 and an H200). With
-    them (scripts/check_cost_model.py, docs/bench/run9/cost_check_ulysses_reorders.txt): Ulysses on the
-    packs went from -14%..0% to -4%..+7% of the measured time, dense from +1%..+7% to +2%..+8%; against run 8's
-    GPU-only times the mean error fell from 8.3% to 6.7% (every pick the fastest); against its wall times
-    (a slow host, on which the ring and the all-gather are host-bound on the packs) the heavy-tailed W = 8
-    pick moved from Ulysses to the all-gather, 1.35x Ulysses' wall time there (1.02x faster than Ulysses
-    on the GPU).
+    Ulysses' row copies (``copy_gbps``, 3500 GB/s: on an H200, with balanced shards of a pack at S = 128k,
+    W = 8, heads 32/8, its packs, places and reorders, 2.68 GB read and written, took 0.72 and 0.80 ms,
+    docs/bench/profile/profile_lognormal_ulysses_run6.json and profile_pareto_run6.json; not measured on an
+    H100 with the current row gathers). Checked against the recorded emulated-link runs in
+    docs/bench/emulated.md ("Ulysses' row copies in the cost model").
 """
 
 from __future__ import annotations
@@ -107,8 +105,8 @@ class Hardware:
         tflops: attention kernel forward + backward throughput on large blocks, TFLOP/s.
         call_overhead_s: fixed cost of one block's forward + backward calls (launches, small-block losses).
         state_gbps: rate at which a block call's fp32 state (out, dQ, dK, dV accumulators) is touched.
-        copy_gbps: rate of a row reorder on the GPU (bytes read + written per second): Ulysses' index_selects
-            between the shards' order and natural order.
+        copy_gbps: rate of a row copy on the GPU (bytes read + written per second): Ulysses' packs and
+            places around its all-to-alls and its reorders between the shards' order and natural order.
         p2p_gbps, a2a_gbps, allgather_gbps, reduce_scatter_gbps: link bandwidths per GPU, GB/s.
         latency_s: fixed cost of one collective or ring hop.
         across: the links of the hybrids' "ring" dimension where they differ from these (a mesh whose
@@ -119,7 +117,7 @@ class Hardware:
     tflops: float = 615.0
     call_overhead_s: float = 0.30e-3
     state_gbps: float = 618.0
-    copy_gbps: float = 2000.0
+    copy_gbps: float = 3500.0
     p2p_gbps: float = 360.0
     a2a_gbps: float = 250.0
     allgather_gbps: float = 277.0
@@ -349,13 +347,15 @@ def _ulysses_halves_s(c: Call, degree: int, heads: int, kv_heads: int, parts: tu
     return forward + backward
 
 
-def _reorder_s(c: Call, heads: int, kv_heads: int, hw: Hardware) -> float:
-    """Plain Ulysses' reorders of the whole sequence between the shards' (source) order and natural order: q,
-    k, v in and out back forward, dout in and dq, dk, dv back backward, each row read and written once (Note
-    [Ulysses]); none where the shards' concatenation is in natural order. ``heads``, ``kv_heads``: a rank's."""
-    if natural_order(c.layout, c.world, c.local_len) is None:
+def _copies_s(c: Call, heads: int, kv_heads: int, halves: bool, hw: Hardware) -> float:
+    """Plain Ulysses' row copies of q, k, v and out forward and dout, dq, dk, dv backward (Note [Ulysses]),
+    each row of a rank's heads over the whole sequence read and written once per pass: one pass to pack for
+    or place from the all-to-all, and one to reorder between the shards' (source) order and natural order
+    unless the shards are in it (the two halves reorder always). ``heads``, ``kv_heads``: a rank's."""
+    if c.world == 1:
         return 0.0
-    moved = 2 * 2 * c.batch * c.local_len * c.world * c.head_dim * c.itemsize * (2 * heads + 2 * kv_heads)
+    passes = 1 + (halves or natural_order(c.layout, c.world, c.local_len) is not None)
+    moved = passes * 2 * 2 * c.batch * c.local_len * c.world * c.head_dim * c.itemsize * (2 * heads + 2 * kv_heads)
     return moved / (hw.copy_gbps * 1e9)
 
 
@@ -392,7 +392,7 @@ def predict(c: Call, strategy: str, hw: Hardware = Hardware()) -> Prediction | N
             else:  # Note [Ulysses halves]
                 parts = tuple(_compute_s(*_step_costs(p, c.packs)[0], c, heads, kv_heads, hw) for p in halves)
                 compute, comm = sum(parts), _ulysses_halves_s(c, u, c.heads, kv_sent, parts, hw)
-            compute += _reorder_s(c, heads, kv_heads, hw)
+            compute += _copies_s(c, heads, kv_heads, halves is not None, hw)
             mem = b * s * d * item * (2 * heads + 2 * kv_heads)
         else:
             rings = c.world // u

@@ -39,13 +39,15 @@ def gathered_in_natural_order(layout: str) -> bool:
 @functools.lru_cache(maxsize=64)
 def natural_order(layout: str, ring_size: int, local_len: int) -> torch.Tensor | None:
     """Index that puts the source-order concatenation of every rank's shard into natural order
-    (``natural = concat[:, index]``), or None when it already is (contiguous, or a ring of one). Cached: the
-    same tensor for the same arguments (read only)."""
+    (``natural = concat[:, index]``), or None when it already is (contiguous, a ring of one, or any layout
+    whose shards follow each other: no reorder to run). Cached: the same tensor for the same arguments (read
+    only)."""
     if layout == "contiguous" or ring_size == 1:
         return None
     seq_len = local_len * ring_size
     order = torch.cat([layouts.positions(layout, seq_len, ring_size, r) for r in range(ring_size)])
-    return torch.argsort(order)
+    index = torch.argsort(order)
+    return None if torch.equal(index, torch.arange(seq_len)) else index
 
 
 @functools.lru_cache(maxsize=64)
