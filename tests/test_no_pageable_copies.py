@@ -32,14 +32,25 @@ def _gives_device(keywords, device_dicts) -> bool:
 _MADE = ("tensor", "as_tensor", "arange", "cat", "stack", "from_numpy")  # torch functions that make a host tensor
 
 
-def _moves(call: ast.Call) -> bool:
-    """Whether ``x.to(...)`` / ``x.cuda()`` with ``x`` a tensor just made by ``torch.<_MADE>(...)`` (no device given:
-    on the host) moves it to a device: ``.cuda()``, a ``device=`` keyword, or a first argument that is not a
-    dtype (``torch.int32``, ``something.dtype``)."""
+def _made_on_host(node) -> bool:
+    """Whether ``node`` is a ``torch.<_MADE>(...)`` call given no device (a host tensor)."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+            and node.func.attr in _MADE and not any(k.arg == "device" for k in node.keywords))
+
+
+def _moves(call: ast.Call, host_names=frozenset()) -> bool:
+    """Whether ``x.to(...)`` / ``x.cuda()`` with ``x`` a tensor made by ``torch.<_MADE>(...)`` on the host (the call
+    itself, or a name the function assigned it to), or ``x.pin_memory()`` without ``non_blocking=True``, moves it
+    to a device: ``.cuda()``, a ``device=`` keyword, or a
+    first argument that is not a dtype (``torch.int32``, ``something.dtype``)."""
     receiver = call.func.value
-    made = (isinstance(receiver, ast.Call) and isinstance(receiver.func, ast.Attribute)
-            and isinstance(receiver.func.value, ast.Name) and receiver.func.value.id == "torch"
-            and receiver.func.attr in _MADE and not any(k.arg == "device" for k in receiver.keywords))
+    made = _made_on_host(receiver) or (isinstance(receiver, ast.Name) and receiver.id in host_names)
+    pinned = (isinstance(receiver, ast.Call) and isinstance(receiver.func, ast.Attribute)
+              and receiver.func.attr == "pin_memory")
+    if pinned:  # from pinned memory only a non-blocking copy leaves the host free
+        made = not any(k.arg == "non_blocking" and isinstance(k.value, ast.Constant) and k.value.value is True
+                       for k in call.keywords)
     if not made:
         return False
     if call.func.attr == "cuda" or any(k.arg == "device" for k in call.keywords):
@@ -56,24 +67,26 @@ def _device_tensors(source: str):
     of every host tensor just made and moved to a device with ``.to(...)`` / ``.cuda()`` (not pinned)."""
     found = []
 
-    def visit(node, function, device_dicts):
+    def visit(node, function, device_dicts, host_names):
         for child in ast.iter_child_nodes(node):
-            name, dicts = function, device_dicts
+            name, dicts, hosts = function, device_dicts, host_names
             if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                name, dicts = child.name, {
-                    t.id for a in ast.walk(child) if isinstance(a, ast.Assign) and isinstance(a.value, ast.Call)
-                    and isinstance(a.value.func, ast.Name) and a.value.func.id == "dict"
-                    and _gives_device(a.value.keywords, set()) for t in a.targets if isinstance(t, ast.Name)}
+                assigned = [(t.id, a.value) for a in ast.walk(child) if isinstance(a, ast.Assign)
+                            for t in a.targets if isinstance(t, ast.Name)]
+                name = child.name
+                dicts = {n for n, v in assigned if isinstance(v, ast.Call) and isinstance(v.func, ast.Name)
+                         and v.func.id == "dict" and _gives_device(v.keywords, set())}
+                hosts = frozenset(n for n, v in assigned if _made_on_host(v))
             if (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
                     and child.func.attr in ("tensor", "as_tensor") and isinstance(child.func.value, ast.Name)
                     and child.func.value.id == "torch" and _gives_device(child.keywords, device_dicts)):
                 found.append((child.lineno, function))
             elif (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
-                  and child.func.attr in ("to", "cuda") and _moves(child)):
+                  and child.func.attr in ("to", "cuda") and _moves(child, host_names)):
                 found.append((child.lineno, function))
-            visit(child, name, dicts)
+            visit(child, name, dicts, hosts)
 
-    visit(ast.parse(source), None, set())
+    visit(ast.parse(source), None, set(), frozenset())
     return found
 
 
@@ -84,8 +97,10 @@ def test_the_finder_sees_the_pattern():
               "    return torch.tensor([1], **i32), torch.tensor([2], **host)\n"
               "def h(x):\n    a = torch.tensor([1]).to(x.device, non_blocking=True)\n"
               "    b = torch.arange(3).to(torch.int32)\n    c = torch.cat([x]).to(x.dtype)\n"
-              "    return torch.stack([x]).cuda(), torch.tensor([1]).pin_memory().to(x.device)\n")
-    assert _device_tensors(source) == [(3, "f"), (5, "f"), (9, "g"), (11, "h"), (14, "h")]
+              "    return torch.stack([x]).cuda(), torch.tensor([1]).pin_memory().to(x.device, non_blocking=True)\n"
+              "def k(x):\n    index = torch.tensor([1, 2])\n    y = index.to(torch.int32)\n    return index.to(x.device)\n"
+              "def m(x, i):\n    return i.pin_memory().to(x.device)\n")
+    assert _device_tensors(source) == [(3, "f"), (5, "f"), (9, "g"), (11, "h"), (14, "h"), (18, "k"), (20, "m")]
 
 
 def test_no_blocking_host_to_device_tensors_in_the_library():
