@@ -53,11 +53,16 @@ def _rank(rank: int, world: int):
     return failures
 
 
-@pytest.mark.gpu2
-def test_repeated_calls_never_wait_for_the_gpu():
-    per_rank = run_world(_rank, 2, backend="nccl", timeout=600)
+def _assert_no_rank_failed(rank_fn) -> None:
+    """Run ``rank_fn`` on 2 GPUs over NCCL; every failure it returns, on any rank, fails the test."""
+    per_rank = run_world(rank_fn, 2, backend="nccl", timeout=600)
     failures = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu2
+def test_repeated_calls_never_wait_for_the_gpu():
+    _assert_no_rank_failed(_rank)
 
 
 @contextlib.contextmanager
@@ -198,9 +203,7 @@ def _new_documents_rank(rank: int, world: int):
 
 @pytest.mark.gpu2
 def test_calls_with_new_documents_never_wait_for_the_gpu():
-    per_rank = run_world(_new_documents_rank, 2, backend="nccl", timeout=600)
-    failures = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
-    assert not failures, "\n".join(failures)
+    _assert_no_rank_failed(_new_documents_rank)
 
 
 def _linear_rank(rank: int, world: int, device_type: str = "cuda"):
@@ -252,6 +255,4 @@ def _linear_rank(rank: int, world: int, device_type: str = "cuda"):
 @pytest.mark.gpu2
 def test_linear_layers_never_wait_for_the_gpu():
     pytest.importorskip("fla", reason="the linear layers' GPU kernels are fla-core's")
-    per_rank = run_world(_linear_rank, 2, backend="nccl", timeout=600)
-    failures = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
-    assert not failures, "\n".join(failures)
+    _assert_no_rank_failed(_linear_rank)
