@@ -761,6 +761,49 @@ def test_packed_steps_with_the_balanced_layout(case):
                 assert all(a1 <= b0 for (_, a1), (b0, _) in zip(keys, keys[1:]))
 
 
+def test_packed_and_window_calls_put_every_index_on_the_device(monkeypatch):
+    """A packed call's and a window call's index tensors are cached on the host and reach another device each
+    through ``_device.on_device`` (every one of them: boundaries, segment lengths, the gathered key index);
+    the host cache stays on the host. Checked with a stand-in for on_device that records what it moves."""
+    from distcomm_attention.kernels import contract
+    from distcomm_attention.planning import balance
+    from distcomm_attention.planning.plans import gathered_plan
+    from distcomm_attention.strategies.ring import packed
+
+    moved = []
+
+    def on_device(index, device):
+        moved.append(index)
+        return index.to("meta")
+
+    monkeypatch.setattr(contract, "on_device", on_device)
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    seq, world = 96, 4
+    cu = (0, 24, 25, 58, 60, 61, 66, 72, 76, 81, 96)  # rank 0's backward: one call of gathered key runs, one not
+    plan = gathered_plan(balance.balanced(cu, seq, world, (-1, -1)), Visibility(True, cu_seqlens=cu), world, 0,
+                         seq // world)
+    calls = packed(plan, 0, WindowedExactBackward(), None, cpu, True)
+    assert sorted(contract._packed_host(c, 1, seq // world, seq).key_index is not None for c in calls) == [False, True]
+    for call in calls:
+        for batch in (1, 2):
+            moved.clear()
+            host = contract._packed_host(call, batch, seq // world, seq)
+            got = contract._packed_varlen(call, batch, seq // world, seq, gpu)
+            tensors = [host.varlen.cu_q, host.varlen.cu_k, host.varlen.used_q, host.varlen.used_k, host.key_index]
+            assert [id(t) for t in moved] == [id(t) for t in tensors if t is not None]
+            assert all(t.device.type == "cpu" for t in tensors if t is not None)
+            for want, t in zip(tensors, (got.varlen.cu_q, got.varlen.cu_k, got.varlen.used_q, got.varlen.used_k,
+                                         got.key_index)):
+                assert (want is None and t is None) or (t.device.type == "meta" and t.shape == want.shape)
+            assert contract._packed_varlen(call, batch, seq // world, seq, cpu) is host  # the host path: as cached
+    window = contract.WindowCall(0, 8, 0, 8, (None, 0), (0, 3, 8), (0, 3, 8))
+    moved.clear()
+    varlen = contract._varlen(window, 2, gpu)
+    host = contract._varlen_host(window, 2)
+    assert [id(t) for t in moved] == [id(host.cu_q), id(host.cu_k)] and varlen.cu_q.device.type == "meta"
+    assert host.cu_q.tolist() == [0, 3, 8, 11, 16]
+
+
 def test_all_gather_packed_calls_with_the_balanced_layout():
     """All-gather KV's one step with the balanced layout through the FA4 stand-in, batch 1 and 2: each rank's
     queries against the whole gathered sequence in packed calls, outputs and the summed dK/dV equal float64
