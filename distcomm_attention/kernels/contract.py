@@ -158,7 +158,7 @@ class _Packed(NamedTuple):
 def _on(x: Tensor | None, device: torch.device) -> Tensor | None:
     """A cached host index on ``device`` (``_device.on_device``: copied once, without a host wait, and waited
     for by every stream that reads it)."""
-    return x if x is None or device.type == "cpu" else on_device(x, device)
+    return None if x is None else on_device(x, device)
 
 
 def _varlen_on(varlen: Varlen, device: torch.device) -> Varlen:

@@ -175,15 +175,20 @@ def host_and_device(values: tuple[int, ...], device: torch.device) -> tuple[torc
     cache of the host tensors; the device copy is the host tensor's ``on_device`` copy: made from pinned
     memory without blocking the host, waited for by every stream that reads it, dropped with the host
     tensor)."""
-    key = (values, str(device))
-    with _BOUNDS_LOCK:  # threaded ranks share the cache
-        host = _BOUNDS.get(key)
-        if host is None:
-            host = _BOUNDS[key] = torch.tensor(key[0], dtype=torch.long)
-            while len(_BOUNDS) > 64:
-                _BOUNDS.popitem(last=False)
-        _BOUNDS.move_to_end(key)
-    return host, (host if device.type == "cpu" else on_device(host, device))
+    host = _cached(_BOUNDS, (values, str(device)), lambda: torch.tensor(values, dtype=torch.long))
+    return host, on_device(host, device)
+
+
+def _cached(cache: OrderedDict, key, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``cache[key]``, made by ``make()`` on a miss; the 64 most recently used kept (threaded ranks share it)."""
+    with _BOUNDS_LOCK:
+        hit = cache.get(key)
+        if hit is None:
+            hit = cache[key] = make()
+            while len(cache) > 64:
+                cache.popitem(last=False)
+        cache.move_to_end(key)
+    return hit
 
 
 _INDICES: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
@@ -194,18 +199,13 @@ def chunk_indices(host: torch.Tensor, device: torch.device, chunk: int = CHUNK) 
     of it) per chunk, as ``fla.ops.utils.index.prepare_chunk_indices`` makes them, but made here and put on
     ``device`` by ``on_device`` (pinned, no host wait), the same tensor for the same boundaries (fla's own is
     copied from pageable memory: the host would wait for the GPU on every new set of documents)."""
-    key = (tuple(host.tolist()), chunk)
-    with _BOUNDS_LOCK:
-        indices = _INDICES.get(key)
-        if indices is None:
-            counts = (host[1:] - host[:-1] + chunk - 1).div(chunk, rounding_mode="floor")
-            sequence = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-            within = torch.arange(sequence.numel()) - (counts.cumsum(0) - counts)[sequence]
-            indices = _INDICES[key] = torch.stack([sequence, within], 1).to(host.dtype)
-            while len(_INDICES) > 64:
-                _INDICES.popitem(last=False)
-        _INDICES.move_to_end(key)
-    return indices if device.type == "cpu" else on_device(indices, device)
+    def make() -> torch.Tensor:
+        counts = (host[1:] - host[:-1] + chunk - 1).div(chunk, rounding_mode="floor")
+        sequence = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+        within = torch.arange(sequence.numel()) - (counts.cumsum(0) - counts)[sequence]
+        return torch.stack([sequence, within], 1).to(host.dtype)
+
+    return on_device(_cached(_INDICES, (tuple(host.tolist()), chunk), make), device)
 
 
 def fla_chunk(q, k, v, g, beta, *, scale: float, initial_state=None, cu_seqlens=None):

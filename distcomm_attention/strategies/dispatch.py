@@ -96,26 +96,20 @@ class _Ring:
     def __init__(self, comm: RingComm, plan, softcap: float, scale: float, fwd, bwd, order=None, parts=None,
                  halves=None, inverse=None):
         self.comm, self.plan, self.softcap, self.scale, self.fwd, self.bwd = comm, plan, softcap, scale, fwd, bwd
-        self.order = order
-        self.inverse = inverse if order is None or inverse is not None else torch.argsort(order)
+        self.order, self.inverse = order, inverse  # plans.natural_order / natural_inverse (cached host tensors)
         # Note [Ulysses halves]: the split of the rows (``halves``) and the plans of its two parts
         self.halves = halves if parts is not None and comm.size == 1 else None
         self._parts = parts
 
-    @staticmethod
-    def _index(which: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """``which`` (order or inverse: cached host tensors) on ``device``, copied there once."""
-        return on_device(which, device)
-
     def natural(self, *ts):
         if self.order is None:
             return ts
-        return tuple(None if t is None else _reorder(t, self._index(self.order, t.device)) for t in ts)
+        return tuple(None if t is None else _reorder(t, on_device(self.order, t.device)) for t in ts)
 
     def source(self, *ts):
         if self.inverse is None:
             return ts
-        return tuple(_reorder(t, self._index(self.inverse, t.device)) for t in ts)
+        return tuple(_reorder(t, on_device(self.inverse, t.device)) for t in ts)
 
     def forward(self, q, k, v, key_mask):
         return ring_forward(q, k, v, key_mask, self.comm, self.plan, self.softcap, self.scale, self.fwd)
