@@ -89,7 +89,9 @@ def _synchronizing_calls():
 
 
 def _ours(filename: str) -> bool:
-    return "distcomm" in filename or os.path.basename(filename) == os.path.basename(__file__)
+    """A frame of the library, of fla (the linear layers' kernels) or of this file."""
+    name = filename.replace(os.sep, "/")
+    return "distcomm" in name or "/fla/" in name or os.path.basename(name) == os.path.basename(__file__)
 
 
 _LOADERS = ("/triton/compiler/", "/triton/runtime/", "/cutlass/", "/flash_attn/", "/tvm_ffi")
@@ -256,3 +258,48 @@ def _linear_rank(rank: int, world: int, device_type: str = "cuda"):
 def test_linear_layers_never_wait_for_the_gpu():
     pytest.importorskip("fla", reason="the linear layers' GPU kernels are fla-core's")
     _assert_no_rank_failed(_linear_rank)
+
+
+def _scalar_decay_rank(rank: int, world: int, device_type: str = "cuda"):
+    """The scalar decay (Mamba-2 SSD) by fla's kernels, forward (its backward does not run on Hopper with
+    Triton 3.6), repeated calls: contiguous shards without documents, then zigzag shards (two runs a rank,
+    one varlen call) and contiguous shards with documents. Returns (failures without boundaries, failures
+    with them)."""
+    from distcomm_attention import shard_sequence
+    from distcomm_attention.linear import chunk_simple_gla_cp
+
+    device = torch.device(device_type, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    seq, heads, value_heads, dim = 8192, 2, 8, 64
+    g = torch.Generator(device=device).manual_seed(0)
+    rnd = lambda *shape: torch.randn(*shape, device=device, generator=g)  # noqa: E731
+    kernel = "fla" if device_type == "cuda" else "torch"
+    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+    full = (rnd(1, seq, heads, dim).to(dtype), rnd(1, seq, heads, dim).to(dtype),
+            rnd(1, seq, value_heads, dim).to(dtype), -torch.nn.functional.softplus(rnd(1, seq, value_heads)))
+    out = []
+    for layout, cu in (("contiguous", None), ("zigzag", None), ("contiguous", [0, 1000, 5000, 5100, seq])):
+        q, k, v, gate = (shard_sequence(t, layout, cu_seqlens=cu).contiguous() for t in full)
+
+        def step():
+            chunk_simple_gla_cp(q, k, v, gate, cu_seqlens=cu, layout=layout, kernel=kernel)
+
+        step(), step()
+        out.append(_never_waits(step, (), f"{layout}, documents {cu}"))
+    return out[0], out[1] + out[2]
+
+
+@pytest.mark.gpu2
+def test_scalar_decay_waits_only_where_fla_takes_boundaries():
+    """Without boundaries the scalar decay never waits. With them (zigzag's two runs a rank, or documents)
+    fla-core's state pass reads its chunk count back with ``.item()`` on every call (docs/hybrid.md, Limits):
+    every wait is there. When fla stops waiting this test fails and the limit is to be struck from the docs."""
+    pytest.importorskip("fla", reason="the linear layers' GPU kernels are fla-core's")
+    per_rank = run_world(_scalar_decay_rank, 2, backend="nccl", timeout=600)
+    plain = [f"rank {r}: {f}" for r, (fs, _) in enumerate(per_rank) for f in fs]
+    assert not plain, "\n".join(plain)
+    bounded = [f for _, fs in per_rank for f in fs]
+    elsewhere = [f for f in bounded if "synchronizing call" not in f or "chunk_h.py" not in f]
+    assert not elsewhere, "\n".join(elsewhere)
+    assert bounded, "no call with boundaries waited: fla no longer reads its chunk count back (update the docs)"
