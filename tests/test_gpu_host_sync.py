@@ -262,8 +262,8 @@ def test_linear_layers_never_wait_for_the_gpu():
 
 def _scalar_decay_rank(rank: int, world: int, device_type: str = "cuda"):
     """The scalar decay (Mamba-2 SSD) by fla's kernels, forward (its backward does not run on Hopper with
-    Triton 3.6), repeated calls: contiguous shards without documents, then zigzag shards (two runs a rank,
-    one varlen call) and contiguous shards with documents. Returns (failures without boundaries, failures
+    Triton 3.6), repeated calls: contiguous shards without documents, then zigzag shards (rank 0's two runs in
+    one varlen call) and contiguous shards, both with documents. Returns (failures without boundaries, failures
     with them)."""
     from distcomm_attention import shard_sequence
     from distcomm_attention.linear import chunk_simple_gla_cp
@@ -279,7 +279,9 @@ def _scalar_decay_rank(rank: int, world: int, device_type: str = "cuda"):
     full = (rnd(1, seq, heads, dim).to(dtype), rnd(1, seq, heads, dim).to(dtype),
             rnd(1, seq, value_heads, dim).to(dtype), -torch.nn.functional.softplus(rnd(1, seq, value_heads)))
     out = []
-    for layout, cu in (("contiguous", None), ("zigzag", None), ("contiguous", [0, 1000, 5000, 5100, seq])):
+    # every rank runs the same kernels in each case (boundaries on both ranks: zigzag's rank 0 holds two runs,
+    # rank 1 one run with a document boundary): fla autotunes on first use, in step on every rank
+    for layout, cu in (("contiguous", None), ("zigzag", [0, 3000, seq]), ("contiguous", [0, 1000, 5000, 5100, seq])):
         q, k, v, gate = (shard_sequence(t, layout, cu_seqlens=cu).contiguous() for t in full)
 
         def step():
@@ -300,6 +302,6 @@ def test_scalar_decay_waits_only_where_fla_takes_boundaries():
     plain = [f"rank {r}: {f}" for r, (fs, _) in enumerate(per_rank) for f in fs]
     assert not plain, "\n".join(plain)
     bounded = [f for _, fs in per_rank for f in fs]
-    elsewhere = [f for f in bounded if "synchronizing call" not in f or "chunk_h.py" not in f]
+    elsewhere = [f for f in bounded if "chunk_h.py" not in f]  # (a wait there, or a synchronizing call)
     assert not elsewhere, "\n".join(elsewhere)
     assert bounded, "no call with boundaries waited: fla no longer reads its chunk count back (update the docs)"

@@ -51,7 +51,8 @@ from distcomm.ring import RingComm
 from distcomm_attention import transport
 from distcomm_attention.kernels.contract import RowSum, _runs
 from distcomm_attention.planning.exchange import Exchange, gather_keeps
-from distcomm_attention.planning.plans import gathered_in_natural_order, natural_order, own_rows, split_local
+from distcomm_attention.planning.plans import (gathered_in_natural_order, natural_inverse, natural_order, own_rows,
+                                                split_local)
 from distcomm_attention.planning.visibility import RingPlan
 from distcomm_attention._device import on_device
 from distcomm_attention.strategies.sparse_gather import SparseGather
@@ -61,17 +62,11 @@ from distcomm_attention.strategies.ring import (_dq_result, _no_autocast, backwa
 __all__ = ["AllGatherKV", "allgather_attention", "gather_kv", "local_backward"]
 
 
-def _to_buffer(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
-    return x if order is None else x.index_select(1, on_device(order, x.device))
-
-
-def _from_buffer(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
-    """Inverse of ``_to_buffer``: the source-order concatenation from the buffer."""
-    if order is None:
-        return x
-    out = torch.empty_like(x)
-    out[:, on_device(order, x.device)] = x
-    return out
+def _reordered(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """``x[:, index]`` (``index`` a cached host tensor, or None: ``x`` itself). The reduction's way back from
+    the buffer's order gathers by the inverse index too: an index put there (``out[:, order] = x``) held a
+    wait for the GPU on every call with a new plan (tests/test_gpu_host_sync.py)."""
+    return x if index is None else x.index_select(1, on_device(index, x.device))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -86,7 +81,7 @@ def gather_kv(k, v, key_mask, group, order):
     tensors = [k, v] + ([key_mask.view(torch.uint8)] if key_mask is not None else [])
     with torch.no_grad():
         pending = [t.all_gather(_rows(x)) for x in tensors]
-        gathered = [_to_buffer(p.wait()[0].transpose(0, 1), order) for p in pending]
+        gathered = [_reordered(p.wait()[0].transpose(0, 1), order) for p in pending]
     k_all, v_all = gathered[0], gathered[1]
     return k_all, v_all, gathered[2].view(torch.bool) if key_mask is not None else None
 
@@ -101,11 +96,12 @@ class _Received:
         return tuple(p.wait()[0].transpose(0, 1) for p in self._pending)
 
 
-def reduce_scatter_kv(dk_all, dv_all, group, order) -> _Received:
-    """Post the sums over ranks of the buffers' dK, dV (in their dtype), together; ``wait()`` gives this rank's
-    rows (what is sent may be a view of the buffers: they are not to change before the wait)."""
+def reduce_scatter_kv(dk_all, dv_all, group, inverse) -> _Received:
+    """Post the sums over ranks of the buffers' dK, dV (in their dtype), together, taken back into the
+    source-order concatenation by ``inverse`` (``plans.natural_inverse``, or None); ``wait()`` gives this
+    rank's rows (what is sent may be a view of the buffers: they are not to change before the wait)."""
     t = transport.for_group(group)
-    return _Received([t.reduce_scatter(_rows(_from_buffer(x, order))) for x in (dk_all, dv_all)])
+    return _Received([t.reduce_scatter(_rows(_reordered(x, inverse))) for x in (dk_all, dv_all)])
 
 
 def local_backward(dout, q, k, v, out, lse, key_mask, plan: RingPlan, softcap: float, scale: float, bwd):
@@ -140,7 +136,9 @@ class AllGatherKV:
         self._group = _groups.hold(group)  # kept by the autograd graph: not keeping the group alive
         self.plan, self.softcap, self.scale, self.fwd, self.bwd = plan, softcap, scale, fwd, bwd
         world = _groups.group_size(group) if exchange is None else exchange.ring_size
-        self.order = natural_order(layout, world, local_len) if gathered_in_natural_order(layout) else None
+        natural = gathered_in_natural_order(layout)
+        self.order = natural_order(layout, world, local_len) if natural else None
+        self.inverse = natural_inverse(layout, world, local_len) if natural else None
         self._world, self._local_len, self._layout = world, local_len, layout
         self._rank = _groups.group_rank(group) if exchange is None else None  # (the exchange knows its own)
         self.one = RingComm(group, 1) if world > 1 else RingComm(None)
@@ -239,7 +237,7 @@ class AllGatherKV:
             if self.sparse is not None:
                 pending = [self.sparse.post_scatter_add(x, k.shape[1]) for x in (dk_all, dv_all)]
             else:
-                received = reduce_scatter_kv(dk_all, dv_all, self.group, self.order)
+                received = reduce_scatter_kv(dk_all, dv_all, self.group, self.inverse)
                 del dk_all, dv_all
             own_grads = block_grads(*step, 0, *kernel)
             del step, k_all, v_all
