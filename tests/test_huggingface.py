@@ -167,6 +167,52 @@ def test_shard_inputs_gives_the_boundaries_on_the_host():
     assert got["shift_labels"].is_cuda and got["shift_labels"][0, [2, 6, 15]].tolist() == [-100, -100, -100]
 
 
+@pytest.mark.gpu
+def test_shard_inputs_reads_the_batch_back_once():
+    """GPU position ids and padding mask are read back in one copy: one synchronizing call under
+    ``set_sync_debug_mode("warn")`` (each question asked of them on the GPU was one: any restart, every row
+    alike, where, any padding, and the labels' fill). Given on the host, nothing waits: queued behind a GPU
+    sleep the call returns while the sleep runs. The results are the host call's."""
+    import warnings
+
+    ring = ring_hf.register("ring_attention_test_read_once", layout="contiguous")
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 8]] * 2)
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    mask[1, -2:] = 0
+    ids, labels = _ids(2), _ids(2)
+    want = ring.shard_inputs(input_ids=ids, labels=labels, position_ids=pos, attention_mask=mask)
+    ids_gpu, labels_gpu = ids.cuda(), labels.cuda()
+
+    def synchronizing_calls(**kw):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")  # (switched on before collecting: the first switch reports itself)
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                got = ring.shard_inputs(input_ids=ids_gpu, labels=labels_gpu, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return got, [w for w in seen if "synchroniz" in str(w.message)]
+
+    got, synced = synchronizing_calls(position_ids=pos.cuda(), attention_mask=mask.cuda())
+    assert len(synced) == 1, [str(w.message) for w in synced]
+    for key in ("input_ids", "position_ids", "attention_mask", "labels", "shift_labels"):
+        assert torch.equal(got[key].cpu(), want[key]), key
+    assert got["cu_seq_lens_q"].tolist() == want["cu_seq_lens_q"].tolist() == [0, 3, 7, 16]
+    assert int(got["num_items_in_batch"]) == int(want["num_items_in_batch"])
+
+    got, synced = synchronizing_calls(position_ids=pos, attention_mask=mask)
+    assert not synced, [str(w.message) for w in synced]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))
+    slept = torch.cuda.Event()
+    slept.record()
+    got = ring.shard_inputs(input_ids=ids_gpu, labels=labels_gpu, position_ids=pos, attention_mask=mask)
+    assert not slept.query(), "shard_inputs with host position ids and mask waited for the GPU"
+    torch.cuda.synchronize()
+    assert torch.equal(got["shift_labels"].cpu(), want["shift_labels"])
+
+
 def test_shard_inputs_packed_documents():
     """Position ids restarting at 0 give the global boundaries, and no token is trained to predict the next
     document's first token."""

@@ -67,7 +67,7 @@ import torch
 import distcomm
 from distcomm.ring import RingComm
 from distcomm_attention import BACKENDS, Sharding, context_parallel_attn, ring_flash_attn
-from distcomm_attention.sharding import merge_sharding
+from distcomm_attention.sharding import merge_sharding, shift_labels
 from distcomm_attention.planning import balance, layouts
 from distcomm_attention.planning.cost import check_hardware
 
@@ -311,7 +311,10 @@ class RingAttentionHF:
         if position_ids is None:
             position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0)
         _check_2d("position_ids", position_ids, seq, batch)
-        cu_seqlens = _packed_boundaries(position_ids, attention_mask)
+        if attention_mask is not None:
+            _check_2d("attention_mask", attention_mask, seq, batch)
+        positions, real = _on_host(position_ids, attention_mask)  # GPU tensors: one wait for the GPU, here
+        cu_seqlens = _packed_boundaries(positions, real)
 
         sharding = self.sharding
 
@@ -322,16 +325,12 @@ class RingAttentionHF:
 
         inputs: dict[str, Any] = {"input_ids" if input_ids is not None else "inputs_embeds": shard(tokens)}
         inputs["position_ids"] = shard(position_ids)
-        if attention_mask is not None:
-            _check_2d("attention_mask", attention_mask, seq, batch)
-            if not bool(attention_mask.all()):  # decided on the full batch: the same on every rank
-                inputs["attention_mask"] = shard(attention_mask.bool())
+        if real is not None and not bool(real.all()):  # decided on the full batch: the same on every rank
+            inputs["attention_mask"] = shard(attention_mask.bool())
         if labels is not None:
             _check_2d("labels", labels, seq, batch)
-            shifted = torch.full_like(labels, IGNORE_INDEX)
-            shifted[:, :-1] = labels[:, 1:]
-            if cu_seqlens is not None:  # a document's last token has no next token in its document
-                shifted[:, cu_seqlens[1:].long() - 1] = IGNORE_INDEX
+            # a document's last token has no next token in its document
+            shifted = shift_labels(labels, cu_seqlens=docs, ignore_index=IGNORE_INDEX)
             local = shard(shifted)
             inputs.update(labels=local, shift_labels=local, num_items_in_batch=(shifted != IGNORE_INDEX).sum())
         if cu_seqlens is not None:  # on the host: every layer plans from them without waiting for the GPU
@@ -437,6 +436,18 @@ def _check_2d(name: str, t, seq: int, batch: int) -> None:
     if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != seq or t.shape[0] not in (1, batch):
         shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"`{name}` must be a ({batch} or 1, {seq}) tensor over the full sequence, got {shape}")
+
+
+def _on_host(position_ids: torch.Tensor, attention_mask) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Host copies of ``position_ids`` and of the padding mask (bool; None without a mask tensor): GPU tensors
+    are read back in one copy, one wait for the GPU where each question asked of them would be one."""
+    if not isinstance(attention_mask, torch.Tensor):
+        return position_ids.cpu(), None
+    if position_ids.device != attention_mask.device:
+        return position_ids.cpu(), attention_mask.cpu().bool()
+    rows = position_ids.shape[0]
+    both = torch.cat([position_ids.to(torch.int64), attention_mask.to(torch.int64)]).cpu()
+    return both[:rows], both[rows:].bool()
 
 
 def _packed_boundaries(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
