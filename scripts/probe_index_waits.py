@@ -2,7 +2,10 @@
 two seconds, with an index made before the sleep ("old") and one copied to the GPU from pinned memory just
 before the operation ("fresh"); a row (name, fresh, waited, host seconds) with waited True returned only after
 the sleep ended. One GPU: ``PYTHONPATH=. python scripts/probe_index_waits.py``."""
-import time, torch, json, os
+import time
+
+import torch
+
 from distcomm_attention._device import to_device
 dev = torch.device("cuda", 0)
 S, H, D = 65536, 4, 128

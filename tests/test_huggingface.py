@@ -171,8 +171,8 @@ def test_shard_inputs_gives_the_boundaries_on_the_host():
 def test_shard_inputs_reads_the_batch_back_once():
     """GPU position ids and padding mask are read back in one copy: one synchronizing call under
     ``set_sync_debug_mode("warn")`` (each question asked of them on the GPU was one: any restart, every row
-    alike, where, any padding, and the labels' fill). Given on the host, nothing waits: queued behind a GPU
-    sleep the call returns while the sleep runs. The results are the host call's."""
+    alike, where, the boundaries' list, any padding, and the labels' fill). Given on the host, nothing waits:
+    queued behind a GPU sleep the call returns while the sleep runs. The results are the host call's."""
     import warnings
 
     ring = ring_hf.register("ring_attention_test_read_once", layout="contiguous")

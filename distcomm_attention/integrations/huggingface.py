@@ -308,12 +308,14 @@ class RingAttentionHF:
         if tokens.dim() < 2:
             raise ValueError(f"`input_ids`/`inputs_embeds` must be (batch, seq, ...), got shape {tuple(tokens.shape)}")
         batch, seq = tokens.shape[:2]
+        given = position_ids
         if position_ids is None:
             position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0)
         _check_2d("position_ids", position_ids, seq, batch)
         if attention_mask is not None:
             _check_2d("attention_mask", attention_mask, seq, batch)
-        positions, real = _on_host(position_ids, attention_mask)  # GPU tensors: one wait for the GPU, here
+        # GPU tensors: one wait for the GPU, here (none without position ids and mask: 0..seq-1 never restarts)
+        positions, real = _on_host(torch.arange(seq).unsqueeze(0) if given is None else given, attention_mask)
         cu_seqlens = _packed_boundaries(positions, real)
 
         sharding = self.sharding
@@ -446,7 +448,7 @@ def _on_host(position_ids: torch.Tensor, attention_mask) -> tuple[torch.Tensor, 
     if position_ids.device != attention_mask.device:
         return position_ids.cpu(), attention_mask.cpu().bool()
     rows = position_ids.shape[0]
-    both = torch.cat([position_ids.to(torch.int64), attention_mask.to(torch.int64)]).cpu()
+    both = torch.cat([position_ids, attention_mask.ne(0).to(position_ids.dtype)]).cpu()
     return both[:rows], both[rows:].bool()
 
 

@@ -52,10 +52,12 @@ def natural_order(layout: str, ring_size: int, local_len: int) -> torch.Tensor |
 
 @functools.lru_cache(maxsize=64)
 def natural_inverse(layout: str, ring_size: int, local_len: int) -> torch.Tensor | None:
-    """The inverse of ``natural_order`` (natural row i's place in the source-order concatenation), or None;
-    cached like it."""
-    order = natural_order(layout, ring_size, local_len)
-    return None if order is None else torch.argsort(order)
+    """The inverse of ``natural_order`` (source-order row j's place in natural order: the shards' positions,
+    concatenated), or None; cached like it."""
+    if natural_order(layout, ring_size, local_len) is None:
+        return None
+    seq_len = local_len * ring_size
+    return torch.cat([layouts.positions(layout, seq_len, ring_size, r) for r in range(ring_size)])
 
 
 def _causal_split(q0: int, row_lo: torch.Tensor, row_hi: torch.Tensor) -> tuple[Block, ...] | None:

@@ -138,7 +138,8 @@ class AllGatherKV:
         world = _groups.group_size(group) if exchange is None else exchange.ring_size
         natural = gathered_in_natural_order(layout)
         self.order = natural_order(layout, world, local_len) if natural else None
-        self.inverse = natural_inverse(layout, world, local_len) if natural else None
+        # the reduction's way back (the dense gather only: the sparse exchange places its rows itself)
+        self.inverse = natural_inverse(layout, world, local_len) if natural and exchange is None else None
         self._world, self._local_len, self._layout = world, local_len, layout
         self._rank = _groups.group_rank(group) if exchange is None else None  # (the exchange knows its own)
         self.one = RingComm(group, 1) if world > 1 else RingComm(None)

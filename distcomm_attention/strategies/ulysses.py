@@ -411,7 +411,10 @@ class _UlyssesAttn(torch.autograd.Function):
             out, lse = inner.forward(qg, kh[:, :, kv], vh[:, :, kv], km)
             back.append(_post_back(t, inner.source(out)[0], degree))
             qs.append(qg), outs.append(out), lses.append(lse)
-        qh, out, lse = torch.cat(qs, 2), torch.cat(outs, 2), torch.cat(lses, 1)
+        if groups == 1:  # (a concatenation of one would copy each of them whole)
+            qh, out, lse = qs[0], outs[0], lses[0]
+        else:
+            qh, out, lse = torch.cat(qs, 2), torch.cat(outs, 2), torch.cat(lses, 1)
         ctx.save_for_backward(qh, kh, vh, out, lse, km, ids)
         b, n, heads, d = q.shape
         return _place(back, b, n, heads, d, degree, out.dtype, out.device)
@@ -430,17 +433,21 @@ class _UlyssesAttn(torch.autograd.Function):
         h, hk = qh.shape[2], kh.shape[2]
         groups = head_groups(h, hk, backward=True) if ctx.pipelined else 1
         size = h // groups
-        dk = torch.empty_like(kh)
-        dv = torch.empty_like(vh)
+        # one group's dk, dv are the kernels' own; several are written into one buffer each
+        dk, dv = (None, None) if groups == 1 else (torch.empty_like(kh), torch.empty_like(vh))
         pending = _post(t, dout, degree, 0, groups)
         back = []
         for g in range(groups):
             (dg,) = inner.natural(_heads(pending))
             if g + 1 < groups:
                 pending = _post(t, dout, degree, g + 1, groups)
-            rows, kv = slice(g * size, (g + 1) * size), _kv_of(g, size, h // hk)
-            dq_g, dk[:, :, kv], dv[:, :, kv] = inner.backward(
-                dg, qh[:, :, rows], kh[:, :, kv], vh[:, :, kv], out[:, :, rows], lse[:, rows].contiguous(), km)
+            if groups == 1:
+                dq_g, dk, dv = inner.backward(dg, qh, kh, vh, out, lse.contiguous(), km)
+                dk, dv = dk.to(kh.dtype), dv.to(vh.dtype)
+            else:
+                rows, kv = slice(g * size, (g + 1) * size), _kv_of(g, size, h // hk)
+                dq_g, dk[:, :, kv], dv[:, :, kv] = inner.backward(
+                    dg, qh[:, :, rows], kh[:, :, kv], vh[:, :, kv], out[:, :, rows], lse[:, rows].contiguous(), km)
             back.append(_post_back(t, inner.source(dq_g)[0], degree))
         b, n, heads, d = dout.shape
         kv_back = [_post_back(t, x, degree) for x in inner.source(dk, dv)]
