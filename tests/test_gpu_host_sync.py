@@ -276,9 +276,10 @@ def _scalar_decay_rank(rank: int, world: int):
     full = (rnd(1, seq, heads, dim).to(torch.bfloat16), rnd(1, seq, heads, dim).to(torch.bfloat16),
             rnd(1, seq, value_heads, dim).to(torch.bfloat16), -torch.nn.functional.softplus(rnd(1, seq, value_heads)))
     out = []
-    # every rank runs the same kernels in each case (boundaries on both ranks: zigzag's rank 0 holds two runs,
-    # rank 1 one run with a document boundary): fla autotunes on first use, in step on every rank
-    for layout, cu in (("contiguous", None), ("zigzag", [0, 3000, seq]), ("contiguous", [0, 1000, 5000, 5100, seq])):
+    # every rank runs the same kernels in each case (boundaries on both ranks: pieces of unequal lengths, which
+    # go to fla as one varlen call; equal ones go as batch rows): fla autotunes on first use, in step on every rank
+    for layout, cu in (("contiguous", None), ("zigzag", [0, 1000, 3000, seq]),
+                       ("contiguous", [0, 1000, 5000, 5100, seq])):
         q, k, v, gate = (shard_sequence(t, layout, cu_seqlens=cu).contiguous() for t in full)
 
         def step():
@@ -300,8 +301,9 @@ def _waited_first_in_fla(failure: str) -> bool:
 
 @pytest.mark.gpu2
 def test_scalar_decay_waits_only_where_fla_takes_boundaries():
-    """Without boundaries the scalar decay never waits. With them (documents; zigzag's ranks' two runs) every
-    call waits, and the first wait is fla-core's state pass reading its chunk count back with ``.item()``
+    """Without boundaries the scalar decay never waits. With them (documents cutting a rank's tokens into pieces
+    of unequal lengths) every call waits, and the first wait is fla-core's state pass reading its chunk count
+    back with ``.item()``
     (docs/hybrid.md, Limits; a later wait cannot be seen once the queue has drained). When fla stops waiting
     this test fails and the limit is to be struck from the docs."""
     pytest.importorskip("fla", reason="the linear layers' GPU kernels are fla-core's")

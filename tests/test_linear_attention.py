@@ -809,10 +809,12 @@ def test_fla_kernel_refused_on_cpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["gdn", "ssd"])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "balanced"])
-def test_fla_split_matches_float64(kind, layout):
+@pytest.mark.parametrize("doc_len", [96, 0])
+def test_fla_split_matches_float64(kind, layout, doc_len):
     """Simulated ranks (W = 4) with fla's bf16 kernels, forward and backward (forward alone where fla's backward
-    cannot run), documents: each error against the float64 recurrence at most 2x (plus 1e-3) that of one fla
-    call over the whole sequence."""
+    cannot run), with documents and without (zigzag's two runs a rank then go as two batch rows of one call):
+    each error against the float64 recurrence at most 2x (plus 1e-3) that of one fla call over the whole
+    sequence."""
     pytest.importorskip("fla")
     import sys
     from pathlib import Path
@@ -827,7 +829,7 @@ def test_fla_split_matches_float64(kind, layout):
     # where fla's backward cannot run (the scalar decay on Hopper with Triton < 3.7.1), the outputs alone
     backward = fla_backward_problem(torch.device("cuda"), delta=kind == "gdn") is None
 
-    errors = bench_linear.split_check(kind, layout, 4, 96, fla_chunk, torch.device("cuda"), torch.bfloat16, n=256,
+    errors = bench_linear.split_check(kind, layout, 4, doc_len, fla_chunk, torch.device("cuda"), torch.bfloat16, n=256,
                                       shape=bench_linear.SHAPES[kind], backward=backward)
     assert ("dq" in errors) == backward
     print(kind, layout, errors)

@@ -371,13 +371,18 @@ class _Call:
         return states[0] if len(segs) == 1 else torch.cat(states)
 
     def _packed(self, segs):
-        """One kernel call's arguments over ``segs``: (q, k, v, g, beta), cu_seqlens (None for one segment) and
-        the batch rows B; each row's segments are the call's sequences, row-major."""
+        """One kernel call's arguments over ``segs``: (q, k, v, g, beta), cu_seqlens (None for one segment, or
+        for segments of one length: then each is a batch row of the call, and the kernel reads no boundaries;
+        fla's scalar decay reads them back from the GPU on every call) and the batch rows B; each row's segments
+        are the call's sequences, row-major."""
         pick = self._pick(segs)
         x = [pick(t) for t in (self.q, self.k, self.v, self.g, self.beta)]
         b = x[0].shape[0]
         if len(segs) == 1:
             return x, None, b
+        if len({s.length for s in segs}) == 1:  # (B, S L, ...) -> (B S, L, ...): the same order of sequences
+            shape = (b * len(segs), segs[0].length)
+            return [None if t is None else t.reshape(shape + t.shape[2:]) for t in x], None, b
         x = [None if t is None else t.reshape((1, -1) + t.shape[2:]) for t in x]
         return x, torch.tensor([0] + [s.length for _ in range(b) for s in segs]).cumsum(0), b
 
