@@ -91,19 +91,20 @@ def _bytes(x) -> int:
     return 0
 
 
-_ALLOCATIONS = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}  # nothing moved
+_ALLOCATIONS = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted"}
 _WRITE_ONLY = {"zeros", "zeros_like", "new_zeros", "full", "full_like", "new_full", "fill_", "zero_", "ones",
                "ones_like", "arange"}
 
 
 def _read(name: str, args, kwargs) -> int:
     """Bytes an operation reads: its tensor arguments, but not what it only writes (a copy's destination, a
-    fill's tensor) and nothing for an allocation."""
+    fill's tensor, an ``out=`` tensor) and nothing for an allocation. An upper bound for operations that read
+    part of a tensor argument (an index add reads its destination's indexed rows only)."""
     if name in _ALLOCATIONS or name in _WRITE_ONLY:
         return 0
     if name == "copy_":
         return _bytes(args[1])
-    return _bytes(list(args)) + _bytes(list(kwargs.values()))
+    return _bytes(list(args)) + _bytes([v for key, v in kwargs.items() if key != "out"])
 
 
 def _site() -> str:
@@ -111,7 +112,7 @@ def _site() -> str:
     for frame in reversed(traceback.extract_stack()[:-3]):
         name = frame.filename.replace("\\", "/")
         if "/distcomm_attention/" in name or "/distcomm/" in name:
-            return f"{name.split('/distcomm')[-1].lstrip('_attention/')}:{frame.lineno} {frame.name}"
+            return f"{name.split('/distcomm')[-1].removeprefix('_attention').lstrip('/')}:{frame.lineno} {frame.name}"
     return "(outside the library)"
 
 

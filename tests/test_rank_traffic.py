@@ -1,8 +1,8 @@
 """Memory traffic outside the kernels, on the CPU: scripts/trace_rank_ops.py records every tensor operation a
 simulated rank runs around its attention kernels (stand-ins of flash-attn-4's contract) with the bytes it reads
-and writes. Plain Ulysses moves each of q, k, v, dout into the all-to-all and into natural order, and each of
-out, dq, dk, dv back, once each way: at most two passes (read + write) per tensor, and one where the shards are
-in natural order. The emulated link's own copies (what NCCL would move) and the NaN-row check (one fused
+and writes. Plain Ulysses (batch 1) moves each of q, k, v, dout into the all-to-all and into natural order, and
+each of out, dq, dk, dv back, once each way: at most two passes (read + write) per tensor, and one where the
+shards are in natural order (the bound allows 1% for small operations around them). The emulated link's own copies (what NCCL would move) and the NaN-row check (one fused
 kernel on a GPU) are not counted."""
 
 import pytest
@@ -26,6 +26,6 @@ def test_ulysses_moves_each_tensor_at_most_twice(layout, passes):
     tensors = 4 * n * heads * dim + 4 * n * kv_heads * dim  # q, out, dout, dq; k, v, dk, dv (bf16: 2 bytes)
     indices = 8 * (passes - 1) * seq * 8  # the reorders' int64 indices over the sequence, read once each
     moved = sum(read + written for _, _, _, read, written in rows)
-    assert moved <= passes * 2 * tensors * 2 + indices, "\n".join(
+    assert moved <= 1.01 * (passes * 2 * tensors * 2 + indices), "\n".join(
         f"{(r + w) / 1e6:8.2f} MB {c:3d} x {op} {site}" for op, site, c, r, w in rows)
     assert moved >= passes * 2 * tensors * 2 * 0.9  # the tracer sees the copies it bounds

@@ -49,6 +49,14 @@ from distcomm_attention.linear.kernels import open_segments, passes_of, select_k
 __all__ = ["chunk_gated_delta_rule_cp", "chunk_simple_gla_cp"]
 
 
+# A call's segments of one length go as batch rows (``_Call._packed``) when they are at most this many (a
+# zigzag or balanced rank's runs; fla compiles its kernels for each batch size, and a striped rank's
+# one-token runs are better as one varlen call) and batch rows x value heads stay within CUDA's 65535 grid
+# rows, which fla's kernels put them on.
+_MAX_ROWS = 4
+_MAX_GRID_Y = 65535
+
+
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """fla's ``use_qk_l2norm_in_kernel``: x / sqrt(sum(x^2) + eps) over the head dim."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
@@ -372,16 +380,16 @@ class _Call:
 
     def _packed(self, segs):
         """One kernel call's arguments over ``segs``: (q, k, v, g, beta), cu_seqlens (None for one segment, or
-        for segments of one length: then each is a batch row of the call, and the kernel reads no boundaries;
-        fla's scalar decay reads them back from the GPU on every call) and the batch rows B; each row's segments
-        are the call's sequences, row-major."""
+        for a few segments of one length, a zigzag or balanced rank's two runs without documents: then each is
+        a batch row of the call, and the kernel reads no boundaries; fla's scalar decay reads them back from the
+        GPU on every call) and the batch rows B; each row's segments are the call's sequences, row-major."""
         pick = self._pick(segs)
         x = [pick(t) for t in (self.q, self.k, self.v, self.g, self.beta)]
         b = x[0].shape[0]
         if len(segs) == 1:
             return x, None, b
-        if len({s.length for s in segs}) == 1:  # (B, S L, ...) -> (B S, L, ...): the same order of sequences
-            shape = (b * len(segs), segs[0].length)
+        if len({s.length for s in segs}) == 1 and len(segs) <= _MAX_ROWS and b * len(segs) * self.hv <= _MAX_GRID_Y:
+            shape = (b * len(segs), segs[0].length)  # (B, S L, ...) -> (B S, L, ...): the same order of sequences
             return [None if t is None else t.reshape(shape + t.shape[2:]) for t in x], None, b
         x = [None if t is None else t.reshape((1, -1) + t.shape[2:]) for t in x]
         return x, torch.tensor([0] + [s.length for _ in range(b) for s in segs]).cumsum(0), b
