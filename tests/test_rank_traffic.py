@@ -29,3 +29,24 @@ def test_ulysses_moves_each_tensor_at_most_twice(layout, passes):
     assert moved <= 1.01 * (passes * 2 * tensors * 2 + indices), "\n".join(
         f"{(r + w) / 1e6:8.2f} MB {c:3d} x {op} {site}" for op, site, c, r, w in rows)
     assert moved >= passes * 2 * tensors * 2 * 0.9  # the tracer sees the copies it bounds
+
+
+def test_the_tracer_counts_what_moves():
+    """Views move nothing, a copy reads its source and writes its destination, an allocation is free, a fill
+    writes, an out= tensor is not read; the stand-in kernels' own work is not traced."""
+    import torch
+
+    trace = import_script("trace_rank_ops")
+    x = torch.ones(1000, dtype=torch.float32)  # 4000 bytes
+    y = torch.empty(1000)
+    recorder = trace.OpTrace()
+    with recorder:
+        x.view(10, 100).transpose(0, 1)
+        y.copy_(x)
+        torch.empty(500)
+        torch.zeros(250)
+        torch.add(x, x, out=y)
+        with trace._untraced():
+            x.clone()
+    moved = {op: (count, read, written) for (op, _), (count, read, written) in recorder.rows.items()}
+    assert moved == {"copy_": (1, 4000, 4000), "empty": (1, 0, 0), "zeros": (1, 0, 1000), "add": (1, 8000, 4000)}
