@@ -44,7 +44,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from distcomm.ring import RingComm
-from distcomm_attention.kernels.contract import RowSum
+from distcomm_attention.kernels.contract import RowSum, _runs, _split_runs
 from distcomm_attention.planning.calls import step_calls
 from distcomm_attention.planning.visibility import RingPlan
 
@@ -80,9 +80,8 @@ def _start_acc(grads: list, like: torch.Tensor, dtype: torch.dtype, which: int) 
     """
     if len(grads) == 1 and _whole(grads[0][0], like.shape[1]):
         return grads[0][which].to(dtype)
-    acc = torch.zeros(like.shape, dtype=dtype, device=like.device)
-    for g in grads:
-        _add_into(acc, g[0], g[which])
+    acc = torch.empty(like.shape, dtype=dtype, device=like.device)
+    _sum_terms((acc,), [(g[0], g[which]) for g in grads])
     return acc
 
 
@@ -221,18 +220,38 @@ def block_grads(dout, q, k, v, out, lse, delta, km, dq, plan: RingPlan, i: int, 
 
 def step_grads(dout, q, k, v, out, lse, delta, km, dq, plan: RingPlan, i: int, softcap: float, scale: float, bwd,
                acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``block_grads`` summed into dK, dV shaped like ``k``, ``v`` (in ``acc_dtype``; one zero-filled buffer holds
-    both when their shapes agree)."""
+    """``block_grads`` summed into dK, dV shaped like ``k``, ``v`` (in ``acc_dtype``; one buffer holds both when
+    their shapes agree), by ``_sum_terms``."""
     if k.shape == v.shape:
-        dk, dv = torch.zeros((2, *k.shape), dtype=acc_dtype, device=k.device).unbind(0)
+        dk, dv = torch.empty((2, *k.shape), dtype=acc_dtype, device=k.device).unbind(0)
     else:
-        dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
-    for kv, dk_b, dv_b in block_grads(dout, q, k, v, out, lse, delta, km, dq, plan, i, softcap, scale, bwd,
-                                      acc_dtype):
-        _add_into(dk, kv, dk_b)
-        _add_into(dv, kv, dv_b)
+        dk = torch.empty(k.shape, dtype=acc_dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=acc_dtype, device=v.device)
+    grads = block_grads(dout, q, k, v, out, lse, delta, km, dq, plan, i, softcap, scale, bwd, acc_dtype)
+    _sum_terms((dk, dv), grads)
     return dk, dv
+
+
+def _sum_terms(accs: tuple[torch.Tensor, ...], grads) -> None:
+    """Sum (kv rows, term for accs[0], term for accs[1], ...) into the uninitialised buffers ``accs`` (rows along
+    dim 1): a row's first term is copied in (converted exactly), later ones added, and only rows no term
+    reaches are zero-filled: the sums of adding every term into zeros, without filling rows a term
+    overwrites or reading zeros to add to (signed zeros aside)."""
+    n, written = accs[0].shape[1], ()
+    for kv, *terms in grads:
+        start, stop, _ = kv.indices(n)
+        for a, z, seen in _split_runs(start, stop, written):
+            for acc, term in zip(accs, terms):
+                part = term[:, a - start:z - start]
+                if seen:
+                    acc[:, a:z].add_(part)
+                else:
+                    acc[:, a:z].copy_(part)
+        written = _runs(written + ((start, stop),))
+    for a, z, seen in _split_runs(0, n, written):
+        if not seen:
+            for acc in accs:
+                acc[:, a:z].zero_()
 
 
 def ring_forward(q, k, v, key_mask, comm: RingComm, plan: RingPlan, softcap: float, scale: float, fwd):
