@@ -232,14 +232,29 @@ def step_grads(dout, q, k, v, out, lse, delta, km, dq, plan: RingPlan, i: int, s
     return dk, dv
 
 
+_MAX_TERMS = 8  # more terms than this are added into zeros (``_sum_terms``)
+
+
 def _sum_terms(accs: tuple[torch.Tensor, ...], grads) -> None:
     """Sum (kv rows, term for accs[0], term for accs[1], ...) into the uninitialised buffers ``accs`` (rows along
     dim 1): a row's first term is copied in (converted exactly), later ones added, and only rows no term
     reaches are zero-filled: the sums of adding every term into zeros, without filling rows a term
-    overwrites or reading zeros to add to (signed zeros aside)."""
+    overwrites or reading zeros to add to (signed zeros aside). With more than ``_MAX_TERMS`` terms (a striped
+    rank's hundreds of disjoint calls) every buffer is zero-filled once and each term added: one launch a term
+    rather than a copy or add per piece and a fill per gap."""
+    grads = list(grads)
     n, written = accs[0].shape[1], ()
+    if len(grads) > _MAX_TERMS:
+        for acc in accs:
+            acc.zero_()
+        for kv, *terms in grads:
+            for acc, term in zip(accs, terms):
+                _add_into(acc, kv, term)
+        return
     for kv, *terms in grads:
         start, stop, _ = kv.indices(n)
+        if start >= stop:
+            continue
         for a, z, seen in _split_runs(start, stop, written):
             for acc, term in zip(accs, terms):
                 part = term[:, a - start:z - start]
