@@ -37,6 +37,13 @@ def gathered_in_natural_order(layout: str) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
+def _source_positions(layout: str, ring_size: int, local_len: int) -> torch.Tensor:
+    """The global position of each row of the source-order concatenation of every rank's shard (cached)."""
+    seq_len = local_len * ring_size
+    return torch.cat([layouts.positions(layout, seq_len, ring_size, r) for r in range(ring_size)])
+
+
+@functools.lru_cache(maxsize=64)
 def natural_order(layout: str, ring_size: int, local_len: int) -> torch.Tensor | None:
     """Index that puts the source-order concatenation of every rank's shard into natural order
     (``natural = concat[:, index]``), or None when it already is (contiguous, a ring of one, or any layout
@@ -44,10 +51,8 @@ def natural_order(layout: str, ring_size: int, local_len: int) -> torch.Tensor |
     only)."""
     if layout == "contiguous" or ring_size == 1:
         return None
-    seq_len = local_len * ring_size
-    order = torch.cat([layouts.positions(layout, seq_len, ring_size, r) for r in range(ring_size)])
-    index = torch.argsort(order)
-    return None if torch.equal(index, torch.arange(seq_len)) else index
+    positions = _source_positions(layout, ring_size, local_len)
+    return None if torch.equal(positions, torch.arange(positions.numel())) else torch.argsort(positions)
 
 
 @functools.lru_cache(maxsize=64)
@@ -56,8 +61,7 @@ def natural_inverse(layout: str, ring_size: int, local_len: int) -> torch.Tensor
     concatenated), or None; cached like it."""
     if natural_order(layout, ring_size, local_len) is None:
         return None
-    seq_len = local_len * ring_size
-    return torch.cat([layouts.positions(layout, seq_len, ring_size, r) for r in range(ring_size)])
+    return _source_positions(layout, ring_size, local_len)
 
 
 def _causal_split(q0: int, row_lo: torch.Tensor, row_hi: torch.Tensor) -> tuple[Block, ...] | None:
