@@ -11,7 +11,8 @@ Reported per strategy:
   into attention kernels (flash-attn-4 / cuDNN / Triton attention) and the rest (copies, index, merge);
 - Ulysses only, ``raw_s``: one flash-attn-4 varlen fwd+bwd over the whole pack with H/W query heads and
   Hkv/W kv heads — the same shapes Ulysses' rank computes, without the library around it;
-- ``cprofile``: the top host functions of a few steps by cumulative time.
+- ``cprofile``: the top host functions of a few steps by cumulative time;
+- ``sites`` (``--by-site``): the kernels' time by the library line whose PyTorch operation launched them.
 
     python scripts/profile_block_path.py --seq 131072 --world 8 --docs lognormal --out prof.json
 """
@@ -66,6 +67,47 @@ def _kernel_table(step, calls: int) -> dict:
             "top": [{"name": name[:120], "s": t, "launches": n} for name, (t, n) in top]}
 
 
+def _site_of(stack) -> str:
+    """The innermost frame of the library (else of a script) in a profiler stack, as "path:line function"."""
+    for frame in stack:
+        for root in ("distcomm_attention/", "distcomm/", "scripts/"):
+            if root in frame:
+                return root + frame.split(root, 1)[1]
+    return "(no library frame)"
+
+
+def _site_table(step, calls: int, top: int = 25) -> list[dict]:
+    """CUDA kernel time per step by the library line whose PyTorch operation launched it (torch.profiler with
+    Python stacks): each row a (site, operation) with its kernels' seconds and launches per step. Kernels that
+    no PyTorch operation launched (Triton's, flash-attn-4's, the emulated link's copies) are listed by kernel
+    name under "(not a PyTorch operation)"."""
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
+                 experimental_config=_ExperimentalConfig(verbose=True)) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    rows: dict[tuple[str, str], list[float]] = {}
+    by_kernel: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            by_kernel[ev.name] = by_kernel.get(ev.name, 0.0) + ev.device_time_total / 1e6 / calls
+        elif ev.kernels:
+            t = rows.setdefault((_site_of(ev.stack), ev.name), [0.0, 0])
+            for kernel in ev.kernels:
+                t[0] += kernel.duration / 1e6 / calls
+                t[1] += 1 / calls
+                by_kernel[kernel.name] = by_kernel.get(kernel.name, 0.0) - kernel.duration / 1e6 / calls
+    for name, t in by_kernel.items():
+        if t > 1e-7 and not any(a in name.lower() for a in _ATTENTION):
+            rows[("(not a PyTorch operation)", name[:100])] = [t, 0]
+    ordered = sorted(rows.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"site": site, "op": op, "s": t, "launches": n} for (site, op), (t, n) in ordered]
+
+
 def cprofile_text(step, calls: int, top: int, sort: str = "cumulative") -> str:
     """cProfile of ``calls`` calls of ``step`` (the GPU drained before and after): the ``top`` functions by
     ``sort`` ("cumulative" or "tottime", own time)."""
@@ -106,6 +148,8 @@ def main():
     parser.add_argument("--sync-debug", action="store_true",
                         help="run one step per strategy under torch.cuda.set_sync_debug_mode('error') and print "
                              "where it synchronises with the host (nothing else is measured)")
+    parser.add_argument("--by-site", action="store_true",
+                        help="also the kernels' time by the library line that launched them (slower profile)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -162,6 +206,10 @@ def main():
         kernels = _kernel_table(step, args.profile_calls)
         row = {"rank": rank, "gpu_s": gpu, "host_s": host, "efficiency": single / (world * gpu),
                "kernels": kernels, "cprofile": cprofile_text(step, args.profile_calls, args.top)}
+        if args.by_site:
+            row["sites"] = _site_table(step, args.profile_calls)
+            for site in row["sites"]:
+                print(f"    {site['s'] * 1e3:7.3f} ms  x{site['launches']:<5.1f} {site['op']:28s} {site['site']}")
         if strategy == "ulysses":
             row["raw_s"] = _raw_ulysses(seq, heads, kv_heads, world, d, docs, args.iters, args.warmup)
         report["strategies"][strategy] = row

@@ -189,16 +189,45 @@ def test_single_block_is_returned_as_the_kernel_made_it():
 
 def test_rows_never_reached_finalize_to_zero_and_minus_inf():
     """Rows no block touched come out as 0 with lse -inf (the contract of every forward kernel); a partial
-    first block starts an fp32 state."""
+    first block's rows are kept as the kernel returned them (no fp32 state, no merge)."""
     q, k, v, _ = _qkv(dtype=torch.bfloat16)
     state = MergeState(q.shape, q.device)
     merge_block(state, torch.ones(2, 10, 4, 16, dtype=torch.bfloat16), torch.zeros(2, 4, 10), slice(3, 13))
     out, lse = ExactBlockForward().finalize(state, torch.bfloat16)
-    assert state.acc.dtype == torch.float32 and state.in_acc == [(3, 13)] and out.dtype == torch.bfloat16
+    assert state.acc is None and state.in_acc == [] and state.touched == [(3, 13)] and out.dtype == torch.bfloat16
     assert (out[:, :3] == 0).all() and (out[:, 13:] == 0).all() and (out[:, 3:13] == 1).all()
     assert torch.isinf(lse[:, :, :3]).all() and (lse[:, :, 3:13] == 0).all()
     empty = ExactBlockForward().finalize(MergeState(q.shape, q.device), torch.bfloat16)
     assert (empty[0] == 0).all() and (empty[1] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_partial_blocks_merge_to_the_float64_combination(dtype):
+    """Blocks over overlapping row ranges, none covering every row, merge to the float64 combination of the
+    blocks that reached each row (lse = log sum exp, out = sum exp(lse_b - lse) out_b); a row one block reached
+    is that block's output bit for bit, rows no block reached are 0 with lse -inf."""
+    g = torch.Generator().manual_seed(3)
+    shape = torch.Size((2, 16, 3, 8))
+    spans = [(2, 7), (5, 12), (0, 3), (9, 11)]
+    blocks = [(torch.randn(2, b - a, 3, 8, generator=g).to(dtype), torch.randn(2, 3, b - a, generator=g))
+              for a, b in spans]
+    state = MergeState(shape, torch.device("cpu"))
+    for (a, b), (o, l) in zip(spans, blocks):
+        merge_block(state, o, l, slice(a, b))
+    out, lse = ExactBlockForward().finalize(state, dtype)
+    for row in range(shape[1]):
+        reached = [(o[:, row - a].double(), l[:, :, row - a].double()) for (a, b), (o, l) in zip(spans, blocks)
+                   if a <= row < b]
+        if not reached:
+            assert (out[:, row] == 0).all() and (lse[:, :, row] == float("-inf")).all()
+            continue
+        ref_lse = torch.logsumexp(torch.stack([l for _, l in reached]), 0)
+        ref = sum(torch.exp(l - ref_lse).unsqueeze(-1) * o for o, l in reached)
+        if len(reached) == 1:
+            assert torch.equal(out[:, row], reached[0][0].to(dtype)), row
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out[:, row].double(), ref, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse[:, :, row].double(), ref_lse, atol=1e-5, rtol=1e-5)
 
 
 def test_merging_two_empty_rows_stays_finite():

@@ -6,6 +6,7 @@ zeros plus every term added, in float64 and for bf16 terms into fp32: the same v
 import pytest
 import torch
 
+from distcomm_attention.kernels.contract import RowSum
 from distcomm_attention.strategies import ring
 
 
@@ -47,3 +48,90 @@ def test_two_buffers_sum_their_own_terms():
         for gr in grads:
             want[:, gr[0]] += gr[which].double()
         torch.testing.assert_close(acc, want, rtol=0, atol=0)
+
+
+def _row_sum_ops(seed: int, n: int, dtype: torch.dtype):
+    """A random sequence of RowSum additions: plain row slices, and packed calls' terms (``add_runs``) whose rows
+    outside their runs hold NaN (what a kernel leaves there), some spanning every row."""
+    g = torch.Generator().manual_seed(seed)
+    ops = []
+    for _ in range(int(torch.randint(1, 7, (1,), generator=g))):
+        kind = int(torch.randint(0, 3, (1,), generator=g))
+        if kind == 0:
+            a, b = sorted(torch.randint(0, n + 1, (2,), generator=g).tolist())
+            ops.append(("add", a, b, torch.randn(2, b - a, 3, generator=g).to(dtype)))
+            continue
+        start, stop = (0, n) if kind == 1 else sorted(torch.randint(0, n + 1, (2,), generator=g).tolist())
+        cuts = sorted(set(torch.randint(start, stop + 1, (4,), generator=g).tolist()) | {start, stop})
+        runs = [(a, b) for i, (a, b) in enumerate(zip(cuts, cuts[1:])) if i % 2 == 0]  # every other piece
+        term = torch.full((2, stop - start, 3), float("nan"), dtype=dtype)
+        for a, b in runs:
+            term[:, a - start:b - start] = torch.randn(2, b - a, 3, generator=g).to(dtype)
+        ops.append(("runs", runs, start, term))
+    return ops
+
+
+@pytest.mark.parametrize("seed", range(24))
+@pytest.mark.parametrize("dtypes", [(torch.float64, torch.float64), (torch.bfloat16, torch.float32)])
+def test_row_sum_matches_adding_every_term_into_zeros(seed, dtypes):
+    """``RowSum``: plain additions and packed calls' terms (rows outside their runs unset), in any order: the
+    float64 sum of every term's rows; a row one term reached is that term's value bit for bit; a packed term
+    spanning every row, first of its kind, becomes the buffer itself (no copy)."""
+    term_dtype, acc_dtype = dtypes
+    n = 24
+    ops = _row_sum_ops(seed, n, term_dtype)
+    sums = RowSum(torch.Size((2, n, 3)), acc_dtype, torch.device("cpu"))
+    want = torch.zeros(2, n, 3, dtype=torch.float64)
+    count = torch.zeros(n, dtype=torch.int64)
+    single = torch.zeros(2, n, 3, dtype=term_dtype)
+    adopted = None
+    for op in ops:
+        if op[0] == "add":
+            _, a, b, term = op
+            sums.add(a, b, term)
+            pieces = [(a, b, term)]
+        else:
+            _, runs, start, term = op
+            full = start == 0 and term.shape[1] == n and runs
+            if full and adopted is None and sums.base is None and not any(o[0] == "add" for o in ops[:ops.index(op)]):
+                adopted = term
+            sums.add_runs(term, runs, start)
+            pieces = [(a, b, term[:, a - start:b - start]) for a, b in runs]
+        for a, b, t in pieces:
+            want[:, a:b] += t.double()
+            count[a:b] += 1
+            single[:, a:b] = t
+    out = sums.result(term_dtype)
+    if adopted is not None:
+        assert sums.base is adopted
+    assert not out.isnan().any()
+    once = count == 1
+    assert torch.equal(out[:, once], single[:, once])
+    assert (out[:, count == 0] == 0).all()
+    tol = 1e-12 if term_dtype == torch.float64 else 1e-2
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+def test_row_sum_adopts_a_later_whole_term_after_partial_ones():
+    """The all-gather's dQ: the other ranks' keys' call first (a part of the rows), then the own keys' call
+    spanning every row: the second call's buffer becomes the sum (no copy of its rows), the first's rows are
+    added to it, each row summed in fp32 once and rounded once."""
+    g = torch.Generator().manual_seed(5)
+    n = 20
+    part = torch.full((1, 8, 2), float("nan"), dtype=torch.bfloat16)
+    part[:, 0:3] = torch.randn(1, 3, 2, generator=g).bfloat16()
+    part[:, 5:8] = torch.randn(1, 3, 2, generator=g).bfloat16()
+    whole = torch.full((1, n, 2), float("nan"), dtype=torch.bfloat16)
+    whole[:, :18] = torch.randn(1, 18, 2, generator=g).bfloat16()
+    sums = RowSum(torch.Size((1, n, 2)), torch.float32, torch.device("cpu"))
+    sums.add_runs(part, [(10, 13), (15, 18)], start=10)
+    assert sums.base is None  # waiting for a term to adopt
+    sums.add_runs(whole, [(0, 18)])
+    assert sums.base is whole and sums.in_acc == [(10, 13), (15, 18)]
+    want = torch.zeros(1, n, 2, dtype=torch.float64)
+    want[:, :18] += whole[:, :18].double()
+    want[:, 10:13] += part[:, 0:3].double()
+    want[:, 15:18] += part[:, 5:8].double()
+    out = sums.result(torch.bfloat16)
+    assert out is whole  # rounded into the adopted buffer
+    torch.testing.assert_close(out.double(), want.bfloat16().double(), rtol=0, atol=0)

@@ -51,11 +51,12 @@ Note [Merging block outputs]
     whose output is NaN to NaN, since a kernel may report such a row with lse -inf (flash-attn-4 treats a
     NaN row sum like an empty row) and the backward would then take it for a row that saw no key. The state adopts the first block that covers
     every row as it is, without a copy: a ring of one (one block) is exactly one kernel call, its out and
-    lse returned untouched. A later block's rows get their running sum in fp32 (``acc``, allocated once,
-    never filled); rows no later block touches stay as the first block wrote them, with no conversion
-    either way. ``finalize`` rounds only the merged rows, into the first block's buffer (or into zeros when
-    the first block was partial; every row merged: ``acc`` rounded whole): each block's output is rounded
-    once, by its kernel, and each sum once. On CUDA the merge of a run of rows is one Triton
+    lse returned untouched. A partial block's rows that no block reached before are copied into the state
+    as the kernel returned them (a merge with an empty row gives exactly them); a later block's rows get
+    their running sum in fp32 (``acc``, allocated once, never filled); rows no later block touches stay as
+    their first block wrote them, with no conversion either way. ``finalize`` rounds only the merged rows,
+    into the first blocks' buffer (every row merged: ``acc`` rounded whole), and fills only the rows no block
+    reached (out 0, lse -inf): each block's output is rounded once, by its kernel, and each sum once. On CUDA the merge of a run of rows is one Triton
     kernel (distcomm_attention.kernels.triton_merge: one read of each input, one write) instead of five
     PyTorch passes with fp32 temporaries.
 
@@ -285,13 +286,15 @@ class MergeState:
     """Running (out, lse) of one rank's queries (see Note [Merging block outputs]).
 
     ``out`` is None (nothing seen yet) or (B, Sq, H, D) in the blocks' dtype: the first whole-coverage block's
-    own output, adopted, or zeros; ``lse`` (B, H, Sq) fp32 alongside (fp64 when the blocks' lse is fp64, as
-    from exact float64 kernels). Rows merged at least once keep their running sum in ``acc`` (fp32, or fp64
-    with an fp64 lse; allocated on the first merge, never filled): ``in_acc`` lists them as sorted disjoint runs, and
-    every other row's output is still the one in ``out``.
+    own output, adopted, or a buffer that holds, on the rows of ``touched`` (sorted disjoint runs), the output
+    of the first block that reached them (other rows unset until ``finalize``); ``lse`` (B, H, Sq) fp32
+    alongside (fp64 when the blocks' lse is fp64, as from exact float64 kernels). Rows merged at least once
+    keep their running sum in ``acc`` (fp32, or fp64 with an fp64 lse; allocated on the first merge, never
+    filled): ``in_acc`` lists them as sorted disjoint runs, and every other touched row's output is still the
+    one in ``out``.
     """
 
-    __slots__ = ("shape", "device", "out", "lse", "acc", "in_acc")
+    __slots__ = ("shape", "device", "out", "lse", "acc", "in_acc", "touched")
 
     def __init__(self, shape: torch.Size, device: torch.device):
         self.shape = shape
@@ -300,6 +303,7 @@ class MergeState:
         self.lse: Tensor | None = None
         self.acc: Tensor | None = None
         self.in_acc: list[tuple[int, int]] = []
+        self.touched: list[tuple[int, int]] = []
 
     @property
     def merged(self) -> bool:
@@ -310,32 +314,36 @@ class MergeState:
 class RowSum:
     """dQ of one rank's rows summed over block calls, each row rounded once (Note [Merging block outputs]'s rule
     for outputs, applied to gradients): a row one call reaches keeps that call's dq as the kernel returned it
-    (the first call covering every row is adopted without a copy); only rows a second call reaches get a sum
-    in ``dtype`` (fp32; ``acc``, allocated once, never filled). The same values as summing every term into a
-    zero-filled fp32 buffer and rounding, without the fill, the first addition or the rounding of rows no
-    second call reached. ``add(r0, r1, term)`` adds term (B, r1 - r0, ...) to rows [r0, r1); ``result(dtype)``.
+    (the first call spanning every row is adopted without a copy, ``add_runs``); only rows a second call
+    reaches get a sum in ``dtype`` (fp32; ``acc``, allocated once, never filled). The same values as summing
+    every term into a zero-filled fp32 buffer and rounding, without filling rows a term reaches, the first
+    addition or the rounding of rows no second call reached. ``add(r0, r1, term)`` adds term (B, r1 - r0, ...)
+    to rows [r0, r1); ``result(dtype)``.
     Terms may differ in dtype (the all-gather's own rows: bf16 kernel outputs and fp32 partial sums): a first
     term whose dtype is not the kept rows' goes to the sums, never rounded into the kept rows.
     """
 
-    __slots__ = ("shape", "dtype", "device", "base", "acc", "touched", "in_acc")
+    __slots__ = ("shape", "dtype", "device", "base", "acc", "touched", "in_acc", "deferred")
 
     def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device):
         self.shape, self.dtype, self.device = shape, dtype, device
-        self.base: Tensor | None = None  # rows reached once (and zeros elsewhere), in the terms' dtype
+        self.base: Tensor | None = None  # the first term of each touched row (others unset), in its dtype
         self.acc: Tensor | None = None
         self.touched: list[tuple[int, int]] = []
         self.in_acc: list[tuple[int, int]] = []
+        self.deferred: list[tuple[Tensor, tuple[tuple[int, int], ...], int]] = []  # add_runs before a base
 
     def add(self, r0: int, r1: int, term: Tensor) -> None:
         n = self.shape[1]
         if r1 <= r0:
             return
+        if self.deferred:
+            self._replay()
         if self.base is None:
             if r0 == 0 and r1 == n:
                 self.base, self.touched = term, [(0, n)]
                 return
-            self.base = torch.zeros(self.shape, dtype=term.dtype, device=self.device)
+            self.base = torch.empty(self.shape, dtype=term.dtype, device=self.device)
         for a, z, summed in _split_runs(r0, r1, self.in_acc):
             t = term[:, a - r0:z - r0]
             if summed:
@@ -356,11 +364,50 @@ class RowSum:
                 self.in_acc = list(_runs(self.in_acc + [(a2, z2)]))
         self.touched = list(_runs(self.touched + [(r0, r1)]))
 
+    def add_runs(self, term: Tensor, runs, start: int = 0) -> None:
+        """Add the rows ``runs`` (row ranges of the sum) of ``term`` (B, m, ...), whose row i is the sum's row
+        ``start + i`` and whose other rows are unset. The first such term spanning every row (start 0, m = n)
+        is adopted as the buffer itself, without a copy (its other rows are filled at the result or by later
+        terms); terms that come before it wait for it, unless an ``add`` or the result comes first."""
+        runs = tuple((a, z) for a, z in runs if z > a)
+        if not runs:
+            return
+        if self.base is None and start == 0 and term.shape[1] == self.shape[1]:
+            self.base, self.touched = term, list(_runs(runs))
+            self._replay()
+        elif self.base is None:
+            self.deferred.append((term, runs, start))
+        else:
+            for r0, r1 in runs:
+                self.add(r0, r1, term[:, r0 - start:r1 - start])
+
+    def _replay(self) -> None:
+        deferred, self.deferred = self.deferred, []
+        for term, runs, start in deferred:
+            for r0, r1 in runs:
+                self.add(r0, r1, term[:, r0 - start:r1 - start])
+
     def result(self, dtype: torch.dtype) -> Tensor:
         """The sum in ``dtype`` (rows no term reached: 0); the summed rows are rounded into the adopted buffer."""
+        self._replay()
         if self.base is None:
             return torch.zeros(self.shape, dtype=dtype, device=self.device)
+        _zero_untouched(self.base, self.touched, self.in_acc)
         return _rounded(self.base, self.acc, self.in_acc, dtype)
+
+
+def _zero_untouched(out: Tensor, touched: list[tuple[int, int]], in_acc: list[tuple[int, int]],
+                    lse: Tensor | None = None) -> None:
+    """Zero the rows of ``out`` (and set those of ``lse`` to -inf) that no term reached (dim 1, the complement
+    of ``touched``), unless every row is summed in ``acc`` (``_rounded`` then converts ``acc`` whole)."""
+    n = out.shape[1]
+    if in_acc == [(0, n)]:
+        return
+    for a, z, seen in _split_runs(0, n, touched):
+        if not seen:
+            out[:, a:z].zero_()
+            if lse is not None:
+                lse[:, :, a:z].fill_(float("-inf"))
 
 
 def _rounded(base: Tensor, acc: Tensor | None, in_acc: list[tuple[int, int]], dtype: torch.dtype) -> Tensor:
@@ -424,21 +471,30 @@ def merge_block(state: MergeState, out_b: Tensor, lse_b: Tensor, rows: slice = s
     b, sq, h, d = state.shape
     dtype = torch.float64 if lse_b.dtype == torch.float64 else torch.float32
     r0, r1, _ = rows.indices(sq)
+    if r1 <= r0:
+        return
     if state.out is None:
         if r0 == 0 and r1 == sq:
             state.out, state.lse = out_b, lse_b  # adopted as returned: no copy, no merge
+            state.touched = [(0, sq)]
             return
-        state.out = torch.zeros(b, sq, h, d, dtype=out_b.dtype, device=state.device)
-        state.lse = torch.full((b, h, sq), float("-inf"), dtype=dtype, device=state.device)
-    if state.acc is None:
-        state.acc = torch.empty(b, sq, h, d, dtype=dtype, device=state.device)
-        if state.lse.dtype != dtype:
-            state.lse = state.lse.to(dtype)
-    for a, z, inside in _split_runs(r0, r1, state.in_acc):
-        src = state.acc if inside else state.out
-        _merge_rows(state.acc[:, a:z], src[:, a:z], state.lse[:, :, a:z], out_b[:, a - r0:z - r0],
-                    lse_b[:, :, a - r0:z - r0])
-    state.in_acc = list(_runs(state.in_acc + [(r0, r1)]))
+        state.out = torch.empty(b, sq, h, d, dtype=out_b.dtype, device=state.device)
+        state.lse = torch.empty((b, h, sq), dtype=dtype, device=state.device)
+    for a, z, seen in _split_runs(r0, r1, state.touched):
+        if not seen:  # the first block on these rows: kept as the kernel returned them
+            state.out[:, a:z] = out_b[:, a - r0:z - r0]
+            state.lse[:, :, a:z] = lse_b[:, :, a - r0:z - r0]
+            continue
+        if state.acc is None:
+            state.acc = torch.empty(b, sq, h, d, dtype=dtype, device=state.device)
+            if state.lse.dtype != dtype:
+                state.lse = state.lse.to(dtype)
+        for a2, z2, inside in _split_runs(a, z, state.in_acc):
+            src = state.acc if inside else state.out
+            _merge_rows(state.acc[:, a2:z2], src[:, a2:z2], state.lse[:, :, a2:z2], out_b[:, a2 - r0:z2 - r0],
+                        lse_b[:, :, a2 - r0:z2 - r0])
+        state.in_acc = list(_runs(state.in_acc + [(a, z)]))
+    state.touched = list(_runs(state.touched + [(r0, r1)]))
 
 
 def _check_window_mask(name: str, takes_windows: bool, mask: BlockMask, key_mask: Tensor | None) -> bool:
@@ -511,6 +567,9 @@ class BlockForward:
             out, lse = self.block(_pack(rows), _pack(kk), _pack(vv), causal=False, scale=scale, softcap=softcap,
                                   window=call.window, varlen=packed.varlen)
             out, lse = out.view(rows.shape), lse.view(h, b, r_hi - r_lo).transpose(0, 1)
+            if state.out is None and (r_lo, r_hi) == (0, n) and packed.rows:  # adopted, its gaps unset
+                state.out, state.lse, state.touched = out, lse, list(_runs(packed.rows))
+                continue
             for r0, r1 in packed.rows:  # rows no segment covers hold whatever the kernel left there
                 whole = r0 == r_lo and r1 == r_hi
                 a, z = r0 - r_lo, r1 - r_lo
@@ -523,6 +582,7 @@ class BlockForward:
             b, sq, h, _ = state.shape
             return (torch.zeros(state.shape, dtype=dtype, device=state.device),
                     torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=state.device))
+        _zero_untouched(state.out, state.touched, state.in_acc, state.lse)
         out = _rounded(state.out, state.acc, state.in_acc, dtype)
         return out, _nan_rows(out, state.lse)
 
@@ -597,10 +657,10 @@ class BlockBackward:
                                     lse_rows, causal=False, scale=scale, softcap=softcap, window=call.window,
                                     varlen=packed.varlen)
             dq, dk, dv = dq.view(qq.shape), dk.view(kk.shape), dv.view(vv.shape)
-            for r0, r1 in packed.rows:  # rows and keys no segment covers hold whatever the kernel left there
-                if isinstance(dq_acc, RowSum):
-                    dq_acc.add(r0, r1, dq[:, r0 - r_lo:r1 - r_lo])
-                else:
+            if isinstance(dq_acc, RowSum):  # rows and keys no segment covers hold whatever the kernel left there
+                dq_acc.add_runs(dq, packed.rows, r_lo)
+            else:
+                for r0, r1 in packed.rows:
                     dq_acc[:, r0:r1] += dq[:, r0 - r_lo:r1 - r_lo]
             for (k0, k1), at in zip(packed.keys, packed.key_at):
                 keys = slice(at, at + k1 - k0)
