@@ -299,17 +299,25 @@ def _waited_first_in_fla(failure: str) -> bool:
     return top.startswith("<method 'item'") and "chunk_h.py" in top
 
 
+def _reported_in_fla(failure: str) -> bool:
+    """Whether a failure of ``_never_waits`` is the debug mode's report of a synchronizing call whose innermost
+    frame is fla's state pass (``chunk_h.py``)."""
+    return ": a synchronizing call at chunk_h.py:" in failure
+
+
 @pytest.mark.gpu2
 def test_scalar_decay_waits_only_where_fla_takes_boundaries():
     """Without boundaries the scalar decay never waits. With them (documents cutting a rank's tokens into pieces
     of unequal lengths) every call waits, and the first wait is fla-core's state pass reading its chunk count
-    back with ``.item()``
-    (docs/hybrid.md, Limits; a later wait cannot be seen once the queue has drained). When fla stops waiting
+    back with ``.item()`` (docs/hybrid.md, Limits; a later wait cannot be seen once the queue has drained); the
+    debug mode may report that wait too (it did on 2 x H100 with fla-core 0.6.0), and reports nothing else. When fla stops waiting
     this test fails and the limit is to be struck from the docs."""
     pytest.importorskip("fla", reason="the linear layers' GPU kernels are fla-core's")
     per_rank = run_world(_scalar_decay_rank, 2, backend="nccl", timeout=600)
     plain = [f for cases in per_rank for f in cases[0]]
     assert not plain, "\n".join(plain)
     for cases in per_rank:
-        for case in cases[1:]:
-            assert len(case) == 1 and _waited_first_in_fla(case[0]), case or "a call with boundaries did not wait"
+        for case in cases[1:]:  # the late return, and the debug mode's reports of the same wait, if any
+            late = [f for f in case if "returned after a queued GPU sleep" in f]
+            assert len(late) == 1 and _waited_first_in_fla(late[0]), case or "a call with boundaries did not wait"
+            assert all(_reported_in_fla(f) for f in case if f not in late), case

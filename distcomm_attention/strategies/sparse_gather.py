@@ -19,8 +19,9 @@ Note [Sparse gather]
     placed and read back by one slice copy per run instead of an index gather and scatter, and when they are
     every row of the shard the gradient's rows are all written by those copies (no zero fill, no index_add).
     The rows that travel form runs too (the keys of documents crossing a boundary): up to 4 x MAX_RUNS runs,
-    what is sent is taken by one concatenation of slices and what arrives is placed by one slice copy per
-    run, instead of an index gather and an index put (which reads every element through its index).
+    what is sent is taken by one concatenation of slices (one kernel) and what arrives is placed by one slice
+    copy per run up to MAX_RUNS runs, else by one row scatter (``index_copy_``; never an index put, which reads
+    every element through its index): the heavy-tailed pack's 48 runs were 0.29 ms of slice copies on one H100.
     An exchange in which no rank sends another anything (every document on one rank) is skipped by every
     rank: rank r's buffer is then its own rows.
 """
@@ -88,8 +89,8 @@ class _Arrival:
                 if isinstance(self._place, tuple):  # runs: (arrived row, buffer row, length)
                     for a, at, length in self._place:
                         self._buffers[i][at:at + length] = recv[a:a + length]
-                else:
-                    self._buffers[i][self._place] = recv
+                else:  # one row scatter (an index put would read every element through the index)
+                    self._buffers[i].index_copy_(0, self._place, recv)
         self._handles = []
         return tuple(None if b is None else (b.view(torch.uint8) if bool_ else b).transpose(0, 1)
                      for b, bool_ in zip(self._buffers, self._bools))
@@ -150,7 +151,8 @@ class SparseGather:
                 send = _take(rows, self.back_runs, lambda: self._index("send_index", device))
                 handle = self.transport.all_to_all_v(send, self.send_splits, self.recv_splits)
             buffers.append(buffer), handles.append(handle), bools.append(t.dtype == torch.bool)
-        place = self.place_runs if self.place_runs is not None else self._index("place", device)
+        runs = self.place_runs
+        place = runs if runs is not None and len(runs) <= MAX_RUNS else self._index("place", device)
         return _Arrival(buffers, handles, place, bools)
 
     def gather(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
