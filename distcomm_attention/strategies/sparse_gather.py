@@ -21,7 +21,7 @@ Note [Sparse gather]
     The rows that travel form runs too (the keys of documents crossing a boundary): up to 4 x MAX_RUNS runs,
     what is sent is taken by one concatenation of slices (one kernel) and what arrives is placed by one slice
     copy per run up to MAX_RUNS runs, else by one row scatter (``index_copy_``; never an index put, which reads
-    every element through its index): the heavy-tailed pack's 48 runs were 0.29 ms of slice copies on one H100.
+    every element through its index).
     An exchange in which no rank sends another anything (every document on one rank) is skipped by every
     rank: rank r's buffer is then its own rows.
 """
