@@ -85,7 +85,7 @@ def test_row_sum_matches_adding_every_term_into_zeros(seed, dtypes):
     count = torch.zeros(n, dtype=torch.int64)
     single = torch.zeros(2, n, 3, dtype=term_dtype)
     adopted = None
-    for op in ops:
+    for i, op in enumerate(ops):
         if op[0] == "add":
             _, a, b, term = op
             sums.add(a, b, term)
@@ -93,7 +93,7 @@ def test_row_sum_matches_adding_every_term_into_zeros(seed, dtypes):
         else:
             _, runs, start, term = op
             full = start == 0 and term.shape[1] == n and runs
-            if full and adopted is None and sums.base is None and not any(o[0] == "add" for o in ops[:ops.index(op)]):
+            if full and adopted is None and sums.base is None and not any(o[0] == "add" for o in ops[:i]):
                 adopted = term
             sums.add_runs(term, runs, start)
             pieces = [(a, b, term[:, a - start:b - start]) for a, b in runs]
