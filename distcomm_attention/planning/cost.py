@@ -71,6 +71,10 @@ Note [Cost model]
     docs/bench/profile/profile_lognormal_ulysses_run6.json and profile_pareto_run6.json; not measured on an
     H100 with the current row gathers). Checked against the recorded emulated-link runs in
     docs/bench/emulated.md ("Ulysses' row copies in the cost model").
+
+    Since a block's rows that no block reached before are copied rather than merged in fp32 (Note [Merging
+    block outputs]), the sparse all-gather's rank on packs runs 4-10% faster than the state term counts: the
+    model over-predicts it by 9-15% on one H100 (docs/bench/emulated.md, run 11; not refitted).
 """
 
 from __future__ import annotations
