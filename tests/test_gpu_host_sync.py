@@ -310,8 +310,8 @@ def test_scalar_decay_waits_only_where_fla_takes_boundaries():
     """Without boundaries the scalar decay never waits. With them (documents cutting a rank's tokens into pieces
     of unequal lengths) every call waits, and the first wait is fla-core's state pass reading its chunk count
     back with ``.item()`` (docs/hybrid.md, Limits; a later wait cannot be seen once the queue has drained); the
-    debug mode may report that wait too (it did on 2 x H100 with fla-core 0.6.0), and reports nothing else. When fla stops waiting
-    this test fails and the limit is to be struck from the docs."""
+    debug mode may report that wait too (it did on 2 x H100 with fla-core 0.6.0), and reports nothing else.
+    When fla stops waiting this test fails and the limit is to be struck from the docs."""
     pytest.importorskip("fla", reason="the linear layers' GPU kernels are fla-core's")
     per_rank = run_world(_scalar_decay_rank, 2, backend="nccl", timeout=600)
     plain = [f for cases in per_rank for f in cases[0]]

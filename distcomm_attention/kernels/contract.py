@@ -49,16 +49,17 @@ Note [Merging block outputs]
     and finalizes to out 0, lse -inf like the other kernels. NaN in means NaN out: a NaN lse stays NaN
     through the merge, a NaN output row stays NaN (0 * NaN is NaN), and ``finalize`` sets the lse of a row
     whose output is NaN to NaN, since a kernel may report such a row with lse -inf (flash-attn-4 treats a
-    NaN row sum like an empty row) and the backward would then take it for a row that saw no key. The state adopts the first block that covers
-    every row as it is, without a copy: a ring of one (one block) is exactly one kernel call, its out and
-    lse returned untouched. A partial block's rows that no block reached before are copied into the state
-    as the kernel returned them (a merge with an empty row gives exactly them); a later block's rows get
-    their running sum in fp32 (``acc``, allocated once, never filled); rows no later block touches stay as
-    their first block wrote them, with no conversion either way. ``finalize`` rounds only the merged rows,
-    into the first blocks' buffer (every row merged: ``acc`` rounded whole), and fills only the rows no block
-    reached (out 0, lse -inf): each block's output is rounded once, by its kernel, and each sum once. On CUDA the merge of a run of rows is one Triton
-    kernel (distcomm_attention.kernels.triton_merge: one read of each input, one write) instead of five
-    PyTorch passes with fp32 temporaries.
+    NaN row sum like an empty row) and the backward would then take it for a row that saw no key. The state
+    adopts the first block that covers every row as it is, without a copy: a ring of one (one block) is
+    exactly one kernel call, its out and lse returned untouched. A partial block's rows that no block reached
+    before are copied into the state as the kernel returned them (a merge with an empty row gives exactly
+    them); a later block's rows get their running sum in fp32 (``acc``, allocated once, never filled); rows
+    no later block touches stay as their first block wrote them, with no conversion either way. ``finalize``
+    rounds only the merged rows, into the first blocks' buffer (every row merged: ``acc`` rounded whole), and
+    fills only the rows no block reached (out 0, lse -inf): each block's output is rounded once, by its
+    kernel, and each sum once. On CUDA the merge of a run of rows is one Triton kernel
+    (distcomm_attention.kernels.triton_merge: one read of each input, one write) instead of five PyTorch
+    passes with fp32 temporaries.
 
     The backward needs no merging: given the merged (global) out and lse of a row, the block kernels'
     own backward (P = exp(S - lse), D = rowsum(dout * out)) yields exactly this block's share of dq and
