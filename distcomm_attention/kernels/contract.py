@@ -393,18 +393,14 @@ class RowSum:
         self._replay()
         if self.base is None:
             return torch.zeros(self.shape, dtype=dtype, device=self.device)
-        _zero_untouched(self.base, self.touched, self.in_acc)
+        _zero_untouched(self.base, self.touched)
         return _rounded(self.base, self.acc, self.in_acc, dtype)
 
 
-def _zero_untouched(out: Tensor, touched: list[tuple[int, int]], in_acc: list[tuple[int, int]],
-                    lse: Tensor | None = None) -> None:
-    """Zero the rows of ``out`` (and set those of ``lse`` to -inf) that no term reached (dim 1, the complement
-    of ``touched``), unless every row is summed in ``acc`` (``_rounded`` then converts ``acc`` whole)."""
-    n = out.shape[1]
-    if in_acc == [(0, n)]:
-        return
-    for a, z, seen in _split_runs(0, n, touched):
+def _zero_untouched(out: Tensor, touched, lse: Tensor | None = None) -> None:
+    """Zero the rows of ``out`` (and set those of ``lse`` to -inf) that no term reached: dim 1's complement of
+    ``touched`` (sorted disjoint runs)."""
+    for a, z, seen in _split_runs(0, out.shape[1], touched):
         if not seen:
             out[:, a:z].zero_()
             if lse is not None:
@@ -583,7 +579,7 @@ class BlockForward:
             b, sq, h, _ = state.shape
             return (torch.zeros(state.shape, dtype=dtype, device=state.device),
                     torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=state.device))
-        _zero_untouched(state.out, state.touched, state.in_acc, state.lse)
+        _zero_untouched(state.out, state.touched, state.lse)
         out = _rounded(state.out, state.acc, state.in_acc, dtype)
         return out, _nan_rows(out, state.lse)
 

@@ -44,7 +44,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from distcomm.ring import RingComm
-from distcomm_attention.kernels.contract import RowSum, _runs, _split_runs
+from distcomm_attention.kernels.contract import RowSum, _runs, _split_runs, _zero_untouched
 from distcomm_attention.planning.calls import step_calls
 from distcomm_attention.planning.visibility import RingPlan
 
@@ -263,10 +263,8 @@ def _sum_terms(accs: tuple[torch.Tensor, ...], grads) -> None:
                 else:
                     acc[:, a:z].copy_(part)
         written = _runs(written + ((start, stop),))
-    for a, z, seen in _split_runs(0, n, written):
-        if not seen:
-            for acc in accs:
-                acc[:, a:z].zero_()
+    for acc in accs:
+        _zero_untouched(acc, written)
 
 
 def ring_forward(q, k, v, key_mask, comm: RingComm, plan: RingPlan, softcap: float, scale: float, fwd):
