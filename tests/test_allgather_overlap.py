@@ -107,6 +107,9 @@ class _RecordingTransport:
     def all_to_all_v(self, send, send_splits, recv_splits):
         return self._post("all_to_all_v", send, send_splits, recv_splits)
 
+    def exchange(self, sends, recvs):
+        return self._post("exchange", sends, recvs)
+
     def all_gather(self, x):
         return self._post("all_gather", x)
 
@@ -138,7 +141,7 @@ class _RecordingBackward:
         return self._inner.packed_step(dout, q, k, *args, **kwargs)
 
 
-def _overlap_rank(rank, world, layout, causal, window, docs, masked, sparse, runs=True):
+def _overlap_rank(rank, world, layout, causal, window, docs, masked, sparse, runs=True, pieces=True):
     from distcomm_attention import transport
     from distcomm_attention.kernels.torch_exact import TorchBackward, TorchForward
     from distcomm_attention.strategies import allgather as strategy, sparse_gather
@@ -162,6 +165,7 @@ def _overlap_rank(rank, world, layout, causal, window, docs, masked, sparse, run
     local = [t[:, pos].clone().requires_grad_() for t in (q, k, v)]
     log = []
     sparse_gather.MAX_RUNS = 16 if runs else 0  # 0: own rows by index gather / scatter, summed in the buffer
+    sparse_gather.MAX_PIECES = 64 if pieces else 0  # 0: the all-to-all-v, not direct pieces
     own_sums = strategy.AllGatherKV._own_sums
 
     def recorded(self, *args):
@@ -180,26 +184,28 @@ def _overlap_rank(rank, world, layout, causal, window, docs, masked, sparse, run
     return {"errors": errors, "log": log[log.index(("backward", None)) + 1:]}
 
 
-OVERLAP = [  # (layout, causal, window, documents, key padding, world, sparse exchange, own rows by runs)
-    ("zigzag", True, (-1, -1), None, False, 3, False, True),             # the whole sequence gathered again
-    ("striped", True, (-1, -1), None, True, 2, False, True),             # buffer in source order, kept, padding
-    ("contiguous", True, (-1, -1), (0, 5, 13, 24), True, 3, True, True),  # documents across boundaries, padding
-    ("contiguous", True, (-1, -1), (0, 5, 13, 24), True, 3, True, False),  # the same, own rows by index
-    ("balanced", True, (-1, -1), (0, 2, 9, 10, 24), False, 3, True, True),
-    ("zigzag", True, (3, -1), None, False, 3, True, True),               # a window: blocks across rank boundaries
-    ("zigzag", True, (3, -1), None, False, 3, True, False),
+OVERLAP = [  # (layout, causal, window, documents, key padding, world, sparse exchange, own rows by runs,
+    #            direct pieces)
+    ("zigzag", True, (-1, -1), None, False, 3, False, True, True),             # the whole sequence gathered again
+    ("striped", True, (-1, -1), None, True, 2, False, True, True),             # buffer in source order, kept
+    ("contiguous", True, (-1, -1), (0, 5, 13, 24), True, 3, True, True, True),  # documents across boundaries
+    ("contiguous", True, (-1, -1), (0, 5, 13, 24), True, 3, True, False, True),  # the same, own rows by index
+    ("contiguous", True, (-1, -1), (0, 5, 13, 24), True, 3, True, True, False),  # the same, by all-to-all-v
+    ("balanced", True, (-1, -1), (0, 2, 9, 10, 24), False, 3, True, True, True),
+    ("zigzag", True, (3, -1), None, False, 3, True, True, True),               # a window: blocks across ranks
+    ("zigzag", True, (3, -1), None, False, 3, True, False, False),
 ]
 
 
-@pytest.mark.parametrize("layout, causal, window, docs, masked, world, sparse, runs", OVERLAP)
+@pytest.mark.parametrize("layout, causal, window, docs, masked, world, sparse, runs, pieces", OVERLAP)
 def test_dkv_reduction_is_posted_before_the_own_key_blocks(layout, causal, window, docs, masked, world, sparse,
-                                                           runs):
-    """In the backward, the dK/dV reduction (reduce-scatter, or the sparse exchange's all-to-all-v) is the last
-    thing posted; every block reading another rank's key runs before it is posted, every block reading only
-    this rank's keys after it and before its wait: that is the overlap. Out, dQ, dK, dV stay exact, with the
+                                                           runs, pieces):
+    """In the backward, the dK/dV reduction (reduce-scatter, or the sparse exchange's direct pieces or its
+    all-to-all-v) is the last thing posted; every block reading another rank's key runs before it is posted,
+    every block reading only this rank's keys after it and before its wait: that is the overlap. Out, dQ, dK, dV stay exact, with the
     sparse exchange's own rows summed per shard row (by runs: ``_own_sums``) or in the buffer (by index)."""
-    got = run_world(_overlap_rank, world, layout, causal, window, docs, masked, sparse, runs, timeout=90)
-    reduction = "all_to_all_v" if sparse else "reduce_scatter"
+    got = run_world(_overlap_rank, world, layout, causal, window, docs, masked, sparse, runs, pieces, timeout=90)
+    reduction = ("exchange" if pieces else "all_to_all_v") if sparse else "reduce_scatter"
     for r, g in enumerate(got):
         assert max(g["errors"]) < 1e-10, (r, g["errors"])
         log = g["log"]

@@ -93,11 +93,19 @@ def _x(*shape):
     return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape)
 
 
-# (name, post(transport), link time in seconds, its stream, tensors it sends, tensors that arrive)
+def _exchange(t):
+    """Two pieces out (3 and 1 rows of 4), two in (2 and 5 rows) into slices of one buffer."""
+    buffer = torch.zeros(8, 4)
+    return t.exchange([(0, _x(3, 4)), (2, _x(1, 4))], [(0, buffer[:2]), (2, buffer[3:8])])
+
+
+# (name, post(transport), link time in seconds, its stream, tensors it reads on the side stream, tensors that
+# arrive)
 OPS = [
     ("hop", lambda t: t.send_recv((_x(3, 4), _x(2, 2)), 1), 3e-6 + 64 / 1e9, "side0", 2, 2),
     ("hop, more arrives", lambda t: t.send_recv((_x(3, 4),), 1, [(5, 4)]), 3e-6 + 80 / 1e9, "side0", 1, 1),
     ("all-to-all-v", lambda t: t.all_to_all_v(_x(8, 4), [1, 4, 3], [1, 5, 2]), 3e-6 + 4 * 16 / 2e9, "side1", 1, 1),
+    ("exchange", _exchange, 3e-6 + 7 * 16 / 2e9, "side1", 4, 2),  # (the slices it fills kept for the side too)
     ("all-gather", lambda t: t.all_gather(_x(3, 4)), 3e-6 + 2 * 48 / 4e9, "side1", 1, 1),
     ("reduce-scatter", lambda t: t.reduce_scatter(_x(6, 4)), 3e-6 + 2 * 96 / 3 / 8e9, "side1", 1, 1),
 ]
@@ -109,7 +117,8 @@ IDS = [op[0] for op in OPS]
 def test_link_time_and_sleep_per_operation(monkeypatch, name, post, seconds, side, sent, arrive):
     """Each operation takes latency + bytes / bandwidth (bytes as Note [Emulated links] counts them: a hop the
     larger of what leaves and arrives, an all-to-all-v the larger of the rows to and from other ranks, an
-    all-gather (n - 1) x its input, a reduce-scatter (n - 1) / n x), slept on its kind's stream."""
+    exchange the larger of its pieces out and in, an all-gather (n - 1) x its input, a reduce-scatter (n - 1) /
+    n x), slept on its kind's stream."""
     cuda, link = _fake_link(monkeypatch)
     post(link)
     assert link.seconds == pytest.approx(seconds, rel=1e-12)
@@ -171,7 +180,8 @@ def test_data_is_the_instant_links(monkeypatch, name, post, seconds, side, sent,
 def test_instant_link_data():
     """What simulated peers send (Note [Emulated links]): a hop this rank's tensors as copies (cut or repeated
     to the shapes asked for), an all-gather W copies of the input, an all-to-all-v the input's rows repeated
-    to the rows that arrive, a reduce-scatter the first rows."""
+    to the rows that arrive, an exchange its sends' elements written into the slices given, a reduce-scatter the
+    first rows."""
     t = InstantLink(3, 1)
     x, y = _x(3, 4), _x(4, 6)[:, :2]
     got = t.send_recv((x, y), 1).wait()
@@ -185,6 +195,15 @@ def test_instant_link_data():
     assert torch.equal(t.all_to_all_v(x, [1, 1, 1], [2, 2, 3]).wait()[0], torch.cat([x, x, x])[:7])
     assert t.all_to_all_v(x[:0], [0, 0, 0], [1, 0, 1]).wait()[0].eq(0).all()
     assert torch.equal(t.reduce_scatter(_x(6, 4)).wait()[0], _x(6, 4)[:2])
+    # an exchange: the receives, in order, hold the sends' elements in order, repeated or cut
+    buffer = torch.full((9, 2), -1.0)
+    a, b = t.exchange([(0, x), (2, y[:1])], [(0, buffer[:1]), (2, buffer[2:9])]).wait()
+    assert a.data_ptr() == buffer.data_ptr() and b.data_ptr() == buffer[2:].data_ptr()
+    flat = torch.cat([x.reshape(-1), y[:1].reshape(-1)])  # 14 elements; 16 arrive
+    assert torch.equal(buffer[:1].reshape(-1), flat[:2]) and torch.equal(buffer[1], torch.tensor([-1.0, -1.0]))
+    assert torch.equal(buffer[2:].reshape(-1), torch.cat([flat, flat])[2:16])
+    (nothing,) = t.exchange([], [(0, buffer[:1])]).wait()
+    assert nothing.eq(0).all()
 
 
 # --- the GPU test's simulated ranks, on CPU ----------------------------------------------------------------

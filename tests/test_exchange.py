@@ -143,6 +143,19 @@ def _transport_rank(rank, world):
     out["mixed"] = mixed
     (hop,) = t.send_recv([x], 1).wait()
     out["hop"] = hop
+    # exchange: rank r sends rank d (d != r) (r + d) % 3 pieces, piece i of i + 1 rows, each received into its
+    # slice of one buffer; a rank whose pairs have no pieces sends and receives nothing
+    sends = [(d, torch.full((i + 1, 2), float(100 * rank + 10 * d + i))) for d in range(world) if d != rank
+             for i in range((rank + d) % 3)]
+    slices = [(src, i + 1) for src in range(world) if src != rank for i in range((src + rank) % 3)]
+    buffer = torch.full((sum(n for _, n in slices) + 1, 2), -1.0)  # one row more: left as it was
+    recvs, row = [], 0
+    for src, n in slices:
+        recvs.append((src, buffer[row:row + n]))
+        row += n
+    filled = t.exchange(sends, recvs).wait()
+    out["exchange"] = buffer
+    out["filled_views"] = len(filled) == len(recvs) and all(a is b for a, (_, b) in zip(filled, recvs))
     return out
 
 
@@ -162,9 +175,13 @@ def test_torch_transport_moves_what_it_says(world):
         assert torch.equal(g["mixed"], expected_mixed.reshape(-1, 2))
         left = (r - 1) % world
         assert torch.equal(g["hop"], torch.arange(6, dtype=torch.float64).view(3, 2) + 10 * left)
+        want = [torch.full((i + 1, 2), float(100 * s + 10 * r + i)) for s in range(world) if s != r
+                for i in range((s + r) % 3)]
+        assert torch.equal(g["exchange"], torch.cat(want + [torch.full((1, 2), -1.0)]))
+        assert g["filled_views"]
 
 
-def _sparse_rank(rank, world, layout, vis_args, local_len, max_runs):
+def _sparse_rank(rank, world, layout, vis_args, local_len, max_runs, max_pieces):
     from distcomm_attention.strategies import sparse_gather
     from distcomm_attention.strategies.sparse_gather import SparseGather
     from distcomm_attention.transport import CountingTransport, TorchTransport
@@ -177,14 +194,18 @@ def _sparse_rank(rank, world, layout, vis_args, local_len, max_runs):
     pos = layouts.positions(concrete, seq_len, world, rank)
     counting = CountingTransport(TorchTransport())
     sparse_gather.MAX_RUNS = max_runs  # 0: own rows by index gather and scatter, not by runs
+    sparse_gather.MAX_PIECES = max_pieces  # 0: the all-to-all-v, not direct pieces
     sparse = SparseGather(counting, ex, concrete)
-    assert (sparse.own_runs is None) == (max_runs == 0)
+    if max_runs == 0 or layout != "striped":  # (a striped shard's own rows may form more runs than allowed)
+        assert (sparse.own_runs is None) == (max_runs == 0)
+    if max_pieces == 0 or ex.moves_nothing:
+        assert sparse.pieces is None
     (buffer,) = sparse.gather(full[:, pos])
     # gradient of sum(buffer * weight_r) over ranks: each key gets the sum of weights of the ranks holding it
     weight = torch.randn(buffer.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
     grad = sparse.scatter_add(weight, local_len)
-    return {"buffer": buffer, "weight": weight, "grad": grad, "sent": counting.total,
-            "calls": counting.calls["all_to_all_v"]}
+    return {"buffer": buffer, "weight": weight, "grad": grad, "sent": counting.total, "calls": dict(counting.calls),
+            "direct": sparse.pieces is not None}
 
 
 SPARSE = [
@@ -193,18 +214,21 @@ SPARSE = [
     ("contiguous", (False, (2, 2), None), 3, 6),
     ("balanced", (True, (-1, -1), (0, 2, 9, 10, 24)), 3, 8),
     ("contiguous", (True, (-1, -1), (0, 8, 16, 24)), 3, 8),  # documents on one rank each: nothing moves
+    ("striped", (True, (-1, -1), (0, 5, 13, 24)), 3, 8),  # pieces of one row
+    ("striped", (True, (-1, -1), None), 4, 24),  # more pieces than MAX_PIECES: the all-to-all-v
 ]
 
 
-@pytest.mark.parametrize("max_runs", [16, 0])
+@pytest.mark.parametrize("max_runs, max_pieces", [(16, 64), (0, 64), (16, 0), (0, 0)])
 @pytest.mark.parametrize("layout, vis_args, world, local_len", SPARSE)
-def test_sparse_gather_and_its_adjoint(layout, vis_args, world, local_len, max_runs):
+def test_sparse_gather_and_its_adjoint(layout, vis_args, world, local_len, max_runs, max_pieces):
     """Rank r's buffer holds exactly the keys at the positions it needs (in natural order), its gradient is
     every rank's contribution to the rows it holds (float64 reference over the whole sequence), and the bytes
     it sends are the plan's (rows x row size; zero, and no exchange posted, when nothing crosses a rank); the
-    own rows moved by runs of slice copies and by index gather and scatter alike."""
+    own rows moved by runs of slice copies and by index gather and scatter alike, the others' rows by direct
+    pieces and by an all-to-all-v alike."""
     vis = Visibility(*vis_args)
-    got = run_world(_sparse_rank, world, layout, vis_args, local_len, max_runs, timeout=60)
+    got = run_world(_sparse_rank, world, layout, vis_args, local_len, max_runs, max_pieces, timeout=60)
     seq_len = world * local_len
     concrete = balance.resolve(layout, seq_len, world, vis.cu_seqlens) if layout == "balanced" else layout
     ex = exchange_plan(concrete, vis, world, local_len)
@@ -217,7 +241,9 @@ def test_sparse_gather_and_its_adjoint(layout, vis_args, world, local_len, max_r
         row_bytes = 2 * 3 * 4 * 8
         sent, received = ex.remote_rows(r)
         assert g["sent"] == (sent + received) * row_bytes  # its rows forward, the received rows' gradients back
-        assert g["calls"] == (0 if ex.moves_nothing else 2)
+        if max_pieces and not ex.moves_nothing:  # direct unless some rank has more pieces than allowed
+            assert g["direct"] == (layout != "striped" or local_len < 24), (layout, local_len)
+        assert g["calls"] == ({} if ex.moves_nothing else {"exchange" if g["direct"] else "all_to_all_v": 2})
     for r, g in enumerate(got):
         pos = layouts.positions(concrete, seq_len, world, r)
         torch.testing.assert_close(g["grad"], total_grad[:, pos], rtol=1e-12, atol=1e-12)

@@ -242,7 +242,7 @@ class AllGatherKV:
                 del dk_all, dv_all
             own_grads = block_grads(*step, 0, *kernel)
             del step, k_all, v_all
-            if self.sparse is not None and self.sparse.own_all and self.sparse.back_runs is not None:
+            if self.sparse is not None and self.sparse.own_all and self.sparse.returns_by_runs:
                 dk, dv = self._own_sums(own_grads, (dk_all, dv_all), pending, plan, k, v, acc_dtype)
             elif self.sparse is not None:  # into the buffer's own rows, which the wait reads
                 for kv, dk_b, dv_b in own_grads:

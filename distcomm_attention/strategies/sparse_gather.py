@@ -24,6 +24,15 @@ Note [Sparse gather]
     every element through its index).
     An exchange in which no rank sends another anything (every document on one rank) is skipped by every
     rank: rank r's buffer is then its own rows.
+
+    Direct pieces. The rows s sends r split into pieces, maximal runs of consecutive rows of s at consecutive
+    positions: each lands on consecutive rows of r's buffer (the buffer is in position order, and no other
+    needed key lies between two consecutive positions). Both ends derive the same pieces from the plan, so
+    when every rank has at most MAX_PIECES of them (sent and received; decided from the plan, alike on every
+    rank) the exchange goes as one group of point-to-point transfers (``Transport.exchange``): each piece
+    leaves as a view of the shard and arrives in its buffer slice, with no pack before the wire and no place
+    after it; the gradients go back the same way, each piece added to its owner's rows. Otherwise (a striped
+    layout: pieces of one row) it is the all-to-all-v above.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ __all__ = ["SparseGather"]
 
 
 MAX_RUNS = 16  # own rows forming at most this many runs are moved by slice copies (Note [Sparse gather])
+MAX_PIECES = 64  # direct transfers per rank and tensor (sent and received), else an all-to-all-v (same Note)
 
 
 def _runs(src: torch.Tensor, dst: torch.Tensor, limit: int | None = None) -> tuple[tuple[int, int, int], ...] | None:
@@ -84,7 +94,11 @@ class _Arrival:
 
     def wait(self) -> tuple[torch.Tensor | None, ...]:
         for i, handle in enumerate(self._handles):
-            if handle is not None:
+            if handle is None:
+                continue
+            if self._place is None:  # direct pieces: already in their buffer slices
+                handle.wait()
+            else:
                 (recv,) = handle.wait()
                 if isinstance(self._place, tuple):  # runs: (arrived row, buffer row, length)
                     for a, at, length in self._place:
@@ -110,6 +124,10 @@ class SparseGather:
         self.back_runs = _runs(self.send_index, torch.arange(self.send_index.numel()), limit=4 * MAX_RUNS)
         # (arrived row, buffer row, length) of the other ranks' rows
         self.place_runs = _runs(torch.arange(self.place.numel()), self.place, limit=4 * MAX_RUNS)
+        # direct pieces: (peer, shard row, length) sent, (peer, buffer row, length) received; or None
+        self.pieces = None if self.skip else _direct(ex, layout, transport.rank)
+        # what comes back is added by runs of the shard's rows (``_Returning.add_returned``)
+        self.returns_by_runs = self.pieces is not None or self.back_runs is not None
 
     def _index(self, name: str, device: torch.device) -> torch.Tensor:
         return on_device(getattr(self, name), device)  # ``_indices``' cached tensors
@@ -147,12 +165,19 @@ class SparseGather:
             else:
                 buffer[self._index("place_own", device)] = rows.index_select(0, self._index("own_index", device))
             handle = None
-            if not self.skip:
+            if self.pieces is not None:
+                sent, received = self.pieces
+                handle = self.transport.exchange([(peer, rows[a:a + length]) for peer, a, length in sent],
+                                                 [(peer, buffer[at:at + length]) for peer, at, length in received])
+            elif not self.skip:
                 send = _take(rows, self.back_runs, lambda: self._index("send_index", device))
                 handle = self.transport.all_to_all_v(send, self.send_splits, self.recv_splits)
             buffers.append(buffer), handles.append(handle), bools.append(t.dtype == torch.bool)
         runs = self.place_runs
-        place = runs if runs is not None and len(runs) <= MAX_RUNS else self._index("place", device)
+        if self.pieces is not None:
+            place = None
+        else:
+            place = runs if runs is not None and len(runs) <= MAX_RUNS else self._index("place", device)
         return _Arrival(buffers, handles, place, bools)
 
     def gather(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -169,7 +194,12 @@ class SparseGather:
         device = grad.device
         rows = grad.transpose(0, 1)
         handle = None
-        if not self.skip:
+        if self.pieces is not None:  # each received piece's rows back to its owner, each sent piece's home
+            sent, received = self.pieces
+            back = [rows.new_empty((length,) + tuple(rows.shape[1:])) for _, _, length in sent]
+            handle = self.transport.exchange([(peer, rows[at:at + length]) for peer, at, length in received],
+                                             list(zip((peer for peer, _, _ in sent), back)))
+        elif not self.skip:
             remote = _take(rows, None if self.place_runs is None else tuple((at, a, n) for a, at, n in self.place_runs),
                            lambda: self._index("place", device))
             handle = self.transport.all_to_all_v(remote, self.recv_splits, self.send_splits)
@@ -199,7 +229,10 @@ class _Returning:
             out = torch.zeros(shape, dtype=rows.dtype, device=device)
             out.index_add_(0, sparse._index("own_index", device),
                            rows.index_select(0, sparse._index("place_own", device)))
-        if self._handle is not None:
+        if self._handle is not None and sparse.pieces is not None:
+            for (_, a, length), piece in zip(sparse.pieces[0], self._handle.wait()):
+                out[a:a + length] += piece
+        elif self._handle is not None:
             (back,) = self._handle.wait()
             out.index_add_(0, sparse._index("send_index", device), back)
         self._handle = self._rows = None
@@ -208,7 +241,10 @@ class _Returning:
     def add_returned(self, acc) -> None:
         """Wait and add what the other ranks sent back for this rank's keys into ``acc`` (a ``RowSum`` over the
         shard's rows), one term per run of ``back_runs``; the buffer's own rows are not read."""
-        if self._handle is not None:
+        if self._handle is not None and self._sparse.pieces is not None:
+            for (_, a, length), piece in zip(self._sparse.pieces[0], self._handle.wait()):
+                acc.add(a, a + length, piece.transpose(0, 1))
+        elif self._handle is not None:
             (back,) = self._handle.wait()
             back = back.transpose(0, 1)
             for a, at, length in self._sparse.back_runs:
@@ -234,3 +270,42 @@ def _indices(ex: Exchange, layout, r: int):
     place_own = order[starts[r]:starts[r] + counts[r]]
     place = torch.cat([order[starts[s]:starts[s] + counts[s]] for s in range(w) if s != r]) if w > 1 else order[:0]
     return send_splits, recv_splits, send_index, own_index, place_own, place, sum(counts)
+
+
+def _pieces(ex: Exchange, layout, src: int, dst: int) -> list[tuple[int, int, int]]:
+    """(row of ``src``, position, length) of the pieces ``src`` sends ``dst``: runs of need[src][dst] split
+    where the positions stop being consecutive (Note [Sparse gather])."""
+    positions = layouts.positions(layout, ex.ring_size * ex.local_len, ex.ring_size, src)
+    out = []
+    for a, b in ex.need[src][dst]:
+        p = positions[a:b]
+        cuts = [0] + ((p[1:] - p[:-1]) != 1).nonzero().flatten().add(1).tolist() + [b - a]
+        out.extend((a + i, int(p[i]), j - i) for i, j in zip(cuts[:-1], cuts[1:]))
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _all_pieces(ex: Exchange, layout) -> tuple[dict, int]:
+    """Every pair's pieces (``_pieces``) and the most any rank sends and receives in all."""
+    w = ex.ring_size
+    pieces = {(s, d): _pieces(ex, layout, s, d) for s in range(w) for d in range(w) if s != d}
+    most = max(sum(len(pieces[r, d]) + len(pieces[d, r]) for d in range(w) if d != r) for r in range(w))
+    return pieces, most
+
+
+@functools.lru_cache(maxsize=64)
+def _rank_pieces(ex: Exchange, layout, r: int):
+    """Rank ``r``'s direct pieces: ((peer, shard row, length) sent, (peer, buffer row, length) received), in
+    the order both ends list them (by peer, then by row)."""
+    w = ex.ring_size
+    pieces, _ = _all_pieces(ex, layout)
+    sent = tuple((d, row, length) for d in range(w) if d != r for row, _, length in pieces[r, d])
+    received = tuple((s, ex.compact(r, position), length) for s in range(w) if s != r
+                     for _, position, length in pieces[s, r])
+    return sent, received
+
+
+def _direct(ex: Exchange, layout, r: int):
+    """``_rank_pieces``, or None when some rank has more than MAX_PIECES (decided from the whole plan: alike on
+    every rank)."""
+    return _rank_pieces(ex, layout, r) if _all_pieces(ex, layout)[1] <= MAX_PIECES else None

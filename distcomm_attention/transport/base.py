@@ -16,6 +16,11 @@ Note [Transport]
         all_to_all_v(send, send_splits, recv_splits)
                                                  rows send[sum(send_splits[:j]) : ...] go to rank j; the
                                                  result holds rank i's rows at sum(recv_splits[:i]) ...
+        exchange(sends, recvs)                   one group of point-to-point transfers: each (peer, tensor)
+                                                 of ``sends`` to that peer, each (peer, tensor) of ``recvs``
+                                                 filled in place from it; between two ranks the pieces pair
+                                                 up in the order each lists them (a recv may be a slice of a
+                                                 larger buffer: it arrives where it is used)
         all_gather(x)                            (n * rows, ...) in rank order
         reduce_scatter(x)                        x (n * rows, ...) summed over ranks, this rank's rows
 
@@ -63,6 +68,9 @@ class Transport(Protocol):
                   recv_shapes: Sequence[tuple[int, ...]] | None = None) -> Handle: ...
 
     def all_to_all_v(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int]) -> Handle: ...
+
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]],
+                 recvs: Sequence[tuple[int, torch.Tensor]]) -> Handle: ...
 
     def all_gather(self, x: torch.Tensor) -> Handle: ...
 

@@ -45,6 +45,13 @@ class CountingTransport:
                 self.peers[("all_to_all_v", peer)] += rows * row
         return self.inner.all_to_all_v(send, send_splits, recv_splits)
 
+    def exchange(self, sends, recvs):
+        self.calls["exchange"] += 1
+        for peer, t in sends:
+            self.sent["exchange"] += _nbytes(t)
+            self.peers[("exchange", peer)] += _nbytes(t)
+        return self.inner.exchange(sends, recvs)
+
     def all_gather(self, x: torch.Tensor):
         self.calls["all_gather"] += 1
         self.sent["all_gather"] += _nbytes(x) * (self.size - 1)

@@ -14,13 +14,14 @@ Note [Emulated links]
     overlap) for ``bytes / bandwidth + latency`` (a calibrated ``torch.cuda._sleep``) plus a real copy of
     the data, and records an event; ``wait()`` makes the compute stream wait on that event, where the real
     code would wait on NCCL. The rank's own schedule then decides what is hidden. Bytes per operation are
-    those a ring or pairwise algorithm puts on this rank's link: a hop its tensors; an all-to-all(-v) the
-    larger of what leaves and what arrives; an all-gather (n - 1) x its input; a reduce-scatter (n - 1) / n x
-    its input. NCCL also takes a few SMs for its copies; the emulation does not.
+    those a ring or pairwise algorithm puts on this rank's link: a hop its tensors; an all-to-all(-v) or an
+    exchange the larger of what leaves and what arrives; an all-gather (n - 1) x its input; a reduce-scatter
+    (n - 1) / n x its input. NCCL also takes a few SMs for its copies; the emulation does not.
 
     What a simulated peer sends is this rank's own data: a hop receives its own tensors (repeated or cut to
     the shapes asked for), an all-to-all(-v) and an all-gather their input's rows repeated or cut to the rows
-    that arrive, a reduce-scatter the input's first rows. ``InstantLink`` makes that same data at once on the
+    that arrive, an exchange's receives the elements of its sends in order (repeated or cut, written into the
+    tensors given), a reduce-scatter the input's first rows. ``InstantLink`` makes that same data at once on the
     caller's stream (no side stream, no link time): the reference an emulated run must match bit for bit
     (tests/test_gpu_emulated.py), and the simulated rank on a machine without a GPU.
 
@@ -122,6 +123,26 @@ def _filled(x: torch.Tensor, rows: int) -> tuple[torch.Tensor]:
     return (_rows(x, rows),)
 
 
+def _into(sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Fills ``recvs`` in order with the elements of ``sends`` (flattened, in order, repeated or cut), each
+    element read and written once, as the transfers would (zeros when nothing is sent)."""
+    flats = [t.reshape(-1) for t in sends if t.numel()]
+    i = at = 0  # the send read next, and where in it
+    for t in recvs:
+        dst, filled = t.view(-1), 0
+        if not flats:
+            dst.zero_()
+            continue
+        while filled < dst.numel():
+            src = flats[i]
+            n = min(src.numel() - at, dst.numel() - filled)
+            dst[filled:filled + n].copy_(src[at:at + n])
+            filled, at = filled + n, at + n
+            if at == src.numel():
+                i, at = (i + 1) % len(flats), 0
+    return tuple(recvs)
+
+
 def _first(x: torch.Tensor, rows: int) -> tuple[torch.Tensor]:
     return (x[:rows].clone(),)
 
@@ -153,6 +174,12 @@ class _StandIn:
         out = sum(send_splits) - send_splits[self.rank]
         into = sum(recv_splits) - recv_splits[self.rank]
         return self._post(_A2A, max(out, into) * row, _filled, (send, sum(recv_splits)), (send,))
+
+    def exchange(self, sends, recvs):
+        out = sum(_nbytes(t) for _, t in sends)
+        into = sum(_nbytes(t) for _, t in recvs)
+        sent, filled = [t for _, t in sends], [t for _, t in recvs]
+        return self._post(_A2A, max(out, into), _into, (sent, filled), sent + filled)
 
     def all_gather(self, x: torch.Tensor):
         return self._post(_GATHER, (self.size - 1) * _nbytes(x), _filled, (x, self.size * x.shape[0]), (x,))

@@ -17,13 +17,14 @@ __all__ = ["TorchTransport"]
 class _Work:
     """Works in flight and the tensors they fill; ``finish`` turns the filled buffers into the result."""
 
-    def __init__(self, works, result, finish=None):
+    def __init__(self, works, result, finish=None, keep=()):
         self._works, self._result, self._finish = works, result, finish
+        self._keep = keep  # tensors the works read, alive until the wait
 
     def wait(self) -> tuple[torch.Tensor, ...]:
         for work in self._works:
             work.wait()
-        self._works = []
+        self._works, self._keep = [], ()
         if self._finish is not None:
             self._result, self._finish = self._finish(self._result), None
         return self._result
@@ -83,6 +84,31 @@ class TorchTransport:
                 pair.reverse()
             works.extend(op() for op in pair)
         return _Work(works, (recv,), lambda r: r)
+
+    def exchange(self, sends, recvs):
+        """Note [Transport]'s ``exchange``: per peer in rank order, the lower rank's sends first and the higher
+        rank's receives first (an order no backend can deadlock on); on NCCL one group (``batch_isend_irecv``)."""
+        ops = []
+        for peer in sorted({p for p, _ in sends} | {p for p, _ in recvs}):
+            if peer == self.rank or not 0 <= peer < self.size:
+                raise ValueError(f"exchange: peer {peer} is not another rank of this group of {self.size} "
+                                 f"(this rank: {self.rank})")
+            pair = [[(dist.isend, t.contiguous(), peer) for p, t in sends if p == peer and t.numel()],
+                    [(dist.irecv, t, peer) for p, t in recvs if p == peer and t.numel()]]
+            if self.rank > peer:
+                pair.reverse()
+            ops.extend(pair[0] + pair[1])
+        result = tuple(t for _, t in recvs)
+        if any(not t.is_contiguous() for _, t, _ in ops):
+            raise ValueError("exchange: every tensor received into must be contiguous")
+        if ops and ops[0][1].is_cuda and "nccl" in _groups.backend_name(self.group) \
+                and _groups.is_registered(self.group):
+            works = dist.batch_isend_irecv([dist.P2POp(fn, t, group=self.group, group_peer=peer)
+                                            for fn, t, peer in ops])
+        else:
+            works = [dist.isend(t, group=self.group, group_dst=peer) if fn is dist.isend
+                     else dist.irecv(t, group=self.group, group_src=peer) for fn, t, peer in ops]
+        return _Work(works, result, keep=[t for fn, t, _ in ops if fn is dist.isend])
 
     def all_gather(self, x: torch.Tensor):
         x = x.contiguous()
