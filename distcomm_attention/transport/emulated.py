@@ -125,21 +125,26 @@ def _filled(x: torch.Tensor, rows: int) -> tuple[torch.Tensor]:
 
 def _into(sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Fills ``recvs`` in order with the elements of ``sends`` (flattened, in order, repeated or cut), each
-    element read and written once, as the transfers would (zeros when nothing is sent)."""
+    element read and written once, as the transfers would, by one fused copy (zeros when nothing is sent)."""
     flats = [t.reshape(-1) for t in sends if t.numel()]
+    if not flats:
+        for t in recvs:
+            t.zero_()
+        return tuple(recvs)
+    into, source = [], []
     i = at = 0  # the send read next, and where in it
     for t in recvs:
         dst, filled = t.view(-1), 0
-        if not flats:
-            dst.zero_()
-            continue
         while filled < dst.numel():
             src = flats[i]
             n = min(src.numel() - at, dst.numel() - filled)
-            dst[filled:filled + n].copy_(src[at:at + n])
+            into.append(dst[filled:filled + n])
+            source.append(src[at:at + n])
             filled, at = filled + n, at + n
             if at == src.numel():
                 i, at = (i + 1) % len(flats), 0
+    if into:
+        torch._foreach_copy_(into, source)
     return tuple(recvs)
 
 
