@@ -162,7 +162,7 @@ def compact_gathered_plan(layout, vis: Visibility, ring_size: int, rank: int, lo
     return compact_plan(gathered_plan(layout, vis, ring_size, rank, local_len), ex, rank)
 
 
-GATHER_KEEP_ROWS = 2  # the all-gather's buffer is kept for the backward up to this many shards on every rank
+GATHER_KEEP_ROWS = 3  # the all-gather's buffer is kept for the backward up to this many shards on every rank
 
 
 def gather_keeps(ex: Exchange | None, ring_size: int, local_len: int) -> bool:

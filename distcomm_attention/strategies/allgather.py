@@ -6,7 +6,9 @@ Note [All-gather KV]
         forward:   K, V, key mask  <- all_gather(k, v, key mask)        (W n kv rows; with GQA kv is small)
                    out, lse        =  block calls of ``gathered_plan``   (one step, fp32 state, Note
                                                                           [Gathered plans])
-        backward:  K, V            <- all_gather(k, v) again             (nothing gathered is kept)
+        backward:  K, V            <- all_gather(k, v) again             (or the forward's, kept when the
+                                                                          buffer is at most GATHER_KEEP_ROWS
+                                                                          shards: ``exchange.gather_keeps``)
                    dQ, dK, dV      =  block calls; dK, dV summed in fp32 over the whole buffer
                    dk, dv          <- reduce_scatter(dK, dV) in fp32, then rounded to the input dtype once
 
