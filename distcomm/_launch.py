@@ -90,6 +90,10 @@ def _worker(rank, world_size, port, backend, fn, args, results, timeout_s):
         init_timeout = timedelta(seconds=min(timeout_s, _INIT_TIMEOUT_S))
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=init_timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=init_timeout)
+        # every rank has joined before any runs: a rank whose function returns at once would otherwise tear its
+        # side of the group down while a slower peer is still connecting to it ("connection closed by peer")
+        store.set(f"joined/{rank}", "1")
+        store.wait([f"joined/{r}" for r in range(world_size)], init_timeout)
     except BaseException:
         results.put((rank, "init_error", traceback.format_exc()))
         return

@@ -181,7 +181,16 @@ def test_torch_transport_moves_what_it_says(world):
         assert g["filled_views"]
 
 
-def _sparse_rank(rank, world, layout, vis_args, local_len, max_runs, max_pieces):
+class _FourOps:
+    """A transport with Note [Transport]'s operations before ``exchange`` (one a user may have installed)."""
+
+    def __init__(self, inner):
+        self.size, self.rank = inner.size, inner.rank
+        for op in ("send_recv", "all_to_all_v", "all_gather", "reduce_scatter"):
+            setattr(self, op, getattr(inner, op))
+
+
+def _sparse_rank(rank, world, layout, vis_args, local_len, max_runs, max_pieces, batch=2, four_ops=False):
     from distcomm_attention.strategies import sparse_gather
     from distcomm_attention.strategies.sparse_gather import SparseGather
     from distcomm_attention.transport import CountingTransport, TorchTransport
@@ -190,16 +199,15 @@ def _sparse_rank(rank, world, layout, vis_args, local_len, max_runs, max_pieces)
     seq_len = world * local_len
     concrete = balance.resolve(layout, seq_len, world, vis.cu_seqlens) if layout == "balanced" else layout
     ex = exchange_plan(concrete, vis, world, local_len)
-    full = torch.randn(2, seq_len, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    full = _sparse_full(batch, seq_len)
     pos = layouts.positions(concrete, seq_len, world, rank)
-    counting = CountingTransport(TorchTransport())
+    # a counting transport over one without ``exchange``: counted, and still without it
+    counting = CountingTransport(_FourOps(TorchTransport()) if four_ops else TorchTransport())
     sparse_gather.MAX_RUNS = max_runs  # 0: own rows by index gather and scatter, not by runs
     sparse_gather.MAX_PIECES = max_pieces  # 0: the all-to-all-v, not direct pieces
     sparse = SparseGather(counting, ex, concrete)
     if max_runs == 0 or layout != "striped":  # (a striped shard's own rows may form more runs than allowed)
         assert (sparse.own_runs is None) == (max_runs == 0)
-    if max_pieces == 0 or ex.moves_nothing:
-        assert sparse.pieces is None
     (buffer,) = sparse.gather(full[:, pos])
     # gradient of sum(buffer * weight_r) over ranks: each key gets the sum of weights of the ranks holding it
     weight = torch.randn(buffer.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
@@ -208,45 +216,65 @@ def _sparse_rank(rank, world, layout, vis_args, local_len, max_runs, max_pieces)
             "direct": sparse.pieces is not None}
 
 
-SPARSE = [
-    ("contiguous", (True, (-1, -1), (0, 5, 13, 24)), 3, 8),
-    ("zigzag", (True, (-1, -1), None), 4, 4),
-    ("contiguous", (False, (2, 2), None), 3, 6),
-    ("balanced", (True, (-1, -1), (0, 2, 9, 10, 24)), 3, 8),
-    ("contiguous", (True, (-1, -1), (0, 8, 16, 24)), 3, 8),  # documents on one rank each: nothing moves
-    ("striped", (True, (-1, -1), (0, 5, 13, 24)), 3, 8),  # pieces of one row
-    ("striped", (True, (-1, -1), None), 4, 24),  # more pieces than MAX_PIECES: the all-to-all-v
+def _sparse_full(batch, seq_len):
+    return torch.randn(batch, seq_len, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+
+
+SPARSE = [  # (layout, visibility, world, local rows, direct pieces where at most 64 are allowed)
+    ("contiguous", (True, (-1, -1), (0, 5, 13, 24)), 3, 8, True),
+    ("zigzag", (True, (-1, -1), None), 4, 4, True),
+    ("contiguous", (False, (2, 2), None), 3, 6, True),
+    ("balanced", (True, (-1, -1), (0, 2, 9, 10, 24)), 3, 8, True),
+    ("contiguous", (True, (-1, -1), (0, 8, 16, 24)), 3, 8, False),  # documents on one rank each: nothing moves
+    ("contiguous", (True, (-1, -1), (0, 8, 24)), 3, 8, False),  # rank 0 has no piece: the all-to-all-v
+    ("striped", (True, (-1, -1), (0, 5, 13, 24)), 3, 8, True),  # pieces of one row
+    ("striped", (True, (-1, -1), None), 4, 24, False),  # more pieces than allowed: the all-to-all-v
 ]
 
 
-@pytest.mark.parametrize("max_runs, max_pieces", [(16, 64), (0, 64), (16, 0), (0, 0)])
-@pytest.mark.parametrize("layout, vis_args, world, local_len", SPARSE)
-def test_sparse_gather_and_its_adjoint(layout, vis_args, world, local_len, max_runs, max_pieces):
-    """Rank r's buffer holds exactly the keys at the positions it needs (in natural order), its gradient is
-    every rank's contribution to the rows it holds (float64 reference over the whole sequence), and the bytes
-    it sends are the plan's (rows x row size; zero, and no exchange posted, when nothing crosses a rank); the
-    own rows moved by runs of slice copies and by index gather and scatter alike, the others' rows by direct
-    pieces and by an all-to-all-v alike."""
+def _check_sparse(got, layout, vis_args, world, local_len, batch, op):
+    """Every rank's buffer, bytes, operations (``op`` posted twice where anything moves) and gradient against
+    the float64 reference over the whole sequence."""
     vis = Visibility(*vis_args)
-    got = run_world(_sparse_rank, world, layout, vis_args, local_len, max_runs, max_pieces, timeout=60)
     seq_len = world * local_len
     concrete = balance.resolve(layout, seq_len, world, vis.cu_seqlens) if layout == "balanced" else layout
     ex = exchange_plan(concrete, vis, world, local_len)
-    full = torch.randn(2, seq_len, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    full = _sparse_full(batch, seq_len)
     total_grad = torch.zeros_like(full)
     for r, g in enumerate(got):
         needed = torch.tensor([p for a, b in ex.union[r] for p in range(a, b)], dtype=torch.int64)
         assert torch.equal(g["buffer"], full[:, needed])
         total_grad[:, needed] += g["weight"]
-        row_bytes = 2 * 3 * 4 * 8
+        row_bytes = batch * 3 * 4 * 8
         sent, received = ex.remote_rows(r)
         assert g["sent"] == (sent + received) * row_bytes  # its rows forward, the received rows' gradients back
-        if max_pieces and not ex.moves_nothing:  # direct unless some rank has more pieces than allowed
-            assert g["direct"] == (layout != "striped" or local_len < 24), (layout, local_len)
-        assert g["calls"] == ({} if ex.moves_nothing else {"exchange" if g["direct"] else "all_to_all_v": 2})
+        assert g["direct"] == (op == "exchange")
+        assert g["calls"] == ({} if ex.moves_nothing else {op: 2})
     for r, g in enumerate(got):
         pos = layouts.positions(concrete, seq_len, world, r)
         torch.testing.assert_close(g["grad"], total_grad[:, pos], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("max_runs, max_pieces, batch", [(16, 64, 2), (0, 64, 2), (16, 0, 2), (0, 0, 2), (16, 64, 1)])
+@pytest.mark.parametrize("layout, vis_args, world, local_len, direct", SPARSE)
+def test_sparse_gather_and_its_adjoint(layout, vis_args, world, local_len, direct, max_runs, max_pieces, batch):
+    """Rank r's buffer holds exactly the keys at the positions it needs (in natural order), its gradient is
+    every rank's contribution to the rows it holds (float64 reference over the whole sequence), and the bytes
+    it sends are the plan's (rows x row size; zero, and no exchange posted, when nothing crosses a rank); the
+    own rows moved by runs of slice copies and by index gather and scatter alike, the others' rows by direct
+    pieces (views of the shard at batch 1, copies at 2) and by an all-to-all-v alike."""
+    got = run_world(_sparse_rank, world, layout, vis_args, local_len, max_runs, max_pieces, batch, timeout=60)
+    _check_sparse(got, layout, vis_args, world, local_len, batch,
+                  "exchange" if direct and max_pieces else "all_to_all_v")
+
+
+def test_sparse_gather_over_a_transport_without_exchange():
+    """A transport lacking ``exchange`` (here under a counting one) gets the all-to-all-v on every rank, with
+    the same rows and gradients."""
+    layout, vis_args, world, local_len, direct = SPARSE[0]
+    assert direct
+    got = run_world(_sparse_rank, world, layout, vis_args, local_len, 16, 64, 2, True, timeout=60)
+    _check_sparse(got, layout, vis_args, world, local_len, 2, "all_to_all_v")
 
 
 def _allgather_rank(rank, world, layout, causal, window, docs, masked):

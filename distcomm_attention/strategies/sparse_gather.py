@@ -28,11 +28,14 @@ Note [Sparse gather]
     Direct pieces. The rows s sends r split into pieces, maximal runs of consecutive rows of s at consecutive
     positions: each lands on consecutive rows of r's buffer (the buffer is in position order, and no other
     needed key lies between two consecutive positions). Both ends derive the same pieces from the plan, so
-    when every rank has at most MAX_PIECES of them (sent and received; decided from the plan, alike on every
-    rank) the exchange goes as one group of point-to-point transfers (``Transport.exchange``): each piece
-    leaves as a view of the shard and arrives in its buffer slice, with no pack before the wire and no place
-    after it; the gradients go back the same way, each piece added to its owner's rows. Otherwise (a striped
-    layout: pieces of one row) it is the all-to-all-v above.
+    when every rank has at least one and at most MAX_PIECES of them (sent and received; decided from the
+    plan, alike on every rank) the exchange goes as one group of point-to-point transfers
+    (``Transport.exchange``): each piece leaves as a view of the shard and arrives in its buffer slice, with
+    no pack before the wire and no place after it; the gradients go back the same way, each piece added to
+    its owner's rows. Otherwise it is the all-to-all-v above: where some rank has more (a striped layout:
+    pieces of one row), and where some rank has none, since every rank then takes part in every group of
+    transfers (NCCL's batched point-to-point transfers need every rank of the group in its first one; a
+    group may meet the exchange first). A transport without ``exchange`` also gets the all-to-all-v.
 """
 
 from __future__ import annotations
@@ -115,19 +118,13 @@ class SparseGather:
 
     def __init__(self, transport, ex: Exchange, layout):
         self.transport, self.ex = transport, ex
-        self.skip = ex.moves_nothing
         (self.send_splits, self.recv_splits, self.send_index, self.own_index, self.place_own, self.place,
          self.buffer_len) = _indices(ex, layout, transport.rank)
-        self.own_runs = _runs(self.own_index, self.place_own)  # (shard row, buffer row, length), or None
-        self.own_all = self.own_runs is not None and self.own_index.numel() == ex.local_len
-        # (shard row, row of what comes back, length) of the rows other ranks return gradients for
-        self.back_runs = _runs(self.send_index, torch.arange(self.send_index.numel()), limit=4 * MAX_RUNS)
-        # (arrived row, buffer row, length) of the other ranks' rows
-        self.place_runs = _runs(torch.arange(self.place.numel()), self.place, limit=4 * MAX_RUNS)
-        # direct pieces: (peer, shard row, length) sent, (peer, buffer row, length) received; or None
-        self.pieces = None if self.skip else _direct(ex, layout, transport.rank)
-        # what comes back is added by runs of the shard's rows (``_Returning.add_returned``)
-        self.returns_by_runs = self.pieces is not None or self.back_runs is not None
+        # (a transport without ``exchange``, one made before it was part of Note [Transport], gets the
+        # all-to-all-v: the same on every rank, as every rank's transport is of one kind)
+        pieces = MAX_PIECES if hasattr(transport, "exchange") else -1
+        (self.skip, self.own_runs, self.own_all, self.back_runs, self.place_runs, self.pieces,
+         self.returns_by_runs) = _tables(ex, layout, transport.rank, MAX_RUNS, pieces)
 
     def _index(self, name: str, device: torch.device) -> torch.Tensor:
         return on_device(getattr(self, name), device)  # ``_indices``' cached tensors
@@ -187,10 +184,10 @@ class SparseGather:
                      for g, t in zip(got, tensors))
 
     def post_scatter_add(self, grad: torch.Tensor, local_len: int) -> _Returning:
-        """Start sending the other ranks' rows of (B, m, ...) buffer gradients home (a copy of them is taken
-        now); ``wait()`` gives (B, n, ...) this rank's rows, every rank's contributions summed in ``grad``'s
-        dtype (the adjoint of :meth:`gather`). ``grad``'s own rows are read at the wait: the caller may add
-        to them meanwhile (Note [All-gather KV])."""
+        """Start sending the other ranks' rows of (B, m, ...) buffer gradients home (not to change before the
+        wait: with direct pieces they leave as views); ``wait()`` gives (B, n, ...) this rank's rows, every
+        rank's contributions summed in ``grad``'s dtype (the adjoint of :meth:`gather`). ``grad``'s own rows
+        are read at the wait: the caller may add to them meanwhile (Note [All-gather KV])."""
         device = grad.device
         rows = grad.transpose(0, 1)
         handle = None
@@ -240,7 +237,7 @@ class _Returning:
 
     def add_returned(self, acc) -> None:
         """Wait and add what the other ranks sent back for this rank's keys into ``acc`` (a ``RowSum`` over the
-        shard's rows), one term per run of ``back_runs``; the buffer's own rows are not read."""
+        shard's rows), one term per piece (or per run of ``back_runs``); the buffer's own rows are not read."""
         if self._handle is not None and self._sparse.pieces is not None:
             for (_, a, length), piece in zip(self._sparse.pieces[0], self._handle.wait()):
                 acc.add(a, a + length, piece.transpose(0, 1))
@@ -250,6 +247,25 @@ class _Returning:
             for a, at, length in self._sparse.back_runs:
                 acc.add(a, a + length, back[:, at:at + length])
         self._handle = self._rows = None
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(ex: Exchange, layout, r: int, max_runs: int, max_pieces: int):
+    """Rank ``r``'s runs and pieces of an exchange (computed once per plan, layout, rank and limits): whether
+    nothing moves; the own rows' runs (shard row, buffer row, length) or None, and whether they are every row
+    of the shard; the runs (shard row, row of what comes back, length) of the rows other ranks return
+    gradients for; the runs (arrived row, buffer row, length) of the other ranks' rows; the direct pieces
+    ((peer, shard row, length) sent, (peer, buffer row, length) received) or None; whether what comes back is
+    added by runs of the shard's rows (``_Returning.add_returned``)."""
+    skip = ex.moves_nothing
+    _, _, send_index, own_index, place_own, place, _ = _indices(ex, layout, r)
+    own_runs = _runs(own_index, place_own, limit=max_runs)
+    own_all = own_runs is not None and own_index.numel() == ex.local_len
+    back_runs = _runs(send_index, torch.arange(send_index.numel()), limit=4 * max_runs)
+    place_runs = _runs(torch.arange(place.numel()), place, limit=4 * max_runs)
+    _, most, fewest = _all_pieces(ex, layout)
+    pieces = _rank_pieces(ex, layout, r) if not skip and fewest > 0 and most <= max_pieces else None
+    return skip, own_runs, own_all, back_runs, place_runs, pieces, pieces is not None or back_runs is not None
 
 
 @functools.lru_cache(maxsize=64)
@@ -285,12 +301,12 @@ def _pieces(ex: Exchange, layout, src: int, dst: int) -> list[tuple[int, int, in
 
 
 @functools.lru_cache(maxsize=64)
-def _all_pieces(ex: Exchange, layout) -> tuple[dict, int]:
-    """Every pair's pieces (``_pieces``) and the most any rank sends and receives in all."""
+def _all_pieces(ex: Exchange, layout) -> tuple[dict, int, int]:
+    """Every pair's pieces (``_pieces``), and the most and the fewest any rank sends and receives in all."""
     w = ex.ring_size
     pieces = {(s, d): _pieces(ex, layout, s, d) for s in range(w) for d in range(w) if s != d}
-    most = max(sum(len(pieces[r, d]) + len(pieces[d, r]) for d in range(w) if d != r) for r in range(w))
-    return pieces, most
+    counts = [sum(len(pieces[r, d]) + len(pieces[d, r]) for d in range(w) if d != r) for r in range(w)]
+    return pieces, max(counts), min(counts)
 
 
 @functools.lru_cache(maxsize=64)
@@ -298,14 +314,8 @@ def _rank_pieces(ex: Exchange, layout, r: int):
     """Rank ``r``'s direct pieces: ((peer, shard row, length) sent, (peer, buffer row, length) received), in
     the order both ends list them (by peer, then by row)."""
     w = ex.ring_size
-    pieces, _ = _all_pieces(ex, layout)
+    pieces = _all_pieces(ex, layout)[0]
     sent = tuple((d, row, length) for d in range(w) if d != r for row, _, length in pieces[r, d])
     received = tuple((s, ex.compact(r, position), length) for s in range(w) if s != r
                      for _, position, length in pieces[s, r])
     return sent, received
-
-
-def _direct(ex: Exchange, layout, r: int):
-    """``_rank_pieces``, or None when some rank has more than MAX_PIECES (decided from the whole plan: alike on
-    every rank)."""
-    return _rank_pieces(ex, layout, r) if _all_pieces(ex, layout)[1] <= MAX_PIECES else None

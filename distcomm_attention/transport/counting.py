@@ -45,12 +45,19 @@ class CountingTransport:
                 self.peers[("all_to_all_v", peer)] += rows * row
         return self.inner.all_to_all_v(send, send_splits, recv_splits)
 
-    def exchange(self, sends, recvs):
-        self.calls["exchange"] += 1
-        for peer, t in sends:
-            self.sent["exchange"] += _nbytes(t)
-            self.peers[("exchange", peer)] += _nbytes(t)
-        return self.inner.exchange(sends, recvs)
+    @property
+    def exchange(self):
+        """The inner transport's ``exchange``, counted (an AttributeError where it has none, as for it)."""
+        inner = self.inner.exchange
+
+        def exchange(sends, recvs):
+            self.calls["exchange"] += 1
+            for peer, t in sends:
+                self.sent["exchange"] += _nbytes(t)
+                self.peers[("exchange", peer)] += _nbytes(t)
+            return inner(sends, recvs)
+
+        return exchange
 
     def all_gather(self, x: torch.Tensor):
         self.calls["all_gather"] += 1
