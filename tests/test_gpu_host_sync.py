@@ -321,3 +321,62 @@ def test_scalar_decay_waits_only_where_fla_takes_boundaries():
             late = [f for f in case if "returned after a queued GPU sleep" in f]
             assert len(late) == 1 and _waited_first_in_fla(late[0]), case or "a call with boundaries did not wait"
             assert all(_reported_in_fla(f) for f in case if f not in late), case
+
+
+def _sparse_pieces_rank(rank: int, world: int):
+    """The sparse all-gather's exchange by direct pieces over NCCL (k, v forward, fp32 gradients back), behind
+    a GPU sleep: no host wait; the buffer and the summed gradients against float64 sums on the host."""
+    from distcomm_attention.planning import layouts
+    from distcomm_attention.planning.exchange import exchange_plan
+    from distcomm_attention.planning.visibility import Visibility
+    from distcomm_attention.strategies.sparse_gather import SparseGather
+    from distcomm_attention.transport import TorchTransport
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    n, seq = 4096, 4096 * world
+    vis = Visibility(True, (-1, -1), (0, 1000, 5000, 6000, seq), False)
+    ex = exchange_plan("zigzag", vis, world, n)
+    pos = layouts.positions("zigzag", seq, world, rank)
+    full = torch.randn(1, seq, 2, 64, generator=torch.Generator().manual_seed(3))
+    x = full[:, pos].to(device, torch.bfloat16)
+    sparse = SparseGather(TorchTransport(), ex, "zigzag")
+    failures = [] if sparse.pieces is not None else ["the case does not take the direct pieces"]
+    weight = torch.randn(1, sparse.buffer_len, 2, 64, generator=torch.Generator().manual_seed(10 + rank))
+    w = weight.to(device)
+    sparse.scatter_add(w, n)  # first use: plans, caches
+    got = {}
+
+    def step():
+        (got["buffer"],) = sparse.gather(x)
+        got["grad"] = sparse.scatter_add(w, n)
+
+    failures += _never_waits(step, (), "sparse gather by pieces")
+    needed = torch.tensor([p for a, b in ex.union[rank] for p in range(a, b)], dtype=torch.int64)
+    if not torch.equal(got["buffer"].cpu(), full[:, needed].to(torch.bfloat16)):
+        failures.append("the gathered buffer differs from the needed keys")
+    return failures, weight, got["grad"].cpu()
+
+
+@pytest.mark.gpu2
+def test_sparse_gather_pieces_never_wait():
+    """Direct pieces over NCCL's batched point-to-point transfers: the right rows, no host wait, and every
+    rank's gradient is the float64 sum of the ranks' weights over the keys they hold."""
+    from distcomm_attention.planning import layouts
+    from distcomm_attention.planning.exchange import exchange_plan
+    from distcomm_attention.planning.visibility import Visibility
+
+    world, n = 2, 4096
+    per_rank = run_world(_sparse_pieces_rank, world, backend="nccl", timeout=300)
+    seq = world * n
+    ex = exchange_plan("zigzag", Visibility(True, (-1, -1), (0, 1000, 5000, 6000, seq), False), world, n)
+    total = torch.zeros(1, seq, 2, 64, dtype=torch.float64)
+    for r, (_, weight, _) in enumerate(per_rank):
+        needed = torch.tensor([p for a, b in ex.union[r] for p in range(a, b)], dtype=torch.int64)
+        total[:, needed] += weight.double()
+    failures = [f"rank {r}: {f}" for r, (fs, _, _) in enumerate(per_rank) for f in fs]
+    for r, (_, _, grad) in enumerate(per_rank):
+        want = total[:, layouts.positions("zigzag", seq, world, r)]
+        if not torch.allclose(grad.double(), want, rtol=1e-6, atol=1e-6):
+            failures.append(f"rank {r}: gradient off by {(grad.double() - want).abs().max():.3e}")
+    assert not failures, "\n".join(failures)
