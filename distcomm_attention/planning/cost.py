@@ -74,7 +74,12 @@ Note [Cost model]
 
     Since a block's rows that no block reached before are copied rather than merged in fp32 (Note [Merging
     block outputs]), the sparse all-gather's rank on packs runs 4-10% faster than the state term counts: the
-    model over-predicts it by 9-15% on one H100 (docs/bench/emulated.md, run 11; not refitted).
+    model over-predicts it by 9-15% on one H100 (docs/bench/emulated.md, run 11; not refitted). With its keys
+    moved as direct pieces and its buffer kept up to three shards (Note [Sparse gather], run 12) the model
+    (which counts the kept buffer, not the copies the pieces save) over-predicts it by 10-17%: 3 of 8 rows
+    within 15%, picks unchanged (every row's pick the fastest). A state term charging only the rows a second
+    call reaches would fit these rows, but the term was fitted with every row charged and stands for other
+    per-row work of the ring's and Ulysses' calls too: a refit needs new measurements of every strategy.
 """
 
 from __future__ import annotations
