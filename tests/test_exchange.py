@@ -268,6 +268,60 @@ def test_sparse_gather_and_its_adjoint(layout, vis_args, world, local_len, direc
                   "exchange" if direct and max_pieces else "all_to_all_v")
 
 
+def _random_plans(world, local_len, count, seed):
+    """(layout, visibility) of ``count`` random calls: documents cut at random (some of one token, some
+    crossing several ranks), causal or not, a window now and then, over every layout."""
+    rng = random.Random(seed)
+    seq_len = world * local_len
+    cases = []
+    for i in range(count):
+        cuts = sorted(rng.sample(range(1, seq_len), rng.randint(1, 6)))
+        if rng.random() < 0.3:
+            cuts.append(cuts[-1] + 1 if cuts[-1] + 1 < seq_len else cuts[-1])  # a document of one token
+        docs = tuple(sorted({0, *cuts, seq_len}))
+        causal = rng.random() < 0.8
+        window = (rng.randint(1, local_len), -1 if causal else rng.randint(1, local_len)) if rng.random() < 0.25 \
+            else (-1, -1)
+        layout = ("contiguous", "zigzag", "balanced")[i % 3]
+        cases.append((layout, (causal, window, docs)))
+    return cases
+
+
+def _random_sparse_rank(rank, world, local_len, count, seed):
+    from distcomm_attention.strategies.sparse_gather import SparseGather
+    from distcomm_attention.transport import CountingTransport, TorchTransport
+
+    out = []
+    for layout, vis_args in _random_plans(world, local_len, count, seed):
+        vis = Visibility(*vis_args, False)
+        seq_len = world * local_len
+        concrete = balance.resolve(layout, seq_len, world, vis.cu_seqlens) if layout == "balanced" else layout
+        ex = exchange_plan(concrete, vis, world, local_len)
+        full = _sparse_full(1, seq_len)
+        counting = CountingTransport(TorchTransport())
+        sparse = SparseGather(counting, ex, concrete)
+        (buffer,) = sparse.gather(full[:, layouts.positions(concrete, seq_len, world, rank)])
+        weight = torch.randn(buffer.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+        out.append({"buffer": buffer, "weight": weight, "grad": sparse.scatter_add(weight, local_len),
+                    "sent": counting.total, "calls": dict(counting.calls), "direct": sparse.pieces is not None})
+    return out
+
+
+def test_sparse_gather_on_random_plans():
+    """Random documents, windows and layouts on 4 ranks: every rank's buffer, bytes and gradient against the
+    float64 reference, whichever way each call's rows go (direct pieces, or the all-to-all-v where a rank has
+    no piece)."""
+    world, local_len, count, seed = 4, 16, 24, 11
+    per_rank = run_world(_random_sparse_rank, world, local_len, count, seed, timeout=120)
+    ways = set()
+    for i, (layout, vis_args) in enumerate(_random_plans(world, local_len, count, seed)):
+        got = [rank_results[i] for rank_results in per_rank]
+        op = "exchange" if got[0]["direct"] else "all_to_all_v"
+        ways.add(op)
+        _check_sparse(got, layout, vis_args + (False,), world, local_len, 1, op)
+    assert "exchange" in ways, ways
+
+
 def test_sparse_gather_over_a_transport_without_exchange():
     """A transport lacking ``exchange`` (here under a counting one) gets the all-to-all-v on every rank, with
     the same rows and gradients."""
