@@ -15,8 +15,9 @@ Note [Emulated links]
     the data, and records an event; ``wait()`` makes the compute stream wait on that event, where the real
     code would wait on NCCL. The rank's own schedule then decides what is hidden. Bytes per operation are
     those a ring or pairwise algorithm puts on this rank's link: a hop its tensors; an all-to-all(-v) or an
-    exchange the larger of what leaves and what arrives; an all-gather (n - 1) x its input; a reduce-scatter
-    (n - 1) / n x its input. NCCL also takes a few SMs for its copies; the emulation does not.
+    exchange the larger of what leaves and what arrives (both at the all-to-all's bandwidth); an all-gather
+    (n - 1) x its input; a reduce-scatter (n - 1) / n x its input. NCCL also takes a few SMs for its copies;
+    the emulation does not.
 
     What a simulated peer sends is this rank's own data: a hop receives its own tensors (repeated or cut to
     the shapes asked for), an all-to-all(-v) and an all-gather their input's rows repeated or cut to the rows
