@@ -313,6 +313,12 @@ def backend_name(group) -> str:
         return group.name()
 
 
+def batches_p2p(group) -> bool:
+    """Whether CUDA point-to-point transfers over ``group`` go as one NCCL batch (``batch_isend_irecv``): an
+    NCCL group registered with torch.distributed."""
+    return "nccl" in backend_name(group) and is_registered(group)
+
+
 def comm_device(tensor: torch.Tensor | None, group=None) -> torch.device:
     """Device on which small bookkeeping tensors travel for ``group`` (CUDA for NCCL, else CPU)."""
     if tensor is not None and tensor.device.type != "meta":

@@ -167,7 +167,7 @@ class RingComm:
         dst = self._positions[(self.rank + shift) % self.size]
         src = self._positions[(self.rank - shift) % self.size]
         if send[0].is_cuda and self._batch is None:
-            self._batch = "nccl" in _groups.backend_name(self.group) and _groups.is_registered(self.group)
+            self._batch = _groups.batches_p2p(self.group)
         use_batch = send[0].is_cuda and self._batch
         ops = []
         # Even positions send first, odd positions receive first: a fixed global order that cannot deadlock

@@ -170,11 +170,12 @@ class SparseGather:
                 send = _take(rows, self.back_runs, lambda: self._index("send_index", device))
                 handle = self.transport.all_to_all_v(send, self.send_splits, self.recv_splits)
             buffers.append(buffer), handles.append(handle), bools.append(t.dtype == torch.bool)
-        runs = self.place_runs
-        if self.pieces is not None:
+        if self.pieces is not None:  # arrived in their slices: nothing to place
             place = None
+        elif self.place_runs is not None and len(self.place_runs) <= MAX_RUNS:
+            place = self.place_runs
         else:
-            place = runs if runs is not None and len(runs) <= MAX_RUNS else self._index("place", device)
+            place = self._index("place", device)
         return _Arrival(buffers, handles, place, bools)
 
     def gather(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -288,10 +289,9 @@ def _indices(ex: Exchange, layout, r: int):
     return send_splits, recv_splits, send_index, own_index, place_own, place, sum(counts)
 
 
-def _pieces(ex: Exchange, layout, src: int, dst: int) -> list[tuple[int, int, int]]:
+def _pieces(ex: Exchange, positions: torch.Tensor, src: int, dst: int) -> list[tuple[int, int, int]]:
     """(row of ``src``, position, length) of the pieces ``src`` sends ``dst``: runs of need[src][dst] split
-    where the positions stop being consecutive (Note [Sparse gather])."""
-    positions = layouts.positions(layout, ex.ring_size * ex.local_len, ex.ring_size, src)
+    where ``src``'s positions (``positions``, by row) stop being consecutive (Note [Sparse gather])."""
     out = []
     for a, b in ex.need[src][dst]:
         p = positions[a:b]
@@ -304,7 +304,8 @@ def _pieces(ex: Exchange, layout, src: int, dst: int) -> list[tuple[int, int, in
 def _all_pieces(ex: Exchange, layout) -> tuple[dict, int, int]:
     """Every pair's pieces (``_pieces``), and the most and the fewest any rank sends and receives in all."""
     w = ex.ring_size
-    pieces = {(s, d): _pieces(ex, layout, s, d) for s in range(w) for d in range(w) if s != d}
+    positions = [layouts.positions(layout, w * ex.local_len, w, s) for s in range(w)]
+    pieces = {(s, d): _pieces(ex, positions[s], s, d) for s in range(w) for d in range(w) if s != d}
     counts = [sum(len(pieces[r, d]) + len(pieces[d, r]) for d in range(w) if d != r) for r in range(w)]
     return pieces, max(counts), min(counts)
 

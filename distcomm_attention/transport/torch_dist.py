@@ -69,21 +69,10 @@ class TorchTransport:
 
     def _all_to_all_p2p(self, send, send_splits, recv, recv_splits):
         send_parts, recv_parts = send.split(send_splits), recv.split(recv_splits)
-        works = []
-        for peer in range(self.size):
-            if peer == self.rank:
-                recv_parts[peer].copy_(send_parts[peer])
-                continue
-            glob = _groups.to_global_rank(self.group, peer)
-            pair = []
-            if send_parts[peer].numel():
-                pair.append(lambda p=send_parts[peer], g=glob: dist.isend(p.contiguous(), g, group=self.group))
-            if recv_parts[peer].numel():
-                pair.append(lambda p=recv_parts[peer], g=glob: dist.irecv(p, g, group=self.group))
-            if self.rank > peer:
-                pair.reverse()
-            works.extend(op() for op in pair)
-        return _Work(works, (recv,), lambda r: r)
+        recv_parts[self.rank].copy_(send_parts[self.rank])
+        peers = [peer for peer in range(self.size) if peer != self.rank]
+        return _Work([self.exchange([(p, send_parts[p]) for p in peers], [(p, recv_parts[p]) for p in peers])],
+                     (recv,))
 
     def exchange(self, sends, recvs):
         """Note [Transport]'s ``exchange``: per peer in rank order, the lower rank's sends first and the higher
@@ -101,8 +90,7 @@ class TorchTransport:
         result = tuple(t for _, t in recvs)
         if any(not t.is_contiguous() for _, t, _ in ops):
             raise ValueError("exchange: every tensor received into must be contiguous")
-        if ops and ops[0][1].is_cuda and "nccl" in _groups.backend_name(self.group) \
-                and _groups.is_registered(self.group):
+        if ops and ops[0][1].is_cuda and _groups.batches_p2p(self.group):
             works = dist.batch_isend_irecv([dist.P2POp(fn, t, group=self.group, group_peer=peer)
                                             for fn, t, peer in ops])
         else:
