@@ -140,6 +140,28 @@ def _runs(spans) -> tuple[tuple[int, int], ...]:
     return tuple((a, b) for a, b in runs)
 
 
+def choose_slots(calls) -> tuple[int, ...]:
+    """Which calls write their terms straight into the sum's buffer (``RowSum.slot``, ``packed_step``'s
+    ``dkv_into``), from ``calls``: (span, runs) of every call adding to it, in the order they run, where a
+    call's kernel writes its whole span (None: it cannot be given a slot) and its terms are its runs. Largest
+    runs first, a call is taken when no taken call that runs before it has a run in its span and it has no run
+    in the span of a taken call that runs after it: a slot never overwrites an earlier one's term, and the
+    terms of the calls not taken are added after every slot is written. The taken calls' indices, sorted."""
+    taken: list[int] = []
+    order = sorted(range(len(calls)), key=lambda i: -sum(b - a for a, b in calls[i][1]))
+
+    def meets(span, runs) -> bool:
+        return any(a < span[1] and span[0] < b for a, b in runs)
+
+    for i in order:
+        span, runs = calls[i]
+        if span is None or span[1] <= span[0] or not runs:
+            continue
+        if all(not meets(span, calls[j][1]) if j < i else not meets(calls[j][0], runs) for j in taken):
+            taken.append(i)
+    return tuple(sorted(taken))
+
+
 class _Packed(NamedTuple):
     varlen: Varlen
     rows: tuple[tuple[int, int], ...]  # the row runs the call writes
@@ -221,6 +243,17 @@ def _packed_host(call: PackedCall, batch: int, n: int, nk: int) -> _Packed:
 
 
 @functools.lru_cache(maxsize=256)
+def call_spans(calls: tuple[PackedCall, ...], batch: int, n: int, nk: int):
+    """(row span, row runs, key span or None, key runs) of each packed call over ``batch`` batch elements, n rows
+    and nk keys: the rows and keys its kernel writes (its spans) and those its segments cover (its runs). The
+    key span is None where the call's keys are gathered (``_Packed.key_index``): its dK/dV are not a slice."""
+    out = []
+    for call in calls:
+        p = _packed_host(call, batch, n, nk)
+        out.append((p.row_span, p.rows, None if p.key_index is not None else p.key_span, p.keys))
+    return tuple(out)
+
+
 def window_calls(pieces: tuple[Piece, ...]) -> tuple[WindowCall, ...]:
     """Group band pieces into kernel calls (Note [Window calls]); cached: a plan's block asks again on every
     call (the one-block backward of a ring of one, Ulysses' inner), and grouping hundreds of documents' pieces
@@ -322,21 +355,58 @@ class RowSum:
     to rows [r0, r1); ``result(dtype)``.
     Terms may differ in dtype (the all-gather's own rows: bf16 kernel outputs and fp32 partial sums): a first
     term whose dtype is not the kept rows' goes to the sums, never rounded into the kept rows.
+
+    With ``slots`` (row spans, ``choose_slots``) a kernel call over one of those spans may write its term
+    straight into the kept rows (``slot``: no copy at all); every other term then waits until ``result``,
+    so that no call writing into a slot can overwrite it (a kernel writes its whole span, rows outside its
+    segments included). A slot is refused where an earlier slot's term already holds a row of the span.
     """
 
-    __slots__ = ("shape", "dtype", "device", "base", "acc", "touched", "in_acc", "deferred")
+    __slots__ = ("shape", "dtype", "device", "base", "acc", "touched", "in_acc", "deferred", "slots")
 
-    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device):
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device,
+                 slots: frozenset[tuple[int, int]] | None = None):
         self.shape, self.dtype, self.device = shape, dtype, device
         self.base: Tensor | None = None  # the first term of each touched row (others unset), in its dtype
         self.acc: Tensor | None = None
         self.touched: list[tuple[int, int]] = []
         self.in_acc: list[tuple[int, int]] = []
         self.deferred: list[tuple[Tensor, tuple[tuple[int, int], ...], int]] = []  # add_runs before a base
+        self.slots = slots  # spans whose kernel call may write into the kept rows (until ``result``)
+
+    def slot(self, r0: int, r1: int, dtype: torch.dtype) -> Tensor | None:
+        """Rows [r0, r1) of the kept rows (B, r1 - r0, ...), contiguous, for a kernel call to write its term of
+        those rows into (then pass that term to ``add``/``add_runs`` as usual: it is recorded, not copied), or
+        None: the span is not one of ``slots``, the kept rows have another dtype, or a term written in place
+        before holds one of its rows."""
+        if self.slots is None or (r0, r1) not in self.slots or r1 <= r0:
+            return None
+        if self.base is not None and self.base.dtype != dtype:
+            return None
+        if any(a < r1 and r0 < z for a, z in self.touched):
+            return None
+        if self.base is None:
+            self.base = torch.empty(self.shape, dtype=dtype, device=self.device)
+        view = self.base[:, r0:r1]
+        return view if view.is_contiguous() else None
+
+    def _in_place(self, term: Tensor, r0: int) -> bool:
+        """Whether ``term`` (B, m, ...) is ``base[:, r0:r0 + m]`` itself, the same memory (a kernel wrote it into a
+        slot)."""
+        base = self.base
+        return (base is not None and term.dtype == base.dtype and term.stride()[1:] == base.stride()[1:]
+                and (term.shape[0] == 1 or term.stride(0) == base.stride(0))
+                and term.data_ptr() == base.data_ptr() + r0 * base.stride(1) * base.element_size())
 
     def add(self, r0: int, r1: int, term: Tensor) -> None:
         n = self.shape[1]
         if r1 <= r0:
+            return
+        if self.slots is not None:  # slots still open: written in place, or kept for ``result``
+            if self._in_place(term, r0):
+                self.touched = list(_runs(self.touched + [(r0, r1)]))
+            else:
+                self.deferred.append((term, ((r0, r1),), r0))
             return
         if self.deferred:
             self._replay()
@@ -373,6 +443,12 @@ class RowSum:
         runs = tuple((a, z) for a, z in runs if z > a)
         if not runs:
             return
+        if self.slots is not None:
+            if self._in_place(term, start):
+                self.touched = list(_runs(self.touched + list(runs)))
+            else:
+                self.deferred.append((term, runs, start))
+            return
         if self.base is None and start == 0 and term.shape[1] == self.shape[1]:
             self.base, self.touched = term, list(_runs(runs))
             self._replay()
@@ -390,6 +466,7 @@ class RowSum:
 
     def result(self, dtype: torch.dtype) -> Tensor:
         """The sum in ``dtype`` (rows no term reached: 0); the summed rows are rounded into the adopted buffer."""
+        self.slots = None  # the terms kept aside now go in, after every term written in place
         self._replay()
         if self.base is None:
             return torch.zeros(self.shape, dtype=dtype, device=self.device)
@@ -637,22 +714,30 @@ class BlockBackward:
 
     def packed_step(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     calls: tuple[PackedCall, ...], *, scale: float, softcap: float,
-                    dq_acc: Tensor | RowSum) -> list[tuple[slice, Tensor, Tensor]]:
+                    dq_acc: Tensor | RowSum, dkv_into=None) -> list[tuple[slice, Tensor, Tensor]]:
         """The backward of a step as ``calls`` (Note [Packed steps]): dq added into ``dq_acc`` (B, n, H, D, or a
-        ``RowSum``) on the rows each call wrote; returns (key rows, dk, dv) for each run of keys a call wrote, as
-        the kernel returned them (the caller converts or sums them in its accumulation dtype)."""
+        ``RowSum``, whose slots the kernel may write into) on the rows each call wrote; returns (key rows, dk,
+        dv) for each run of keys a call wrote, as the kernel returned them (the caller converts or sums them in
+        its accumulation dtype). ``dkv_into(j, lo, hi)``: (dk, dv) buffers (B, hi - lo, Hkv, D) for call j,
+        handed keys [lo, hi) of the step's, to write into, or None (the kernel makes its own); the returned
+        terms are then views of them."""
         b, n, h, _ = q.shape
         nk = k.shape[1]
         grads = []
-        for call in calls:
+        for j, call in enumerate(calls):
             packed = _packed_varlen(call, b, n, nk, q.device)
             r_lo, r_hi = packed.row_span
             rows = slice(r_lo, r_hi)
             qq, (kk, vv) = q[:, rows], packed.call_keys(k, v)
             lse_rows = lse[:, :, rows].transpose(0, 1).reshape(h, b * (r_hi - r_lo))
+            into = {}
+            if isinstance(dq_acc, RowSum) and (slot := dq_acc.slot(r_lo, r_hi, q.dtype)) is not None:
+                into["dq"] = _pack(slot)
+            if dkv_into is not None and packed.key_index is None and (dkv := dkv_into(j, *packed.key_span)) is not None:
+                into["dk"], into["dv"] = _pack(dkv[0]), _pack(dkv[1])
             dq, dk, dv = self.block(_pack(dout[:, rows]), _pack(qq), _pack(kk), _pack(vv), _pack(out[:, rows]),
                                     lse_rows, causal=False, scale=scale, softcap=softcap, window=call.window,
-                                    varlen=packed.varlen)
+                                    varlen=packed.varlen, **into)
             dq, dk, dv = dq.view(qq.shape), dk.view(kk.shape), dv.view(vv.shape)
             if isinstance(dq_acc, RowSum):  # rows and keys no segment covers hold whatever the kernel left there
                 dq_acc.add_runs(dq, packed.rows, r_lo)

@@ -226,9 +226,9 @@ def _merged(need: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
     return tuple(merged)
 
 
-def _split(block: Block, runs: tuple[tuple[int, int], ...], at: dict) -> list[Block]:
-    """``block``'s visible pairs within each run, as blocks reading the received buffer (``at``: the buffer
-    row of each run's first row)."""
+def split_block(block: Block, runs: tuple[tuple[int, int], ...], at: dict) -> list[Block]:
+    """``block``'s visible pairs within each run, as blocks reading another buffer of those rows (``at``: its
+    row of each run's first row): the received buffer of a ring step, or a shard's own keys."""
     lo, hi = block.kv.start, block.kv.stop
     inside = [(a, b) for a, b in runs if a < hi and b > lo]
     if not inside:
@@ -257,7 +257,7 @@ def _compact(plan: RingPlan, recv) -> RingPlan:
         at, row = {}, 0
         for a, b in recv[i]:
             at[a], row = row, row + b - a
-        steps.append(tuple(sub for block in plan.blocks[i] for sub in _split(block, recv[i], at)))
+        steps.append(tuple(sub for block in plan.blocks[i] for sub in split_block(block, recv[i], at)))
     return RingPlan(plan.steps, tuple(steps))
 
 

@@ -51,14 +51,14 @@ from torch.autograd.function import once_differentiable
 from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention import transport
-from distcomm_attention.kernels.contract import RowSum, _runs
-from distcomm_attention.planning.exchange import Exchange, gather_keeps
+from distcomm_attention.kernels.contract import RowSum, _runs, call_spans, choose_slots
+from distcomm_attention.planning.exchange import Exchange, gather_keeps, split_block
 from distcomm_attention.planning.plans import (gathered_in_natural_order, natural_inverse, natural_order, own_rows,
                                                 split_local)
 from distcomm_attention.planning.visibility import RingPlan
 from distcomm_attention._device import on_device
 from distcomm_attention.strategies.sparse_gather import SparseGather
-from distcomm_attention.strategies.ring import (_dq_result, _no_autocast, backward_start, block_grads,
+from distcomm_attention.strategies.ring import (_dq_result, _no_autocast, backward_start, block_grads, packed,
                                                 ring_forward, step_grads)
 
 __all__ = ["AllGatherKV", "allgather_attention", "gather_kv", "local_backward"]
@@ -178,16 +178,61 @@ class AllGatherKV:
         return self.plan.cached("own rows before", lambda: torch.cat(
             [torch.zeros(1, dtype=torch.int64), self._own().to(torch.int64).cumsum(0)]))
 
-    def _own_sums(self, own_grads, step1, pending, plan: RingPlan, k, v, acc_dtype):
+    def _spans(self, plan: RingPlan, i: int, km, q, keys):
+        """``call_spans`` of step i's packed backward calls, or None where the step runs a call per block."""
+        calls = packed(plan, i, self.bwd, km, q.device, True)
+        if calls is None:
+            return None
+        b, n, nk = q.shape[0], q.shape[1], keys.shape[1]
+        return plan.cached(("call spans", i, b, n, nk), lambda: call_spans(calls, b, n, nk))
+
+    def _dq_slots(self, plan: RingPlan, spans) -> frozenset:
+        """The row spans of the packed calls (step 1's, then step 0's) whose dq the kernel writes straight into the
+        dQ sum (``RowSum.slot``, ``choose_slots``)."""
+        def make():
+            calls = [(row_span, rows) for step in spans if step is not None for row_span, rows, _, _ in step]
+            return frozenset(calls[j][0] for j in choose_slots(calls))
+
+        return plan.cached(("dq slots", tuple(spans)), make)
+
+    def own_keys_in_shard(self) -> RingPlan | None:
+        """Step 0 of ``own_keys_first`` (the blocks on own keys) reading the shard's rows instead of the buffer's
+        (one step), so that its calls' dK/dV are rows of the shard's sums, written there by the kernel
+        (``RowSum.slot``); None where a block without intervals spans two runs of own rows (Note [Sparse
+        gather]: own rows by runs)."""
+        def make():
+            runs = tuple((at, at + length) for _, at, length in self.sparse.own_runs)
+            shard_row = {at: a for a, at, _ in self.sparse.own_runs}
+            blocks = []
+            for block in self.own_keys_first().blocks[0]:
+                if block.mode != "interval" and sum(a < block.kv.stop and b > block.kv.start for a, b in runs) > 1:
+                    return None
+                blocks.extend(split_block(block, runs, shard_row))
+            return RingPlan((0,), (tuple(blocks),))
+
+        return self.plan.cached("own keys in shard rows", make)
+
+    @staticmethod
+    def _own_slots(plan: RingPlan, spans) -> frozenset:
+        """The shard-row key spans of ``own_keys_in_shard``'s packed calls whose dK/dV the kernel writes straight
+        into the own keys' sums (``choose_slots``)."""
+        def make():
+            calls = [(key_span, keys) for _, _, key_span, keys in spans]
+            return frozenset(calls[j][0] for j in choose_slots(calls))
+
+        return plan.cached(("own slots", spans), make)
+
+    def _own_sums(self, acc, own_grads, in_shard: bool, step1, pending, plan: RingPlan, k, v):
         """dk, dv of this rank's keys in the inputs' dtypes (Note [Sparse gather]: own rows by runs): every term
-        added into a ``RowSum`` over the shard's rows, so that a row one call reached keeps the kernel's result
-        and only rows two terms reached are summed in fp32: the own-key calls' gradients first, then step 1's
-        sums on own rows (``step1``: buffer-shaped, zero where it wrote nothing), then what the other ranks sent
-        back."""
+        added into ``acc``, a ``RowSum`` over the shard's rows each, so that a row one call reached keeps the
+        kernel's result and only rows two terms reached are summed in fp32: the own-key calls' gradients first
+        (their rows the shard's with ``in_shard``, written there where the kernel had a slot; else the
+        buffer's), then step 1's terms on own rows (``step1``: buffer-shaped, zero where it wrote nothing), then
+        what the other ranks sent back."""
         sparse = self.sparse
-        acc = (RowSum(k.shape, acc_dtype, k.device), RowSum(v.shape, acc_dtype, v.device))
         for kv, *grads in own_grads:
-            for a, z, off in sparse.own_ranges(kv.start, kv.stop):
+            ranges = [(kv.start, kv.stop, 0)] if in_shard else sparse.own_ranges(kv.start, kv.stop)
+            for a, z, off in ranges:
                 for sums, g in zip(acc, grads):
                     sums.add(a, z, g[:, off:off + z - a])
         for k0, k1 in _runs((block.kv.start or 0, block.kv.stop) for block in plan.blocks[1]):
@@ -229,10 +274,18 @@ class AllGatherKV:
 
     def backward(self, dout, q, k, v, out, lse, key_mask):
         """Others first (Note [All-gather KV]): the reduction of the dK/dV that travel runs while the blocks on
-        this rank's own keys do."""
+        this rank's own keys do. Packed calls write their gradients straight into the sums where they can
+        (Note [Sparse gather])."""
         k_all, v_all, km_all = self._gather(k, v, key_mask)
         plan = self.own_keys_first()
         dout, acc_dtype, delta, dq = backward_start(dout, q, out, self.bwd)
+        by_runs = self.sparse is not None and self.sparse.own_all and self.sparse.returns_by_runs
+        in_shard = self.own_keys_in_shard() if by_runs else None
+        # step 0 (own keys): over the shard's rows where it can, else the buffer's
+        own = (k, v, key_mask, in_shard) if in_shard is not None else (k_all, v_all, km_all, plan)
+        spans = (self._spans(plan, 1, km_all, q, k_all), self._spans(own[3], 0, own[2], q, own[0]))
+        if isinstance(dq, RowSum) and spans != (None, None):
+            dq.slots = self._dq_slots(plan, spans)
         step = (dout, q, k_all, v_all, out, lse, delta, km_all, dq, plan)
         kernel = (self.softcap, self.scale, self.bwd, acc_dtype)
         dk_all, dv_all = step_grads(*step, 1, *kernel)
@@ -242,10 +295,20 @@ class AllGatherKV:
             else:
                 received = reduce_scatter_kv(dk_all, dv_all, self.group, self.inverse)
                 del dk_all, dv_all
-            own_grads = block_grads(*step, 0, *kernel)
-            del step, k_all, v_all
-            if self.sparse is not None and self.sparse.own_all and self.sparse.returns_by_runs:
-                dk, dv = self._own_sums(own_grads, (dk_all, dv_all), pending, plan, k, v, acc_dtype)
+            into = None
+            if by_runs:
+                acc = (RowSum(k.shape, acc_dtype, k.device), RowSum(v.shape, acc_dtype, v.device))
+                if in_shard is not None and spans[1] is not None:  # the kernels write into the sums' rows
+                    acc[0].slots = acc[1].slots = self._own_slots(in_shard, spans[1])
+
+                    def into(j, lo, hi):
+                        dk_b, dv_b = (a.slot(lo, hi, x.dtype) for a, x in zip(acc, (k, v)))
+                        return None if dk_b is None or dv_b is None else (dk_b, dv_b)
+            own_grads = block_grads(dout, q, own[0], own[1], out, lse, delta, own[2], dq, own[3], 0, *kernel,
+                                    dkv_into=into)
+            del step, k_all, v_all, own
+            if by_runs:
+                dk, dv = self._own_sums(acc, own_grads, in_shard is not None, (dk_all, dv_all), pending, plan, k, v)
             elif self.sparse is not None:  # into the buffer's own rows, which the wait reads
                 for kv, dk_b, dv_b in own_grads:
                     dk_all[:, kv] += dk_b

@@ -198,12 +198,14 @@ def forward_step(state, q, k, v, km, plan: RingPlan, i: int, softcap: float, sca
 
 
 def block_grads(dout, q, k, v, out, lse, delta, km, dq, plan: RingPlan, i: int, softcap: float, scale: float, bwd,
-                acc_dtype: torch.dtype) -> list:
+                acc_dtype: torch.dtype, dkv_into=None) -> list:
     """Step i's backward calls: this rank's dQ added into ``dq``; returns (kv rows, dK, dV) of each call, in
-    ``acc_dtype``."""
+    ``acc_dtype`` (packed calls: as the kernel returned them, into ``dkv_into``'s buffers where it gives
+    them, ``BlockBackward.packed_step``)."""
     calls, blocks = _step_work(plan, i, bwd, km, q.device, q.shape[1], backward=True)
     if calls is not None:  # Note [Packed steps]
-        return bwd.packed_step(dout, q, k, v, out, lse, calls, scale=scale, softcap=softcap, dq_acc=dq)
+        return bwd.packed_step(dout, q, k, v, out, lse, calls, scale=scale, softcap=softcap, dq_acc=dq,
+                               dkv_into=dkv_into)
     grads = []
     for block, mask, _ in blocks:
         rows, kv = block.q, block.kv

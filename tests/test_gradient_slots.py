@@ -1,0 +1,224 @@
+"""Packed backward calls writing their gradients straight into the sums (``RowSum.slot``, ``choose_slots``; the
+all-gather's dQ and own keys' dK/dV, Note [Sparse gather]): the sums equal float64 sums of the terms however
+the slots fall, a slot never overwrites an earlier term, and the all-gather strategy with a kernel that writes
+its whole span (NaN outside its segments here) gives the float64 reference's gradients, in float64 and in
+bf16, with the same bytes on the wire as without slots."""
+
+import random
+
+import pytest
+import torch
+
+from distcomm_attention.kernels.contract import RowSum, choose_slots
+from tests.dist_harness import run_world
+
+
+def _random_calls(rng: random.Random, n: int, count: int):
+    """(span, runs) of ``count`` random calls over n rows: runs sorted, disjoint, inside the span; some spans None."""
+    calls = []
+    for _ in range(count):
+        a = rng.randrange(n)
+        b = rng.randint(a + 1, n)
+        cuts = sorted(rng.sample(range(a, b + 1), min(b - a + 1, 2 * rng.randint(0, 3))))
+        runs = tuple((x, y) for x, y in zip(cuts[::2], cuts[1::2]) if y > x)
+        calls.append((None if rng.random() < 0.1 else (a, b), runs))
+    return calls
+
+
+def _meets(span, runs) -> bool:
+    return any(x < span[1] and span[0] < y for x, y in runs)
+
+
+def test_chosen_slots_never_overwrite_an_earlier_term():
+    """Over random calls: no taken call's span holds a run of a taken call before it, every call left out (with
+    a span and runs) conflicts with a taken one, and the largest runs go first: of a sparse call and a dense
+    one that runs after it over its rows, the dense one gets the slot."""
+    rng = random.Random(0)
+    for _ in range(400):
+        calls = _random_calls(rng, 48, rng.randint(1, 7))
+        taken = choose_slots(calls)
+        assert list(taken) == sorted(set(taken))
+        for i in taken:
+            assert calls[i][0] is not None and calls[i][1]
+            for j in taken:
+                if j < i:
+                    assert not _meets(calls[i][0], calls[j][1]), (calls, taken)
+        for i, (span, runs) in enumerate(calls):
+            if i in taken or span is None or not runs:
+                continue
+            assert any(_meets(span, calls[j][1]) if j < i else _meets(calls[j][0], runs) for j in taken), (calls, i)
+    sparse_first = [((10, 100), ((10, 12), (90, 100))), ((0, 90), ((0, 10), (12, 90)))]
+    assert choose_slots(sparse_first) == (1,)
+
+
+def _kernel_term(span, runs, shape, dtype, gen, into=None):
+    """A call's term as a kernel makes it: its whole span written (NaN outside the runs), into ``into`` if given."""
+    lo, hi = span
+    term = into if into is not None else torch.empty((shape[0], hi - lo, *shape[2:]), dtype=dtype)
+    term.fill_(float("nan"))
+    for a, b in runs:
+        term[:, a - lo:b - lo] = torch.randn((shape[0], b - a, *shape[2:]), dtype=torch.float64, generator=gen)
+    return term
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_row_sum_with_slots_is_the_sum_of_its_terms(batch):
+    """Random calls add to a RowSum with the chosen slots (each kernel writing its whole span, NaN outside its
+    runs, into its slot where it gets one), then plain terms (as the all-gather's own keys get step 1's and the
+    returned rows): the result is the float64 sum of every term's runs (rows no term reaches: 0), and slots
+    were written in place (at batch 2 only whole-span slots are contiguous)."""
+    rng, gen = random.Random(batch), torch.Generator().manual_seed(batch)
+    n, used = 40, 0
+    for _ in range(150):
+        shape = (batch, n, 2, 3)
+        calls = [(span or (0, n), runs) for span, runs in _random_calls(rng, n, rng.randint(1, 6))]
+        if rng.random() < 0.3:
+            calls.append(((0, n), ((0, n),)))
+        slots = frozenset(calls[j][0] for j in choose_slots(calls))
+        sums = RowSum(torch.Size(shape), torch.float64, torch.device("cpu"), slots=slots)
+        want = torch.zeros(shape, dtype=torch.float64)
+        for span, runs in calls:
+            slot = sums.slot(*span, torch.float64)
+            term = _kernel_term(span, runs, shape, torch.float64, gen, into=slot)
+            used += slot is not None
+            for a, b in runs:
+                want[:, a:b] += term[:, a - span[0]:b - span[0]]
+            sums.add_runs(term, runs, span[0])
+        for _ in range(rng.randint(0, 3)):
+            a = rng.randrange(n)
+            b = rng.randint(a + 1, n)
+            extra = torch.randn((batch, b - a, 2, 3), dtype=torch.float64, generator=gen)
+            want[:, a:b] += extra
+            sums.add(a, b, extra)
+        torch.testing.assert_close(sums.result(torch.float64), want, rtol=1e-13, atol=1e-13)
+    assert used > (50 if batch == 1 else 20)
+
+
+def test_a_slot_is_refused_where_an_earlier_slot_wrote():
+    """A span holding a row an earlier slot's term was written to gets no slot (whatever the hint says), nor a
+    span outside the hint, nor a slot of another dtype than the kept rows'."""
+    sums = RowSum(torch.Size((1, 10, 1, 1)), torch.float32, torch.device("cpu"), slots=frozenset({(0, 6), (4, 10),
+                                                                                                    (7, 10)}))
+    first = sums.slot(0, 6, torch.bfloat16)
+    assert first is not None and first.shape == (1, 6, 1, 1)
+    first.fill_(1.0)
+    sums.add_runs(first, ((0, 5),), 0)
+    assert sums.slot(4, 10, torch.bfloat16) is None  # row 4 holds the first term
+    assert sums.slot(2, 3, torch.bfloat16) is None  # not a hinted span
+    assert sums.slot(7, 10, torch.float32) is None  # another dtype than the kept rows'
+    second = sums.slot(7, 10, torch.bfloat16)
+    second.fill_(2.0)
+    sums.add_runs(second, ((7, 10),), 7)
+    sums.add(3, 8, torch.full((1, 5, 1, 1), 0.5))
+    got = sums.result(torch.float32).flatten().tolist()
+    assert got == [1.0, 1.0, 1.0, 1.5, 1.5, 0.5, 0.5, 2.5, 2.0, 2.0]
+
+
+# ------------------------------------------------------------------------------------ the strategy, on gloo
+def _whole_span_kernels(given):
+    """(forward, backward) FlashAttention stand-ins (exact, tests/test_backends.py) whose backward fills every
+    output buffer it is handed with NaN before writing its segments (a kernel may write its whole span), and
+    records which of dq, dk, dv it was handed."""
+    from tests.test_backends import WindowedExactBackward, WindowedExactForward
+
+    class WholeSpan(WindowedExactBackward):
+        def block(self, *args, dq=None, dk=None, dv=None, **kwargs):
+            given.append(tuple(t is not None for t in (dq, dk, dv)))
+            for t in (dq, dk, dv):
+                if t is not None:
+                    t.fill_(float("nan"))
+            return super().block(*args, dq=dq, dk=dk, dv=dv, **kwargs)
+
+    return WindowedExactForward(), WholeSpan()
+
+
+def _slots_rank(rank, world, plans, dtype_name):
+    import distcomm_attention as da
+    from distcomm_attention.kernels import dispatch
+    from distcomm_attention.planning import balance, layouts
+    from distcomm_attention.strategies import allgather
+    from tests.counting import counted, reference_errors
+
+    given: list = []
+    fwd, bwd = _whole_span_kernels(given)
+    dispatch.select_kernels = lambda backend, q, vis=None, softcap=0.0: ("fa4", fwd, bwd)
+    dtype = getattr(torch, dtype_name)
+    out = []
+    for i, (layout, (causal, window, docs)) in enumerate(plans):
+        seq_len = world * 24
+        g = torch.Generator().manual_seed(100 + i)
+        q, k, v = (torch.randn(1, seq_len, h, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
+        dout = torch.randn(1, seq_len, 4, 8, dtype=torch.float64, generator=g)
+        concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
+        pos = layouts.positions(concrete, seq_len, world, rank)
+        kwargs = dict(causal=causal, window_size=window, cu_seqlens=docs, layout=layout, strategy="allgather")
+        runs = {}
+        for name, in_place in (("slots", True), ("plain", False)):
+            before = len(given)
+            saved = (allgather.AllGatherKV.own_keys_in_shard, RowSum.slot)
+            if not in_place:  # step 0 over the buffer's rows, no slot
+                allgather.AllGatherKV.own_keys_in_shard = lambda *a: None
+                RowSum.slot = lambda *a: None
+            try:
+                local = [t[:, pos].to(dtype).requires_grad_() for t in (q, k, v)]
+                with counted() as made:
+                    o = da.context_parallel_attn(*local, **kwargs)
+                    o.backward(dout[:, pos].to(dtype))
+            finally:
+                allgather.AllGatherKV.own_keys_in_shard, RowSum.slot = saved
+            runs[name] = {"grads": [o.detach()] + [t.grad for t in local], "sent": sum(c.total for c in made),
+                          "given": given[before:]}
+        errors = reference_errors(q, k, v, dout, pos, runs["slots"]["grads"][0].double(),
+                                  [_Grad(t) for t in runs["slots"]["grads"][1:]], causal=causal, window=window,
+                                  docs=docs, mask=None)
+        apart = [float((a.double() - b.double()).abs().max()) for a, b in zip(runs["slots"]["grads"],
+                                                                               runs["plain"]["grads"])]
+        out.append({"errors": errors, "apart": apart, "sent": (runs["slots"]["sent"], runs["plain"]["sent"]),
+                    "given": runs["slots"]["given"], "given_plain": runs["plain"]["given"]})
+    return out
+
+
+class _Grad:
+    """A stand-in leaf for ``reference_errors``: ``.grad`` in float64."""
+
+    def __init__(self, grad):
+        self.grad = grad.double()
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_allgather_with_slots_matches_float64(world):
+    """The all-gather strategy over random plans (documents crossing ranks, one-token documents, windows, every
+    layout; batch 1) with a kernel that writes its whole span: out, dq, dk, dv equal the float64 reference and
+    the plain path's (step 0 over the buffer's rows, no slot), the bytes sent are the same, and kernels were
+    handed dq and dk/dv slots (none on the plain path)."""
+    from tests.test_exchange import _random_plans
+
+    plans = _random_plans(world, 24, 10, seed=world)
+    got = run_world(_slots_rank, world, plans, "float64", timeout=240)
+    handed = [0, 0]
+    for r in range(world):
+        for i, res in enumerate(got[r]):
+            where = f"rank {r}, plan {plans[i]}"
+            assert max(res["errors"]) < 1e-10, (where, res["errors"])
+            assert max(res["apart"]) < 1e-12, (where, res["apart"])
+            assert res["sent"][0] == res["sent"][1], where
+            assert not any(any(h) for h in res["given_plain"]), where
+            handed[0] += sum(h[0] for h in res["given"])
+            handed[1] += sum(h[1] and h[2] for h in res["given"])
+    assert min(handed) > 0, handed
+
+
+def test_allgather_with_slots_in_bf16():
+    """In bf16 (the kernels' dtype apart from the fp32 sums): gradients within bf16 tolerance of float64, the
+    plain path's up to the order of the fp32 sums, the same bytes, slots handed."""
+    world = 3
+    plans = [("contiguous", (True, (-1, -1), (0, 5, 13, 30, 31, 50, 72))),
+             ("balanced", (True, (-1, -1), (0, 2, 9, 10, 40, 72)))]
+    got = run_world(_slots_rank, world, plans, "bfloat16", timeout=240)
+    for i in range(len(plans)):
+        for r in range(world):
+            res = got[r][i]
+            assert max(res["errors"]) < 5e-2, (r, plans[i], res["errors"])
+            assert max(res["apart"]) < 1.6e-2, (r, plans[i], res["apart"])
+            assert res["sent"][0] == res["sent"][1]
+    assert any(h[0] for r in range(world) for res in got[r] for h in res["given"])
