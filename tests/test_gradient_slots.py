@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from distcomm_attention.kernels.contract import RowSum, choose_slots
+from distcomm_attention.kernels.contract import MergeState, RowSum, choose_slots
 from tests.dist_harness import run_world
 
 
@@ -114,22 +114,64 @@ def test_a_slot_is_refused_where_an_earlier_slot_wrote():
     assert got == [1.0, 1.0, 1.0, 1.5, 1.5, 0.5, 0.5, 2.5, 2.0, 2.0]
 
 
+def test_merge_state_slots_equal_merging_every_block():
+    """Blocks of random calls (each writing its whole span, NaN outside its runs, into its slot where it gets
+    one) merge into the same output and lse as the float64 softmax over all their keys: rows no call reached
+    are 0 / -inf, and a span holding an earlier slot's row gets no slot."""
+    from distcomm_attention.kernels.contract import BlockForward, merge_block
+
+    rng, gen = random.Random(7), torch.Generator().manual_seed(7)
+    n, used = 30, 0
+    for _ in range(120):
+        calls = [(span or (0, n), runs) for span, runs in _random_calls(rng, n, rng.randint(1, 5))]
+        state = MergeState(torch.Size((1, n, 2, 3)), torch.device("cpu"))
+        state.slots = frozenset(calls[j][0] for j in choose_slots(calls))
+        weight = torch.full((1, 2, n), float("-inf"), dtype=torch.float64)  # logsumexp of every block's lse
+        total = torch.zeros((1, n, 2, 3), dtype=torch.float64)  # sum of exp(lse) * out
+        for span, runs in calls:
+            lo, hi = span
+            slot = state.slot(lo, hi, torch.float64, torch.float64)
+            used += slot is not None
+            out_b = _kernel_term(span, runs, (1, n, 2, 3), torch.float64, gen, into=slot)
+            lse_b = torch.full((1, 2, hi - lo), float("nan"), dtype=torch.float64)
+            for a, b in runs:
+                lse_b[:, :, a - lo:b - lo] = torch.randn((1, 2, b - a), dtype=torch.float64, generator=gen)
+                part = lse_b[:, :, a - lo:b - lo]
+                weight[:, :, a:b] = torch.logaddexp(weight[:, :, a:b], part)
+                total[:, a:b] += part.exp().transpose(1, 2).unsqueeze(-1) * out_b[:, a - lo:b - lo]
+            for a, b in runs:
+                merge_block(state, out_b[:, a - lo:b - lo], lse_b[:, :, a - lo:b - lo], slice(a, b))
+        out, lse = BlockForward().finalize(state, torch.float64)
+        seen = (weight > float("-inf")).transpose(1, 2).unsqueeze(-1)
+        want = torch.where(seen, total / weight.exp().transpose(1, 2).unsqueeze(-1), 0.0)
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(lse.double(), weight, rtol=1e-12, atol=1e-12)
+    assert used > 40
+
+
 # ------------------------------------------------------------------------------------ the strategy, on gloo
 def _whole_span_kernels(given):
-    """(forward, backward) FlashAttention stand-ins (exact, tests/test_backends.py) whose backward fills every
-    output buffer it is handed with NaN before writing its segments (a kernel may write its whole span), and
-    records which of dq, dk, dv it was handed."""
+    """(forward, backward) FlashAttention stand-ins (exact, tests/test_backends.py) that fill every output buffer
+    they are handed with NaN before writing their segments (a kernel may write its whole span), and record
+    which of out (forward) and dq, dk, dv (backward) they were handed."""
     from tests.test_backends import WindowedExactBackward, WindowedExactForward
+
+    class WholeSpanForward(WindowedExactForward):
+        def block(self, *args, out=None, **kwargs):
+            given.append(("forward", out is not None))
+            if out is not None:
+                out.fill_(float("nan"))
+            return super().block(*args, out=out, **kwargs)
 
     class WholeSpan(WindowedExactBackward):
         def block(self, *args, dq=None, dk=None, dv=None, **kwargs):
-            given.append(tuple(t is not None for t in (dq, dk, dv)))
+            given.append(("backward", *(t is not None for t in (dq, dk, dv))))
             for t in (dq, dk, dv):
                 if t is not None:
                     t.fill_(float("nan"))
             return super().block(*args, dq=dq, dk=dk, dv=dv, **kwargs)
 
-    return WindowedExactForward(), WholeSpan()
+    return WholeSpanForward(), WholeSpan()
 
 
 def _slots_rank(rank, world, plans, dtype_name):
@@ -155,17 +197,17 @@ def _slots_rank(rank, world, plans, dtype_name):
         runs = {}
         for name, in_place in (("slots", True), ("plain", False)):
             before = len(given)
-            saved = (allgather.AllGatherKV.own_keys_in_shard, RowSum.slot)
+            saved = (allgather.AllGatherKV.own_keys_in_shard, RowSum.slot, MergeState.slot)
             if not in_place:  # step 0 over the buffer's rows, no slot
                 allgather.AllGatherKV.own_keys_in_shard = lambda *a: None
-                RowSum.slot = lambda *a: None
+                RowSum.slot = MergeState.slot = lambda *a: None
             try:
                 local = [t[:, pos].to(dtype).requires_grad_() for t in (q, k, v)]
                 with counted() as made:
                     o = da.context_parallel_attn(*local, **kwargs)
                     o.backward(dout[:, pos].to(dtype))
             finally:
-                allgather.AllGatherKV.own_keys_in_shard, RowSum.slot = saved
+                allgather.AllGatherKV.own_keys_in_shard, RowSum.slot, MergeState.slot = saved
             runs[name] = {"grads": [o.detach()] + [t.grad for t in local], "sent": sum(c.total for c in made),
                           "given": given[before:]}
         errors = reference_errors(q, k, v, dout, pos, runs["slots"]["grads"][0].double(),
@@ -190,21 +232,22 @@ def test_allgather_with_slots_matches_float64(world):
     """The all-gather strategy over random plans (documents crossing ranks, one-token documents, windows, every
     layout; batch 1) with a kernel that writes its whole span: out, dq, dk, dv equal the float64 reference and
     the plain path's (step 0 over the buffer's rows, no slot), the bytes sent are the same, and kernels were
-    handed dq and dk/dv slots (none on the plain path)."""
+    handed output, dq and dk/dv slots (none on the plain path)."""
     from tests.test_exchange import _random_plans
 
     plans = _random_plans(world, 24, 10, seed=world)
     got = run_world(_slots_rank, world, plans, "float64", timeout=240)
-    handed = [0, 0]
+    handed = [0, 0, 0]  # outputs, dq, dk and dv written into slots
     for r in range(world):
         for i, res in enumerate(got[r]):
             where = f"rank {r}, plan {plans[i]}"
             assert max(res["errors"]) < 1e-10, (where, res["errors"])
             assert max(res["apart"]) < 1e-12, (where, res["apart"])
             assert res["sent"][0] == res["sent"][1], where
-            assert not any(any(h) for h in res["given_plain"]), where
-            handed[0] += sum(h[0] for h in res["given"])
-            handed[1] += sum(h[1] and h[2] for h in res["given"])
+            assert not any(any(h[1:]) for h in res["given_plain"]), where
+            handed[0] += sum(h[1] for h in res["given"] if h[0] == "forward")
+            handed[1] += sum(h[1] for h in res["given"] if h[0] == "backward")
+            handed[2] += sum(h[2] and h[3] for h in res["given"] if h[0] == "backward")
     assert min(handed) > 0, handed
 
 
@@ -221,4 +264,4 @@ def test_allgather_with_slots_in_bf16():
             assert max(res["errors"]) < 5e-2, (r, plans[i], res["errors"])
             assert max(res["apart"]) < 1.6e-2, (r, plans[i], res["apart"])
             assert res["sent"][0] == res["sent"][1]
-    assert any(h[0] for r in range(world) for res in got[r] for h in res["given"])
+    assert any(h[0] == "backward" and h[1] for r in range(world) for res in got[r] for h in res["given"])

@@ -326,9 +326,13 @@ class MergeState:
     keep their running sum in ``acc`` (fp32, or fp64 with an fp64 lse; allocated on the first merge, never
     filled): ``in_acc`` lists them as sorted disjoint runs, and every other touched row's output is still the
     one in ``out``.
+
+    With ``slots`` (row spans, ``choose_slots``) a packed call over one of those spans writes its output
+    straight into ``out`` (``slot``; its lse is copied); every other block waits in ``deferred`` until
+    ``finalize`` (``settle``), so that no call writing into a slot overwrites it, as for ``RowSum``.
     """
 
-    __slots__ = ("shape", "device", "out", "lse", "acc", "in_acc", "touched")
+    __slots__ = ("shape", "device", "out", "lse", "acc", "in_acc", "touched", "slots", "deferred")
 
     def __init__(self, shape: torch.Size, device: torch.device):
         self.shape = shape
@@ -338,6 +342,30 @@ class MergeState:
         self.acc: Tensor | None = None
         self.in_acc: list[tuple[int, int]] = []
         self.touched: list[tuple[int, int]] = []
+        self.slots: frozenset[tuple[int, int]] | None = None
+        self.deferred: list[tuple[Tensor, Tensor, slice]] = []
+
+    def slot(self, r0: int, r1: int, dtype: torch.dtype, lse_dtype: torch.dtype) -> Tensor | None:
+        """Rows [r0, r1) of ``out`` (B, r1 - r0, H, D), contiguous, for a packed call to write its output into
+        (then merged with ``merge_block`` as usual: recorded, not copied), or None (as ``RowSum.slot``)."""
+        if self.slots is None or (r0, r1) not in self.slots or r1 <= r0:
+            return None
+        if self.out is not None and (self.out.dtype != dtype or self.lse.dtype != lse_dtype):
+            return None
+        if any(a < r1 and r0 < z for a, z in self.touched):
+            return None
+        if self.out is None:
+            b, sq, h, d = self.shape
+            self.out = torch.empty(self.shape, dtype=dtype, device=self.device)
+            self.lse = torch.empty((b, h, sq), dtype=lse_dtype, device=self.device)
+        view = self.out[:, r0:r1]
+        return view if view.is_contiguous() else None
+
+    def settle(self) -> None:
+        """Close the slots: merge the blocks kept aside, in the order they came."""
+        deferred, self.slots, self.deferred = self.deferred, None, []
+        for out_b, lse_b, rows in deferred:
+            merge_block(self, out_b, lse_b, rows)
 
     @property
     def merged(self) -> bool:
@@ -418,7 +446,7 @@ class RowSum:
         for a, z, summed in _split_runs(r0, r1, self.in_acc):
             t = term[:, a - r0:z - r0]
             if summed:
-                self.acc[:, a:z] += t
+                self.acc[:, a:z].add_(t)
                 continue
             for a2, z2, seen in _split_runs(a, z, self.touched):
                 t2 = t[:, a2 - a:z2 - a]
@@ -429,7 +457,7 @@ class RowSum:
                     self.acc = torch.empty(self.shape, dtype=self.dtype, device=self.device)
                 if seen:
                     self.acc[:, a2:z2] = self.base[:, a2:z2]
-                    self.acc[:, a2:z2] += t2
+                    self.acc[:, a2:z2].add_(t2)
                 else:  # a first term of another dtype (an fp32 partial sum beside bf16 kernel outputs): kept in
                     self.acc[:, a2:z2] = t2  # the sums, so that it is rounded once, at the result
                 self.in_acc = list(_runs(self.in_acc + [(a2, z2)]))
@@ -547,6 +575,15 @@ def merge_block(state: MergeState, out_b: Tensor, lse_b: Tensor, rows: slice = s
     r0, r1, _ = rows.indices(sq)
     if r1 <= r0:
         return
+    if state.slots is not None:  # slots open: written in place (its lse copied), or kept for ``settle``
+        out = state.out
+        if (out is not None and out_b.dtype == out.dtype and out_b.stride()[1:] == out.stride()[1:]
+                and out_b.data_ptr() == out.data_ptr() + r0 * out.stride(1) * out.element_size()):
+            state.lse[:, :, r0:r1] = lse_b
+            state.touched = list(_runs(state.touched + [(r0, r1)]))
+        else:
+            state.deferred.append((out_b, lse_b, slice(r0, r1)))
+        return
     if state.out is None:
         if r0 == 0 and r1 == sq:
             state.out, state.lse = out_b, lse_b  # adopted as returned: no copy, no merge
@@ -638,8 +675,11 @@ class BlockForward:
             r_lo, r_hi = packed.row_span
             rows = q[:, r_lo:r_hi]
             kk, vv = packed.call_keys(k, v)
+            lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+            slot = state.slot(r_lo, r_hi, q.dtype, lse_dtype)
             out, lse = self.block(_pack(rows), _pack(kk), _pack(vv), causal=False, scale=scale, softcap=softcap,
-                                  window=call.window, varlen=packed.varlen)
+                                  window=call.window, varlen=packed.varlen,
+                                  **({} if slot is None else {"out": _pack(slot)}))
             out, lse = out.view(rows.shape), lse.view(h, b, r_hi - r_lo).transpose(0, 1)
             if state.out is None and (r_lo, r_hi) == (0, n) and packed.rows:  # adopted, its gaps unset
                 state.out, state.lse, state.touched = out, lse, list(_runs(packed.rows))
@@ -652,6 +692,7 @@ class BlockForward:
     def finalize(self, state: MergeState, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """-> out (B, Sq, H, D) in ``dtype``, lse (B, H, Sq) float32 (the blocks' lse dtype); rows that saw no
         key: out 0, lse -inf; rows whose output is NaN: lse NaN."""
+        state.settle()
         if state.out is None:
             b, sq, h, _ = state.shape
             return (torch.zeros(state.shape, dtype=dtype, device=state.device),

@@ -178,22 +178,28 @@ class AllGatherKV:
         return self.plan.cached("own rows before", lambda: torch.cat(
             [torch.zeros(1, dtype=torch.int64), self._own().to(torch.int64).cumsum(0)]))
 
-    def _spans(self, plan: RingPlan, i: int, km, q, keys):
-        """``call_spans`` of step i's packed backward calls, or None where the step runs a call per block."""
-        calls = packed(plan, i, self.bwd, km, q.device, True)
+    def _spans(self, plan: RingPlan, i: int, km, q, keys, backward: bool = True):
+        """``call_spans`` of step i's packed calls, or None where the step runs a call per block."""
+        kernel = self.bwd if backward else self.fwd
+        calls = packed(plan, i, kernel, km, q.device, backward)
         if calls is None:
             return None
         b, n, nk = q.shape[0], q.shape[1], keys.shape[1]
-        return plan.cached(("call spans", i, b, n, nk), lambda: call_spans(calls, b, n, nk))
+        return plan.cached(("call spans", i, backward, b, n, nk), lambda: call_spans(calls, b, n, nk))
 
-    def _dq_slots(self, plan: RingPlan, spans) -> frozenset:
-        """The row spans of the packed calls (step 1's, then step 0's) whose dq the kernel writes straight into the
-        dQ sum (``RowSum.slot``, ``choose_slots``)."""
+    @staticmethod
+    def _row_slots(plan: RingPlan, spans) -> frozenset | None:
+        """The row spans of the packed calls (``spans``: each step's ``call_spans`` in the order they run, or
+        None) whose output or dq the kernel writes straight into the rank's state or dQ sum (``MergeState.slot``,
+        ``RowSum.slot``, ``choose_slots``); None where no step packs."""
+        if all(step is None for step in spans):
+            return None
+
         def make():
             calls = [(row_span, rows) for step in spans if step is not None for row_span, rows, _, _ in step]
             return frozenset(calls[j][0] for j in choose_slots(calls))
 
-        return plan.cached(("dq slots", tuple(spans)), make)
+        return plan.cached(("row slots", tuple(spans)), make)
 
     def own_keys_in_shard(self) -> RingPlan | None:
         """Step 0 of ``own_keys_first`` (the blocks on own keys) reading the shard's rows instead of the buffer's
@@ -255,18 +261,23 @@ class AllGatherKV:
     source = natural
 
     def forward(self, q, k, v, key_mask):
+        """The blocks' outputs go straight into the rank's state where a packed call has a slot (``_row_slots``)."""
         if self.sparse is None:
             k_all, v_all, km_all = self._gather(k, v, key_mask)
             if self.keep_gathered:
                 self._kept = (k_all, v_all, km_all)
-            return ring_forward(q, k_all, v_all, km_all, self.one, self.plan, self.softcap, self.scale, self.fwd)
+            slots = self._row_slots(self.plan, (self._spans(self.plan, 0, km_all, q, k_all, backward=False),))
+            return ring_forward(q, k_all, v_all, km_all, self.one, self.plan, self.softcap, self.scale, self.fwd,
+                                slots)
         # the blocks on own keys run while the other ranks' keys arrive (Note [Sparse gather])
         with torch.no_grad():
             arrival = self.sparse.post(k, v, key_mask)
         k_own, v_own, km_own = arrival.local()
         plan = self.own_keys_first()
         km_own = None if km_own is None else km_own.view(torch.bool)
-        out, lse = ring_forward(q, k_own, v_own, km_own, _Arriving(arrival), plan, self.softcap, self.scale, self.fwd)
+        slots = self._row_slots(plan, tuple(self._spans(plan, i, km_own, q, k_own, backward=False) for i in (0, 1)))
+        out, lse = ring_forward(q, k_own, v_own, km_own, _Arriving(arrival), plan, self.softcap, self.scale, self.fwd,
+                                slots)
         if self.sparse.keep:
             k_all, v_all, km_all = arrival.wait()
             self._kept = (k_all, v_all, None if km_all is None else km_all.view(torch.bool))
@@ -284,8 +295,8 @@ class AllGatherKV:
         # step 0 (own keys): over the shard's rows where it can, else the buffer's
         own = (k, v, key_mask, in_shard) if in_shard is not None else (k_all, v_all, km_all, plan)
         spans = (self._spans(plan, 1, km_all, q, k_all), self._spans(own[3], 0, own[2], q, own[0]))
-        if isinstance(dq, RowSum) and spans != (None, None):
-            dq.slots = self._dq_slots(plan, spans)
+        if isinstance(dq, RowSum):
+            dq.slots = self._row_slots(plan, spans)
         step = (dout, q, k_all, v_all, out, lse, delta, km_all, dq, plan)
         kernel = (self.softcap, self.scale, self.bwd, acc_dtype)
         dk_all, dv_all = step_grads(*step, 1, *kernel)

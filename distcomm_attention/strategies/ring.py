@@ -44,7 +44,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from distcomm.ring import RingComm
-from distcomm_attention.kernels.contract import RowSum, _runs, _split_runs, _zero_untouched
+from distcomm_attention.kernels.contract import MergeState, RowSum, _runs, _split_runs, _zero_untouched
 from distcomm_attention.planning.calls import step_calls
 from distcomm_attention.planning.visibility import RingPlan
 
@@ -269,12 +269,15 @@ def _sum_terms(accs: tuple[torch.Tensor, ...], grads) -> None:
         _zero_untouched(acc, written)
 
 
-def ring_forward(q, k, v, key_mask, comm: RingComm, plan: RingPlan, softcap: float, scale: float, fwd):
-    """The forward ring loop (see Note [Ring attention loop]) -> out (B, n, H, D), lse (B, H, n)."""
+def ring_forward(q, k, v, key_mask, comm: RingComm, plan: RingPlan, softcap: float, scale: float, fwd, slots=None):
+    """The forward ring loop (see Note [Ring attention loop]) -> out (B, n, H, D), lse (B, H, n). ``slots``: the
+    row spans of packed calls that write their outputs straight into the state (``MergeState.slot``)."""
     k, v = k.contiguous(), v.contiguous()
     km = key_mask
     shifts = _shifts(plan.steps, comm.size)
     state = fwd.init_state(q)
+    if slots is not None and isinstance(state, MergeState):
+        state.slots = slots
     for i in range(len(plan.steps)):
         more = i + 1 < len(plan.steps)
         handle = comm.send_recv(k, v, *_as_bytes(km), shift=shifts[i]) if more else None
