@@ -51,15 +51,15 @@ from torch.autograd.function import once_differentiable
 from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention import transport
-from distcomm_attention.kernels.contract import RowSum, _runs, call_spans, choose_slots
+from distcomm_attention.kernels.contract import RowSum, call_spans, choose_slots
 from distcomm_attention.planning.exchange import Exchange, gather_keeps, split_block
 from distcomm_attention.planning.plans import (gathered_in_natural_order, natural_inverse, natural_order, own_rows,
                                                 split_local)
 from distcomm_attention.planning.visibility import RingPlan
 from distcomm_attention._device import on_device
 from distcomm_attention.strategies.sparse_gather import SparseGather
-from distcomm_attention.strategies.ring import (_dq_result, _no_autocast, backward_start, block_grads, packed,
-                                                ring_forward, step_grads)
+from distcomm_attention.strategies.ring import (_dq_result, _no_autocast, _sum_terms, backward_start, block_grads,
+                                                packed, ring_forward, step_grads)
 
 __all__ = ["AllGatherKV", "allgather_attention", "gather_kv", "local_backward"]
 
@@ -228,12 +228,36 @@ class AllGatherKV:
 
         return plan.cached(("own slots", spans), make)
 
-    def _own_sums(self, acc, own_grads, in_shard: bool, step1, pending, plan: RingPlan, k, v):
+    def _others_sums(self, grads, k_all, v_all, acc_dtype):
+        """Step 1's terms (kv rows of the buffer, dK, dV) summed into fp32 buffers on the other ranks' rows (what
+        goes home; own rows left unset: nothing reads them), and their parts on own rows as they are, (shard
+        rows, dK, dV), for the own keys' sums (``_own_sums``): no copy of them into the buffer."""
+        sparse, n = self.sparse, k_all.shape[1]
+        others, own = [], []
+        for kv, dk_b, dv_b in grads:
+            k0, k1, _ = kv.indices(n)
+            pos = k0
+            for a, z, off in sparse.own_ranges(k0, k1):
+                if k0 + off > pos:
+                    others.append((slice(pos, k0 + off), dk_b[:, pos - k0:off], dv_b[:, pos - k0:off]))
+                own.append((a, z, dk_b[:, off:off + z - a], dv_b[:, off:off + z - a]))
+                pos = k0 + off + z - a
+            if k1 > pos:
+                others.append((slice(pos, k1), dk_b[:, pos - k0:], dv_b[:, pos - k0:]))
+        if k_all.shape == v_all.shape:
+            dk_all, dv_all = torch.empty((2, *k_all.shape), dtype=acc_dtype, device=k_all.device).unbind(0)
+        else:
+            dk_all, dv_all = (torch.empty(x.shape, dtype=acc_dtype, device=x.device) for x in (k_all, v_all))
+        own_rows = tuple((at, at + length) for _, at, length in sparse.own_runs)
+        _sum_terms((dk_all, dv_all), others, unread=own_rows)
+        return dk_all, dv_all, own
+
+    def _own_sums(self, acc, own_grads, in_shard: bool, step1, pending, k, v):
         """dk, dv of this rank's keys in the inputs' dtypes (Note [Sparse gather]: own rows by runs): every term
         added into ``acc``, a ``RowSum`` over the shard's rows each, so that a row one call reached keeps the
         kernel's result and only rows two terms reached are summed in fp32: the own-key calls' gradients first
         (their rows the shard's with ``in_shard``, written there where the kernel had a slot; else the
-        buffer's), then step 1's terms on own rows (``step1``: buffer-shaped, zero where it wrote nothing), then
+        buffer's), then step 1's terms on own rows (``step1``: (shard rows, dK, dV), ``_others_sums``), then
         what the other ranks sent back."""
         sparse = self.sparse
         for kv, *grads in own_grads:
@@ -241,10 +265,9 @@ class AllGatherKV:
             for a, z, off in ranges:
                 for sums, g in zip(acc, grads):
                     sums.add(a, z, g[:, off:off + z - a])
-        for k0, k1 in _runs((block.kv.start or 0, block.kv.stop) for block in plan.blocks[1]):
-            for a, z, off in sparse.own_ranges(k0, k1):
-                for sums, g in zip(acc, step1):
-                    sums.add(a, z, g[:, k0 + off:k0 + off + z - a])
+        for a, z, *grads in step1:
+            for sums, g in zip(acc, grads):
+                sums.add(a, z, g)
         for returning, sums in zip(pending, acc):
             returning.add_returned(sums)
         return acc[0].result(k.dtype), acc[1].result(v.dtype)
@@ -299,7 +322,11 @@ class AllGatherKV:
             dq.slots = self._row_slots(plan, spans)
         step = (dout, q, k_all, v_all, out, lse, delta, km_all, dq, plan)
         kernel = (self.softcap, self.scale, self.bwd, acc_dtype)
-        dk_all, dv_all = step_grads(*step, 1, *kernel)
+        own1 = None  # step 1's terms on own rows, (shard rows, dK, dV), where they skip the buffer
+        if by_runs:
+            dk_all, dv_all, own1 = self._others_sums(block_grads(*step, 1, *kernel), k_all, v_all, acc_dtype)
+        else:
+            dk_all, dv_all = step_grads(*step, 1, *kernel)
         with torch.no_grad():
             if self.sparse is not None:
                 pending = [self.sparse.post_scatter_add(x, k.shape[1]) for x in (dk_all, dv_all)]
@@ -319,7 +346,7 @@ class AllGatherKV:
                                     dkv_into=into)
             del step, k_all, v_all, own
             if by_runs:
-                dk, dv = self._own_sums(acc, own_grads, in_shard is not None, (dk_all, dv_all), pending, plan, k, v)
+                dk, dv = self._own_sums(acc, own_grads, in_shard is not None, own1, pending, k, v)
             elif self.sparse is not None:  # into the buffer's own rows, which the wait reads
                 for kv, dk_b, dv_b in own_grads:
                     dk_all[:, kv] += dk_b

@@ -237,13 +237,14 @@ def step_grads(dout, q, k, v, out, lse, delta, km, dq, plan: RingPlan, i: int, s
 _MAX_TERMS = 8  # more terms than this are added into zeros (``_sum_terms``)
 
 
-def _sum_terms(accs: tuple[torch.Tensor, ...], grads) -> None:
+def _sum_terms(accs: tuple[torch.Tensor, ...], grads, unread=()) -> None:
     """Sum (kv rows, term for accs[0], term for accs[1], ...) into the uninitialised buffers ``accs`` (rows along
     dim 1): a row's first term is copied in (converted exactly), later ones added, and only rows no term
     reaches are zero-filled: the sums of adding every term into zeros, without filling rows a term
     overwrites or reading zeros to add to (signed zeros aside). With more than ``_MAX_TERMS`` terms (a striped
     rank's hundreds of disjoint calls) every buffer is zero-filled once and each term added: one launch a term
-    rather than a copy or add per piece and a fill per gap."""
+    rather than a copy or add per piece and a fill per gap. Rows of ``unread`` (sorted disjoint runs) that no term
+    reaches are left unset: the caller reads none of them."""
     grads = list(grads)
     n, written = accs[0].shape[1], ()
     if len(grads) > _MAX_TERMS:
@@ -266,7 +267,7 @@ def _sum_terms(accs: tuple[torch.Tensor, ...], grads) -> None:
                     acc[:, a:z].copy_(part)
         written = _runs(written + ((start, stop),))
     for acc in accs:
-        _zero_untouched(acc, written)
+        _zero_untouched(acc, _runs(written + tuple(unread)))
 
 
 def ring_forward(q, k, v, key_mask, comm: RingComm, plan: RingPlan, softcap: float, scale: float, fwd, slots=None):
