@@ -38,6 +38,15 @@ Note [Packed steps]
     reading the same keys (a rank's head and tail share); one step of all-gather KV likewise. The pieces are
     the same as the per-block calls', so the visible pairs and the arithmetic per pair are unchanged.
 
+    Slots. A call hands the kernel a span of rows (and of keys), and the kernel may write anywhere in that
+    span; where a caller knows every call of a sum in advance, a call can write its output, dq or dK/dV
+    straight into the sum's buffer instead of a buffer of its own that is then copied in (``MergeState.slot``,
+    ``RowSum.slot``, ``BlockBackward.packed_step``'s ``dkv_into``). ``choose_slots`` picks the calls, largest
+    runs first, so that no call's span holds a row an earlier slot already wrote (checked again at each
+    slot); every other call's result waits until the sum is read and is merged or added then, so that no
+    later slot overwrites it. The sums are those without slots: a row's first term is still kept as the
+    kernel wrote it and every later one summed in fp32, in another order at most.
+
 Note [Merging block outputs]
     A block backend normalises each block on its own: it returns out_b = softmax(S_b) V_b and
     lse_b = log sum exp(S_b) per row. Two blocks of the same rows combine exactly by

@@ -35,7 +35,12 @@ Note [All-gather KV]
                   buffer's own rows, which the wait reads and adds with what came back (Note [Sparse gather])
 
     dQ accumulates over both steps in one fp32 accumulator, dK, dV in fp32, and each is rounded to the input
-    dtype once, as before. Every rank posts the reduction at the same place (after its step 1, whatever its
+    dtype once, as before. With packing kernels (flash-attn-4) the calls write into their sums where they can
+    (Note [Packed steps]: slots): the forward's outputs into the rank's state and the backward's dq into its
+    dQ sum, over both steps; with the sparse exchange and own rows by runs, step 0 reads the shard's own
+    rows (``own_keys_in_shard``, its blocks split at the runs), so that its dK/dV are rows of the shard's
+    sums and are written there, and step 1's terms on own rows go to those sums as the kernel returned them,
+    the fp32 buffer holding only the rows that go home. Every rank posts the reduction at the same place (after its step 1, whatever its
     blocks), so the collectives match. What overlaps is step 0's work: for causal attention the diagonal
     blocks (of a contiguous rank r's pairs 1 in 2r + 1, of a zigzag rank's about 1 in 2W), with windows or
     documents the blocks inside the rank's own keys, on a rank with none nothing. The price: with packing
