@@ -36,6 +36,8 @@ Note [Sparse gather]
     pieces of one row), and where some rank has none, since every rank then takes part in every group of
     transfers (NCCL's batched point-to-point transfers need every rank of the group in its first one; a
     group may meet the exchange first). A transport without ``exchange`` also gets the all-to-all-v.
+    The gradients several ranks return for the same piece (a document's keys that every later rank of it
+    reads) land in one tensor and are summed by one reduction before they meet the owner's sums.
 """
 
 from __future__ import annotations
@@ -194,9 +196,16 @@ class SparseGather:
         handle = None
         if self.pieces is not None:  # each received piece's rows back to its owner, each sent piece's home
             sent, received = self.pieces
-            back = [rows.new_empty((length,) + tuple(rows.shape[1:])) for _, _, length in sent]
+            # the pieces that come back for the same rows (from several ranks) land in one tensor, summed at once
+            groups = [rows.new_empty((len(which), length) + tuple(rows.shape[1:])) for _, length, which in
+                      _same_rows(sent)]
+            back = [None] * len(sent)
+            for group, (_, _, which) in zip(groups, _same_rows(sent)):
+                for j, i in enumerate(which):
+                    back[i] = group[j]
             handle = self.transport.exchange([(peer, rows[at:at + length]) for peer, at, length in received],
                                              list(zip((peer for peer, _, _ in sent), back)))
+            handle = _Grouped(handle, groups)
         elif not self.skip:
             remote = _take(rows, None if self.place_runs is None else tuple((at, a, n) for a, at, n in self.place_runs),
                            lambda: self._index("place", device))
@@ -238,16 +247,38 @@ class _Returning:
 
     def add_returned(self, acc) -> None:
         """Wait and add what the other ranks sent back for this rank's keys into ``acc`` (a ``RowSum`` over the
-        shard's rows), one term per piece (or per run of ``back_runs``); the buffer's own rows are not read."""
+        shard's rows), one term per run of rows (the pieces several ranks return for the same rows summed
+        first, in one reduction) or per run of ``back_runs``; the buffer's own rows are not read."""
         if self._handle is not None and self._sparse.pieces is not None:
-            for (_, a, length), piece in zip(self._sparse.pieces[0], self._handle.wait()):
-                acc.add(a, a + length, piece.transpose(0, 1))
+            self._handle.wait()
+            for (a, length, which), group in zip(_same_rows(self._sparse.pieces[0]), self._handle.groups):
+                acc.add(a, a + length, (group[0] if len(which) == 1 else group.sum(0)).transpose(0, 1))
         elif self._handle is not None:
             (back,) = self._handle.wait()
             back = back.transpose(0, 1)
             for a, at, length in self._sparse.back_runs:
                 acc.add(a, a + length, back[:, at:at + length])
         self._handle = self._rows = None
+
+
+class _Grouped:
+    """A transfer's handle and the tensors its received pieces are slices of (``post_scatter_add``)."""
+
+    def __init__(self, handle, groups):
+        self._handle, self.groups = handle, groups
+
+    def wait(self):
+        return self._handle.wait()
+
+
+@functools.lru_cache(maxsize=256)
+def _same_rows(sent) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+    """The sent pieces ((peer, shard row, length), ...) grouped by the rows they cover: (shard row, length, the
+    pieces' indices) for each distinct (row, length), in order of first appearance."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (_, a, length) in enumerate(sent):
+        groups.setdefault((a, length), []).append(i)
+    return tuple((a, length, tuple(which)) for (a, length), which in groups.items())
 
 
 @functools.lru_cache(maxsize=64)
