@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from distcomm_attention.kernels.contract import MergeState, RowSum, choose_slots
+from distcomm_attention.kernels.contract import MergeState, RowSum, Slots, choose_slots, slot_order
 from tests.dist_harness import run_world
 
 
@@ -74,8 +74,9 @@ def test_row_sum_with_slots_is_the_sum_of_its_terms(batch):
         calls = [(span or (0, n), runs) for span, runs in _random_calls(rng, n, rng.randint(1, 6))]
         if rng.random() < 0.3:
             calls.append(((0, n), ((0, n),)))
-        slots = frozenset(calls[j][0] for j in choose_slots(calls))
-        sums = RowSum(torch.Size(shape), torch.float64, torch.device("cpu"), slots=slots)
+        order = slot_order(calls)
+        sums = RowSum(torch.Size(shape), torch.float64, torch.device("cpu"))
+        sums.slots = None if order is None else Slots(order)
         want = torch.zeros(shape, dtype=torch.float64)
         for span, runs in calls:
             slot = sums.slot(*span, torch.float64)
@@ -95,23 +96,50 @@ def test_row_sum_with_slots_is_the_sum_of_its_terms(batch):
 
 
 def test_a_slot_is_refused_where_an_earlier_slot_wrote():
-    """A span holding a row an earlier slot's term was written to gets no slot (whatever the hint says), nor a
-    span outside the hint, nor a slot of another dtype than the kept rows'."""
-    sums = RowSum(torch.Size((1, 10, 1, 1)), torch.float32, torch.device("cpu"), slots=frozenset({(0, 6), (4, 10),
-                                                                                                    (7, 10)}))
+    """Slots go to the calls ``choose_slots`` picked, in the order they ask, even where two calls share a span; a
+    span holding a row an earlier slot's term was written to gets none whatever it was granted, nor a slot of
+    another dtype than the kept rows', nor any request after one out of step with the order."""
+    shape = torch.Size((1, 10, 1, 1))
+    calls = [((0, 10), ((0, 2),)), ((0, 10), ((2, 10),))]  # same span: the second, larger, gets the slot
+    sums = RowSum(shape, torch.float32, torch.device("cpu"))
+    sums.slots = Slots(slot_order(calls))
+    assert sums.slot(0, 10, torch.bfloat16) is None
+    assert sums.slot(0, 10, torch.bfloat16) is not None
+
+    order = (((0, 6), True), ((4, 10), True), ((7, 10), True), ((7, 10), True), ((0, 3), True))
+    sums = RowSum(shape, torch.float32, torch.device("cpu"))
+    sums.slots = Slots(order)
     first = sums.slot(0, 6, torch.bfloat16)
     assert first is not None and first.shape == (1, 6, 1, 1)
     first.fill_(1.0)
     sums.add_runs(first, ((0, 5),), 0)
     assert sums.slot(4, 10, torch.bfloat16) is None  # row 4 holds the first term
-    assert sums.slot(2, 3, torch.bfloat16) is None  # not a hinted span
     assert sums.slot(7, 10, torch.float32) is None  # another dtype than the kept rows'
     second = sums.slot(7, 10, torch.bfloat16)
     second.fill_(2.0)
     sums.add_runs(second, ((7, 10),), 7)
+    assert sums.slot(1, 3, torch.bfloat16) is None  # out of step with the order: no more grants
+    assert sums.slot(0, 3, torch.bfloat16) is None
     sums.add(3, 8, torch.full((1, 5, 1, 1), 0.5))
     got = sums.result(torch.float32).flatten().tolist()
     assert got == [1.0, 1.0, 1.0, 1.5, 1.5, 0.5, 0.5, 2.5, 2.0, 2.0]
+
+
+def test_a_whole_term_is_adopted_only_when_it_owns_its_memory():
+    """A term covering every row becomes the sum's buffer without a copy only when it is the whole of its memory
+    (a kernel's own output); a view of a larger buffer is copied, so that the result neither keeps that buffer
+    alive nor comes back strided."""
+    own = torch.randn(2, 6, 1, 1)
+    sums = RowSum(own.shape, torch.float32, torch.device("cpu"))
+    sums.add(0, 6, own)
+    assert sums.result(torch.float32).data_ptr() == own.data_ptr()
+    big = torch.randn(2, 20, 1, 1)
+    view = big[:, 3:9]
+    sums = RowSum(view.shape, torch.float32, torch.device("cpu"))
+    sums.add(0, 6, view)
+    got = sums.result(torch.float32)
+    assert got.is_contiguous() and got.untyped_storage().nbytes() == got.numel() * got.element_size()
+    assert torch.equal(got, view)
 
 
 def test_merge_state_slots_equal_merging_every_block():
@@ -125,7 +153,8 @@ def test_merge_state_slots_equal_merging_every_block():
     for _ in range(120):
         calls = [(span or (0, n), runs) for span, runs in _random_calls(rng, n, rng.randint(1, 5))]
         state = MergeState(torch.Size((1, n, 2, 3)), torch.device("cpu"))
-        state.slots = frozenset(calls[j][0] for j in choose_slots(calls))
+        order = slot_order(calls)
+        state.slots = None if order is None else Slots(order)
         weight = torch.full((1, 2, n), float("-inf"), dtype=torch.float64)  # logsumexp of every block's lse
         total = torch.zeros((1, n, 2, 3), dtype=torch.float64)  # sum of exp(lse) * out
         for span, runs in calls:
@@ -150,10 +179,11 @@ def test_merge_state_slots_equal_merging_every_block():
 
 
 # ------------------------------------------------------------------------------------ the strategy, on gloo
-def _whole_span_kernels(given):
+def _whole_span_kernels(given, ignore=False):
     """(forward, backward) FlashAttention stand-ins (exact, tests/test_backends.py) that fill every output buffer
     they are handed with NaN before writing their segments (a kernel may write its whole span), and record
-    which of out (forward) and dq, dk, dv (backward) they were handed."""
+    which of out (forward) and dq, dk, dv (backward) they were handed; with ``ignore``, kernels that then
+    write into buffers of their own instead (the contract allows it)."""
     from tests.test_backends import WindowedExactBackward, WindowedExactForward
 
     class WholeSpanForward(WindowedExactForward):
@@ -161,7 +191,7 @@ def _whole_span_kernels(given):
             given.append(("forward", out is not None))
             if out is not None:
                 out.fill_(float("nan"))
-            return super().block(*args, out=out, **kwargs)
+            return super().block(*args, out=None if ignore else out, **kwargs)
 
     class WholeSpan(WindowedExactBackward):
         def block(self, *args, dq=None, dk=None, dv=None, **kwargs):
@@ -169,12 +199,18 @@ def _whole_span_kernels(given):
             for t in (dq, dk, dv):
                 if t is not None:
                     t.fill_(float("nan"))
+            if ignore:
+                dq = dk = dv = None
             return super().block(*args, dq=dq, dk=dk, dv=dv, **kwargs)
 
     return WholeSpanForward(), WholeSpan()
 
 
-def _slots_rank(rank, world, plans, dtype_name):
+def _owns(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def _slots_rank(rank, world, plans, dtype_name, batch=1, ignore=False):
     import distcomm_attention as da
     from distcomm_attention.kernels import dispatch
     from distcomm_attention.planning import balance, layouts
@@ -182,41 +218,43 @@ def _slots_rank(rank, world, plans, dtype_name):
     from tests.counting import counted, reference_errors
 
     given: list = []
-    fwd, bwd = _whole_span_kernels(given)
+    fwd, bwd = _whole_span_kernels(given, ignore)
     dispatch.select_kernels = lambda backend, q, vis=None, softcap=0.0: ("fa4", fwd, bwd)
     dtype = getattr(torch, dtype_name)
     out = []
     for i, (layout, (causal, window, docs)) in enumerate(plans):
         seq_len = world * 24
         g = torch.Generator().manual_seed(100 + i)
-        q, k, v = (torch.randn(1, seq_len, h, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
-        dout = torch.randn(1, seq_len, 4, 8, dtype=torch.float64, generator=g)
+        q, k, v = (torch.randn(batch, seq_len, h, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
+        dout = torch.randn(batch, seq_len, 4, 8, dtype=torch.float64, generator=g)
         concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
         pos = layouts.positions(concrete, seq_len, world, rank)
         kwargs = dict(causal=causal, window_size=window, cu_seqlens=docs, layout=layout, strategy="allgather")
         runs = {}
         for name, in_place in (("slots", True), ("plain", False)):
             before = len(given)
-            saved = (allgather.AllGatherKV.own_keys_in_shard, RowSum.slot, MergeState.slot)
+            cls = allgather.AllGatherKV
+            saved = tuple(vars(cls)[name] for name in ("own_keys_in_shard", "_row_slots", "_own_slots"))
             if not in_place:  # step 0 over the buffer's rows, no slot
-                allgather.AllGatherKV.own_keys_in_shard = lambda *a: None
-                RowSum.slot = MergeState.slot = lambda *a: None
+                cls.own_keys_in_shard = lambda *a: None
+                cls._row_slots = cls._own_slots = staticmethod(lambda *a: None)
             try:
                 local = [t[:, pos].to(dtype).requires_grad_() for t in (q, k, v)]
                 with counted() as made:
                     o = da.context_parallel_attn(*local, **kwargs)
                     o.backward(dout[:, pos].to(dtype))
             finally:
-                allgather.AllGatherKV.own_keys_in_shard, RowSum.slot, MergeState.slot = saved
+                cls.own_keys_in_shard, cls._row_slots, cls._own_slots = saved
             runs[name] = {"grads": [o.detach()] + [t.grad for t in local], "sent": sum(c.total for c in made),
-                          "given": given[before:]}
+                          "given": given[before:], "owned": all(_owns(t.grad) for t in local)}
         errors = reference_errors(q, k, v, dout, pos, runs["slots"]["grads"][0].double(),
                                   [_Grad(t) for t in runs["slots"]["grads"][1:]], causal=causal, window=window,
                                   docs=docs, mask=None)
         apart = [float((a.double() - b.double()).abs().max()) for a, b in zip(runs["slots"]["grads"],
                                                                                runs["plain"]["grads"])]
         out.append({"errors": errors, "apart": apart, "sent": (runs["slots"]["sent"], runs["plain"]["sent"]),
-                    "given": runs["slots"]["given"], "given_plain": runs["plain"]["given"]})
+                    "given": runs["slots"]["given"], "given_plain": runs["plain"]["given"],
+                    "owned": runs["slots"]["owned"]})
     return out
 
 
@@ -227,16 +265,17 @@ class _Grad:
         self.grad = grad.double()
 
 
-@pytest.mark.parametrize("world", [3, 4])
-def test_allgather_with_slots_matches_float64(world):
+@pytest.mark.parametrize("world, batch, ignore", [(3, 1, False), (4, 1, False), (3, 2, False), (4, 1, True)])
+def test_allgather_with_slots_matches_float64(world, batch, ignore):
     """The all-gather strategy over random plans (documents crossing ranks, one-token documents, windows, every
-    layout; batch 1) with a kernel that writes its whole span: out, dq, dk, dv equal the float64 reference and
-    the plain path's (step 0 over the buffer's rows, no slot), the bytes sent are the same, and kernels were
-    handed output, dq and dk/dv slots (none on the plain path)."""
+    layout) with a kernel that writes its whole span: out, dq, dk, dv equal the float64 reference and the
+    plain path's (step 0 over the buffer's rows, no slot), the bytes sent are the same, every gradient is
+    contiguous and the whole of its memory, and kernels were handed output, dq and dk/dv slots (none on the
+    plain path); at batch 2 (whole spans only) and with a kernel that ignores the buffers it is handed, too."""
     from tests.test_exchange import _random_plans
 
     plans = _random_plans(world, 24, 10, seed=world)
-    got = run_world(_slots_rank, world, plans, "float64", timeout=240)
+    got = run_world(_slots_rank, world, plans, "float64", batch, ignore, timeout=240)
     handed = [0, 0, 0]  # outputs, dq, dk and dv written into slots
     for r in range(world):
         for i, res in enumerate(got[r]):
@@ -244,6 +283,7 @@ def test_allgather_with_slots_matches_float64(world):
             assert max(res["errors"]) < 1e-10, (where, res["errors"])
             assert max(res["apart"]) < 1e-12, (where, res["apart"])
             assert res["sent"][0] == res["sent"][1], where
+            assert res["owned"], where
             assert not any(any(h[1:]) for h in res["given_plain"]), where
             handed[0] += sum(h[1] for h in res["given"] if h[0] == "forward")
             handed[1] += sum(h[1] for h in res["given"] if h[0] == "backward")
@@ -264,4 +304,5 @@ def test_allgather_with_slots_in_bf16():
             assert max(res["errors"]) < 5e-2, (r, plans[i], res["errors"])
             assert max(res["apart"]) < 1.6e-2, (r, plans[i], res["apart"])
             assert res["sent"][0] == res["sent"][1]
+            assert res["owned"], (r, plans[i])
     assert any(h[0] == "backward" and h[1] for r in range(world) for res in got[r] for h in res["given"])

@@ -171,6 +171,47 @@ def choose_slots(calls) -> tuple[int, ...]:
     return tuple(sorted(taken))
 
 
+def slot_order(calls) -> tuple[tuple[tuple[int, int], bool], ...] | None:
+    """``choose_slots``' answer for ``calls`` ((span, runs) in the order they run; span None: the call asks for
+    no slot) as the (span, granted) of each call that asks, in that order (``Slots``); None where no call
+    is granted (the sum then runs without slots)."""
+    taken = set(choose_slots(calls))
+    if not taken:
+        return None
+    return tuple((span, i in taken) for i, (span, _) in enumerate(calls) if span is not None)
+
+
+class Slots:
+    """A sum's slots for one call (``slot_order``): each request takes the next (span, granted) entry, so that the
+    call ``choose_slots`` picked gets the slot even where several calls share a span; a request whose span is
+    not the expected one ends the grants (the sum stays exact, it only writes nothing more in place)."""
+
+    __slots__ = ("order", "asked")
+
+    def __init__(self, order: tuple[tuple[tuple[int, int], bool], ...]):
+        self.order, self.asked = order, 0
+
+    def grant(self, r0: int, r1: int) -> bool:
+        i, self.asked = self.asked, self.asked + 1
+        if i >= len(self.order) or self.order[i][0] != (r0, r1):
+            self.asked = len(self.order)  # out of step: no more grants
+            return False
+        return self.order[i][1]
+
+
+def _owns(term: Tensor) -> bool:
+    """Whether ``term`` is the whole of its memory (a kernel's own output), so that adopting it as a sum's buffer
+    keeps nothing else alive and returns a contiguous tensor."""
+    return term.is_contiguous() and term.untyped_storage().nbytes() == term.numel() * term.element_size()
+
+
+def _rows_at(term: Tensor, buffer: Tensor, r0: int) -> bool:
+    """Whether ``term`` (B, m, ...) is ``buffer[:, r0:r0 + m]`` itself, the same memory (a kernel wrote it there)."""
+    return (term.dtype == buffer.dtype and term.stride()[1:] == buffer.stride()[1:]
+            and (term.shape[0] == 1 or term.stride(0) == buffer.stride(0))
+            and term.data_ptr() == buffer.data_ptr() + r0 * buffer.stride(1) * buffer.element_size())
+
+
 class _Packed(NamedTuple):
     varlen: Varlen
     rows: tuple[tuple[int, int], ...]  # the row runs the call writes
@@ -351,13 +392,13 @@ class MergeState:
         self.acc: Tensor | None = None
         self.in_acc: list[tuple[int, int]] = []
         self.touched: list[tuple[int, int]] = []
-        self.slots: frozenset[tuple[int, int]] | None = None
+        self.slots: Slots | None = None
         self.deferred: list[tuple[Tensor, Tensor, slice]] = []
 
     def slot(self, r0: int, r1: int, dtype: torch.dtype, lse_dtype: torch.dtype) -> Tensor | None:
         """Rows [r0, r1) of ``out`` (B, r1 - r0, H, D), contiguous, for a packed call to write its output into
         (then merged with ``merge_block`` as usual: recorded, not copied), or None (as ``RowSum.slot``)."""
-        if self.slots is None or (r0, r1) not in self.slots or r1 <= r0:
+        if self.slots is None or not self.slots.grant(r0, r1) or r1 <= r0:
             return None
         if self.out is not None and (self.out.dtype != dtype or self.lse.dtype != lse_dtype):
             return None
@@ -391,32 +432,34 @@ class RowSum:
     addition or the rounding of rows no second call reached. ``add(r0, r1, term)`` adds term (B, r1 - r0, ...)
     to rows [r0, r1); ``result(dtype)``.
     Terms may differ in dtype (the all-gather's own rows: bf16 kernel outputs and fp32 partial sums): a first
-    term whose dtype is not the kept rows' goes to the sums, never rounded into the kept rows.
+    term whose dtype is not the kept rows' goes to the sums, never rounded into the kept rows. A term is
+    adopted as the kept rows only when it is the whole of its memory (a kernel's own output), never a view of
+    a larger buffer, which the result would keep alive and might return strided.
 
-    With ``slots`` (row spans, ``choose_slots``) a kernel call over one of those spans may write its term
-    straight into the kept rows (``slot``: no copy at all); every other term then waits until ``result``,
-    so that no call writing into a slot can overwrite it (a kernel writes its whole span, rows outside its
-    segments included). A slot is refused where an earlier slot's term already holds a row of the span.
+    With ``slots`` (``Slots``: which calls, in the order they ask, ``slot_order``) a kernel call may write its
+    term straight into the kept rows (``slot``: no copy at all); every other term then waits until ``result``
+    (nothing is adopted meanwhile), so that no call writing into a slot can overwrite it (a kernel writes
+    its whole span, rows outside its segments included). A slot is refused where an earlier slot's term
+    already holds a row of the span.
     """
 
     __slots__ = ("shape", "dtype", "device", "base", "acc", "touched", "in_acc", "deferred", "slots")
 
-    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device,
-                 slots: frozenset[tuple[int, int]] | None = None):
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device):
         self.shape, self.dtype, self.device = shape, dtype, device
         self.base: Tensor | None = None  # the first term of each touched row (others unset), in its dtype
         self.acc: Tensor | None = None
         self.touched: list[tuple[int, int]] = []
         self.in_acc: list[tuple[int, int]] = []
         self.deferred: list[tuple[Tensor, tuple[tuple[int, int], ...], int]] = []  # add_runs before a base
-        self.slots = slots  # spans whose kernel call may write into the kept rows (until ``result``)
+        self.slots: Slots | None = None  # the calls that may write into the kept rows (until ``result``)
 
     def slot(self, r0: int, r1: int, dtype: torch.dtype) -> Tensor | None:
         """Rows [r0, r1) of the kept rows (B, r1 - r0, ...), contiguous, for a kernel call to write its term of
         those rows into (then pass that term to ``add``/``add_runs`` as usual: it is recorded, not copied), or
-        None: the span is not one of ``slots``, the kept rows have another dtype, or a term written in place
-        before holds one of its rows."""
-        if self.slots is None or (r0, r1) not in self.slots or r1 <= r0:
+        None: ``slots`` does not grant this request, the kept rows have another dtype, or a term written in
+        place before holds one of its rows."""
+        if self.slots is None or not self.slots.grant(r0, r1) or r1 <= r0:
             return None
         if self.base is not None and self.base.dtype != dtype:
             return None
@@ -428,12 +471,8 @@ class RowSum:
         return view if view.is_contiguous() else None
 
     def _in_place(self, term: Tensor, r0: int) -> bool:
-        """Whether ``term`` (B, m, ...) is ``base[:, r0:r0 + m]`` itself, the same memory (a kernel wrote it into a
-        slot)."""
-        base = self.base
-        return (base is not None and term.dtype == base.dtype and term.stride()[1:] == base.stride()[1:]
-                and (term.shape[0] == 1 or term.stride(0) == base.stride(0))
-                and term.data_ptr() == base.data_ptr() + r0 * base.stride(1) * base.element_size())
+        """Whether ``term`` is the kept rows' own memory from row r0 on (a kernel wrote it into a slot)."""
+        return self.base is not None and _rows_at(term, self.base, r0)
 
     def add(self, r0: int, r1: int, term: Tensor) -> None:
         n = self.shape[1]
@@ -448,7 +487,7 @@ class RowSum:
         if self.deferred:
             self._replay()
         if self.base is None:
-            if r0 == 0 and r1 == n:
+            if r0 == 0 and r1 == n and _owns(term):
                 self.base, self.touched = term, [(0, n)]
                 return
             self.base = torch.empty(self.shape, dtype=term.dtype, device=self.device)
@@ -475,8 +514,9 @@ class RowSum:
     def add_runs(self, term: Tensor, runs, start: int = 0) -> None:
         """Add the rows ``runs`` (row ranges of the sum) of ``term`` (B, m, ...), whose row i is the sum's row
         ``start + i`` and whose other rows are unset. The first such term spanning every row (start 0, m = n)
-        is adopted as the buffer itself, without a copy (its other rows are filled at the result or by later
-        terms); terms that come before it wait for it, unless an ``add`` or the result comes first."""
+        and owning its memory is adopted as the buffer itself, without a copy (its other rows are filled at the
+        result or by later terms); terms that come before it wait for it, unless an ``add`` or the result
+        comes first. With slots open: recorded if the kernel wrote it into a slot, else kept for ``result``."""
         runs = tuple((a, z) for a, z in runs if z > a)
         if not runs:
             return
@@ -486,7 +526,7 @@ class RowSum:
             else:
                 self.deferred.append((term, runs, start))
             return
-        if self.base is None and start == 0 and term.shape[1] == self.shape[1]:
+        if self.base is None and start == 0 and term.shape[1] == self.shape[1] and _owns(term):
             self.base, self.touched = term, list(_runs(runs))
             self._replay()
         elif self.base is None:
@@ -585,9 +625,7 @@ def merge_block(state: MergeState, out_b: Tensor, lse_b: Tensor, rows: slice = s
     if r1 <= r0:
         return
     if state.slots is not None:  # slots open: written in place (its lse copied), or kept for ``settle``
-        out = state.out
-        if (out is not None and out_b.dtype == out.dtype and out_b.stride()[1:] == out.stride()[1:]
-                and out_b.data_ptr() == out.data_ptr() + r0 * out.stride(1) * out.element_size()):
+        if state.out is not None and _rows_at(out_b, state.out, r0):
             state.lse[:, :, r0:r1] = lse_b
             state.touched = list(_runs(state.touched + [(r0, r1)]))
         else:
@@ -677,7 +715,8 @@ class BlockForward:
     def packed_step(self, state: MergeState, q: Tensor, k: Tensor, v: Tensor, calls: tuple[PackedCall, ...], *,
                     scale: float, softcap: float) -> None:
         """Attend q (B, n, H, D) to the step's keys k, v (B, nk, Hkv, D) as ``calls`` (Note [Packed steps]) and
-        merge the rows each call wrote into the state."""
+        merge the rows each call wrote into the state (into its rows directly where the state grants the call
+        a slot, ``MergeState.slot``)."""
         b, n, h, _ = q.shape
         for call in calls:
             packed = _packed_varlen(call, b, n, k.shape[1], q.device)
@@ -690,7 +729,8 @@ class BlockForward:
                                   window=call.window, varlen=packed.varlen,
                                   **({} if slot is None else {"out": _pack(slot)}))
             out, lse = out.view(rows.shape), lse.view(h, b, r_hi - r_lo).transpose(0, 1)
-            if state.out is None and (r_lo, r_hi) == (0, n) and packed.rows:  # adopted, its gaps unset
+            if state.out is None and state.slots is None and (r_lo, r_hi) == (0, n) and packed.rows:
+                # adopted (its gaps unset); not while slots are open: a slot may be granted these rows
                 state.out, state.lse, state.touched = out, lse, list(_runs(packed.rows))
                 continue
             for r0, r1 in packed.rows:  # rows no segment covers hold whatever the kernel left there
@@ -768,13 +808,13 @@ class BlockBackward:
         """The backward of a step as ``calls`` (Note [Packed steps]): dq added into ``dq_acc`` (B, n, H, D, or a
         ``RowSum``, whose slots the kernel may write into) on the rows each call wrote; returns (key rows, dk,
         dv) for each run of keys a call wrote, as the kernel returned them (the caller converts or sums them in
-        its accumulation dtype). ``dkv_into(j, lo, hi)``: (dk, dv) buffers (B, hi - lo, Hkv, D) for call j,
-        handed keys [lo, hi) of the step's, to write into, or None (the kernel makes its own); the returned
-        terms are then views of them."""
+        its accumulation dtype). ``dkv_into(lo, hi)``: (dk, dv) buffers (B, hi - lo, Hkv, D) for a call handed
+        keys [lo, hi) of the step's (not gathered ones) to write into, or None (the kernel makes its own); the
+        returned terms are then views of them."""
         b, n, h, _ = q.shape
         nk = k.shape[1]
         grads = []
-        for j, call in enumerate(calls):
+        for call in calls:
             packed = _packed_varlen(call, b, n, nk, q.device)
             r_lo, r_hi = packed.row_span
             rows = slice(r_lo, r_hi)
@@ -783,7 +823,7 @@ class BlockBackward:
             into = {}
             if isinstance(dq_acc, RowSum) and (slot := dq_acc.slot(r_lo, r_hi, q.dtype)) is not None:
                 into["dq"] = _pack(slot)
-            if dkv_into is not None and packed.key_index is None and (dkv := dkv_into(j, *packed.key_span)) is not None:
+            if dkv_into is not None and packed.key_index is None and (dkv := dkv_into(*packed.key_span)) is not None:
                 into["dk"], into["dv"] = _pack(dkv[0]), _pack(dkv[1])
             dq, dk, dv = self.block(_pack(dout[:, rows]), _pack(qq), _pack(kk), _pack(vv), _pack(out[:, rows]),
                                     lse_rows, causal=False, scale=scale, softcap=softcap, window=call.window,

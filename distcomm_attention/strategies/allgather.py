@@ -31,8 +31,10 @@ Note [All-gather KV]
         dense:    reduce_scatter of step 1's dK, dV (every rank's rows summed over ranks; this rank's rows
                   hold only what step 1's boundary blocks wrote to them); step 0's dk_own, dv_own are this
                   rank's keys, added to the received rows (buffer row i is local row "own rows before i")
-        sparse:   ``post_scatter_add``: the other ranks' rows leave at the post; step 0 adds into the
-                  buffer's own rows, which the wait reads and adds with what came back (Note [Sparse gather])
+        sparse:   ``post_scatter_add``: the other ranks' rows leave at the post; with own rows by runs, step
+                  0's dk_own, dv_own, step 1's terms on own rows and what comes back are summed per row over
+                  the shard (``_own_sums``, a ``RowSum`` each); else step 0 adds into the buffer's own rows,
+                  which the wait reads and adds with what came back (Note [Sparse gather])
 
     dQ accumulates over both steps in one fp32 accumulator, dK, dV in fp32, and each is rounded to the input
     dtype once, as before. With packing kernels (flash-attn-4) the calls write into their sums where they can
@@ -40,8 +42,8 @@ Note [All-gather KV]
     dQ sum, over both steps; with the sparse exchange and own rows by runs, step 0 reads the shard's own
     rows (``own_keys_in_shard``, its blocks split at the runs), so that its dK/dV are rows of the shard's
     sums and are written there, and step 1's terms on own rows go to those sums as the kernel returned them,
-    the fp32 buffer holding only the rows that go home. Every rank posts the reduction at the same place (after its step 1, whatever its
-    blocks), so the collectives match. What overlaps is step 0's work: for causal attention the diagonal
+    the fp32 buffer holding only the rows that go home. Every rank posts the reduction at the same place
+    (after its step 1, whatever its blocks), so the collectives match. What overlaps is step 0's work: for causal attention the diagonal
     blocks (of a contiguous rank r's pairs 1 in 2r + 1, of a zigzag rank's about 1 in 2W), with windows or
     documents the blocks inside the rank's own keys, on a rank with none nothing. The price: with packing
     kernels (Note [Packed steps]) the two steps are packed apart, possibly into more calls than one step's,
@@ -50,13 +52,15 @@ Note [All-gather KV]
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch.autograd.function import once_differentiable
 
 from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention import transport
-from distcomm_attention.kernels.contract import RowSum, call_spans, choose_slots
+from distcomm_attention.kernels.contract import RowSum, Slots, call_spans, slot_order
 from distcomm_attention.planning.exchange import Exchange, gather_keeps, split_block
 from distcomm_attention.planning.plans import (gathered_in_natural_order, natural_inverse, natural_order, own_rows,
                                                 split_local)
@@ -193,24 +197,22 @@ class AllGatherKV:
         return plan.cached(("call spans", i, backward, b, n, nk), lambda: call_spans(calls, b, n, nk))
 
     @staticmethod
-    def _row_slots(plan: RingPlan, spans) -> frozenset | None:
-        """The row spans of the packed calls (``spans``: each step's ``call_spans`` in the order they run, or
-        None) whose output or dq the kernel writes straight into the rank's state or dQ sum (``MergeState.slot``,
-        ``RowSum.slot``, ``choose_slots``); None where no step packs."""
-        if all(step is None for step in spans):
-            return None
-
+    def _row_slots(plan: RingPlan, spans) -> Slots | None:
+        """The slots of the rank's state or dQ sum (``MergeState.slot``, ``RowSum.slot``): which packed calls
+        (``spans``: each step's ``call_spans`` in the order they run, or None) write their output or dq straight
+        into it (``slot_order``); None where no call does."""
         def make():
-            calls = [(row_span, rows) for step in spans if step is not None for row_span, rows, _, _ in step]
-            return frozenset(calls[j][0] for j in choose_slots(calls))
+            return slot_order([(row_span, rows) for step in spans if step is not None for row_span, rows, _, _ in step])
 
-        return plan.cached(("row slots", tuple(spans)), make)
+        order = plan.cached(("row slots", tuple(spans)), make)
+        return None if order is None else Slots(order)
 
     def own_keys_in_shard(self) -> RingPlan | None:
         """Step 0 of ``own_keys_first`` (the blocks on own keys) reading the shard's rows instead of the buffer's
         (one step), so that its calls' dK/dV are rows of the shard's sums, written there by the kernel
-        (``RowSum.slot``); None where a block without intervals spans two runs of own rows (Note [Sparse
-        gather]: own rows by runs)."""
+        (``RowSum.slot``). Own rows by runs (Note [Sparse gather]) only; a block is split where it crosses from
+        one run of own rows to the next, and None is returned, to be safe, for a block without intervals that
+        would need it (the runs are apart in the buffer, so a block on own keys only does not cross one)."""
         def make():
             runs = tuple((at, at + length) for _, at, length in self.sparse.own_runs)
             shard_row = {at: a for a, at, _ in self.sparse.own_runs}
@@ -224,14 +226,11 @@ class AllGatherKV:
         return self.plan.cached("own keys in shard rows", make)
 
     @staticmethod
-    def _own_slots(plan: RingPlan, spans) -> frozenset:
-        """The shard-row key spans of ``own_keys_in_shard``'s packed calls whose dK/dV the kernel writes straight
-        into the own keys' sums (``choose_slots``)."""
-        def make():
-            calls = [(key_span, keys) for _, _, key_span, keys in spans]
-            return frozenset(calls[j][0] for j in choose_slots(calls))
-
-        return plan.cached(("own slots", spans), make)
+    def _own_slots(plan: RingPlan, spans) -> tuple | None:
+        """Which of ``own_keys_in_shard``'s packed calls write their dK/dV straight into the own keys' sums, as a
+        ``slot_order`` over their shard-row key spans (one ``Slots`` of it for each of dK and dV), or None."""
+        return plan.cached(("own slots", spans),
+                           lambda: slot_order([(key_span, keys) for _, _, key_span, keys in spans]))
 
     def _others_sums(self, grads, k_all, v_all, acc_dtype):
         """Step 1's terms (kv rows of the buffer, dK, dV) summed into fp32 buffers on the other ranks' rows (what
@@ -255,6 +254,10 @@ class AllGatherKV:
             dk_all, dv_all = (torch.empty(x.shape, dtype=acc_dtype, device=x.device) for x in (k_all, v_all))
         own_rows = tuple((at, at + length) for _, at, length in sparse.own_runs)
         _sum_terms((dk_all, dv_all), others, unread=own_rows)
+        if own:  # one copy of them (n rows at most): the kernels' buffers, up to the whole gathered span, go now
+            kept = [torch.cat([part[i] for part in own], 1) for i in (2, 3)]
+            at = list(itertools.accumulate((z - a for a, z, _, _ in own), initial=0))
+            own = [(a, z, *(x[:, at[i]:at[i + 1]] for x in kept)) for i, (a, z, _, _) in enumerate(own)]
         return dk_all, dv_all, own
 
     def _own_sums(self, acc, own_grads, in_shard: bool, step1, pending, k, v):
@@ -314,14 +317,15 @@ class AllGatherKV:
     def backward(self, dout, q, k, v, out, lse, key_mask):
         """Others first (Note [All-gather KV]): the reduction of the dK/dV that travel runs while the blocks on
         this rank's own keys do. Packed calls write their gradients straight into the sums where they can
-        (Note [Sparse gather])."""
+        (Note [Packed steps]: slots)."""
         k_all, v_all, km_all = self._gather(k, v, key_mask)
         plan = self.own_keys_first()
         dout, acc_dtype, delta, dq = backward_start(dout, q, out, self.bwd)
         by_runs = self.sparse is not None and self.sparse.own_all and self.sparse.returns_by_runs
         in_shard = self.own_keys_in_shard() if by_runs else None
         # step 0 (own keys): over the shard's rows where it can, else the buffer's
-        own = (k, v, key_mask, in_shard) if in_shard is not None else (k_all, v_all, km_all, plan)
+        own = (k.contiguous(), v.contiguous(), key_mask, in_shard) if in_shard is not None else \
+            (k_all, v_all, km_all, plan)
         spans = (self._spans(plan, 1, km_all, q, k_all), self._spans(own[3], 0, own[2], q, own[0]))
         if isinstance(dq, RowSum):
             dq.slots = self._row_slots(plan, spans)
@@ -332,6 +336,8 @@ class AllGatherKV:
             dk_all, dv_all, own1 = self._others_sums(block_grads(*step, 1, *kernel), k_all, v_all, acc_dtype)
         else:
             dk_all, dv_all = step_grads(*step, 1, *kernel)
+        if in_shard is not None:  # the gathered keys are read no more
+            del step, k_all, v_all, km_all
         with torch.no_grad():
             if self.sparse is not None:
                 pending = [self.sparse.post_scatter_add(x, k.shape[1]) for x in (dk_all, dv_all)]
@@ -341,15 +347,18 @@ class AllGatherKV:
             into = None
             if by_runs:
                 acc = (RowSum(k.shape, acc_dtype, k.device), RowSum(v.shape, acc_dtype, v.device))
-                if in_shard is not None and spans[1] is not None:  # the kernels write into the sums' rows
-                    acc[0].slots = acc[1].slots = self._own_slots(in_shard, spans[1])
+                order = None if in_shard is None or spans[1] is None else self._own_slots(in_shard, spans[1])
+                if order is not None:  # the kernels write into the sums' rows
+                    acc[0].slots, acc[1].slots = Slots(order), Slots(order)
 
-                    def into(j, lo, hi):
+                    def into(lo, hi):
                         dk_b, dv_b = (a.slot(lo, hi, x.dtype) for a, x in zip(acc, (k, v)))
                         return None if dk_b is None or dv_b is None else (dk_b, dv_b)
             own_grads = block_grads(dout, q, own[0], own[1], out, lse, delta, own[2], dq, own[3], 0, *kernel,
                                     dkv_into=into)
-            del step, k_all, v_all, own
+            if in_shard is None:
+                del step, k_all, v_all
+            del own
             if by_runs:
                 dk, dv = self._own_sums(acc, own_grads, in_shard is not None, own1, pending, k, v)
             elif self.sparse is not None:  # into the buffer's own rows, which the wait reads
