@@ -224,3 +224,25 @@ def test_dkv_reduction_is_posted_before_the_own_key_blocks(layout, causal, windo
     # (a block across a rank boundary reads both and runs before the post: a rank may have no own-key block)
     assert any(e == ("bwd", "own") for g in got for e in g["log"])
     assert any(e == ("bwd", "others") for g in got for e in g["log"])  # some rank's dK/dV had to travel
+
+
+def test_cost_model_charges_state_for_rows_reached_twice():
+    """With packing kernels the all-gather's calls write first terms into their sums (Note [Packed steps]:
+    slots), so its state term counts each row once less than the blocks reaching it (``cost._twice`` against a
+    count over every row), and the remote keys once with the sparse exchange: its packed prediction is below
+    the per-block one on a pack of documents crossing ranks."""
+    import random
+
+    rng = random.Random(3)
+    for _ in range(300):
+        spans = [(a, a + rng.randint(0, 12)) for a in (rng.randint(0, 40) for _ in range(rng.randint(0, 6)))]
+        reach = [0] * 64
+        for a, b in spans:
+            for i in range(a, b):
+                reach[i] += 1
+        assert cost._twice(spans) == sum(max(0, k - 1) for k in reach), spans
+    docs = (0, 100, 700, 720, 1500, 1501, 2048)
+    c = cost.Call(1, 512, 8, 2, 64, 2, "zigzag", Visibility(causal=True, cu_seqlens=docs), 4, packs=True)
+    assert gathered_exchange(c.layout, c.vis, 4, 512) is not None  # the sparse exchange
+    per_block = cost.Call(**{**c.__dict__, "packs": False})
+    assert cost.predict(c, "allgather").compute_s < cost.predict(per_block, "allgather").compute_s

@@ -80,6 +80,15 @@ Note [Cost model]
     within 15%, picks unchanged (every row's pick the fastest). A state term charging only the rows a second
     call reaches would fit these rows, but the term was fitted with every row charged and stands for other
     per-row work of the ring's and Ulysses' calls too: a refit needs new measurements of every strategy.
+
+    Since the all-gather's packed calls write their first terms into their sums (Note [Packed steps]: slots),
+    its state term with packing kernels on a plan with documents or windows charges, as that code does, the
+    rows two blocks reach (output and dQ sums), and with the sparse exchange the keys likewise plus the rows
+    that go home in fp32 (own keys' first terms are written in place); the ring's and Ulysses' terms are
+    unchanged. Against run 13 (docs/bench/emulated.md, one H100, the tree with the slots and f0ee421 before it
+    alternating): the all-gather's rows at S = 128k, W = 8 went from +13% to +19% to -10% (a slow-mode run)
+    to +12%, 8 of 8 within 15%, picks unchanged; on the older runs' packed rows (emulated_run5.json, before
+    several of the all-gather's changes) one row moved from +11% to -19%, picks unchanged.
 """
 
 from __future__ import annotations
@@ -296,14 +305,37 @@ def _issued(plan: RingPlan, i: int, packs: bool, backward: bool) -> int:
     return len(plan.blocks[i]) if calls is None else len(calls)
 
 
-def _gathered_rank_s(c: Call, ranks: int, rank: int, local_len: int, heads: int, kv_heads: int, hw: Hardware):
+def _twice(spans) -> int:
+    """Rows counted again: the sum of the spans' lengths less the rows they cover."""
+    spans = list(spans)
+    covered, end = 0, None
+    for a, b in sorted(spans):
+        start = a if end is None else max(a, end)
+        if b > start:
+            covered += b - start
+            end = b if end is None else max(end, b)
+    return sum(b - a for a, b in spans) - covered
+
+
+def _gathered_rank_s(c: Call, ranks: int, rank: int, local_len: int, heads: int, kv_heads: int, hw: Hardware,
+                     remote_keys: int | None = None):
     """(compute, forward of the blocks on own keys only, backward of them) seconds of one rank's gathered plan:
-    the forward's calls those of the one step, the backward's those of its two (Note [All-gather KV])."""
+    the forward's calls those of the one step, the backward's those of its two (Note [All-gather KV]). Where
+    the kernels pack a plan with documents or windows, their outputs and dq are written into the sums (Note
+    [Packed steps]: slots): state is charged for the rows two blocks reach; with the sparse exchange
+    (``remote_keys``: this rank's buffer rows of other ranks) dK/dV likewise, plus the fp32 rows that go
+    home."""
     plan = gathered_plan(c.layout, c.vis, ranks, rank, local_len)
     split = split_local(plan, own_rows(c.layout, ranks, rank, local_len))
     pairs, _, rows, keys = _step_costs(plan)[0]
     calls = (_issued(plan, 0, c.packs, False) + sum(_issued(split, i, c.packs, True) for i in (0, 1))) / 2
     own_pairs, _, own_q, own_kv = _step_costs(split)[0]
+    if c.packs and any(b.mode == "interval" for b in plan.blocks[0]):
+        rows = _twice((b.q.start, b.q.stop) for b in plan.blocks[0])
+        own_q = _twice((b.q.start, b.q.stop) for b in split.blocks[0])
+        if remote_keys is not None:
+            keys = remote_keys + _twice((b.kv.start, b.kv.stop) for b in plan.blocks[0])
+            own_kv = _twice((b.kv.start, b.kv.stop) for b in split.blocks[0])
     own = _compute_s(own_pairs, _issued(split, 0, c.packs, True), own_q, own_kv, c, heads, kv_heads, hw)
     return _compute_s(pairs, calls, rows, keys, c, heads, kv_heads, hw), own / 3.5, own * 2.5 / 3.5
 
@@ -311,7 +343,8 @@ def _gathered_rank_s(c: Call, ranks: int, rank: int, local_len: int, heads: int,
 def _gathered_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: Hardware):
     row = 2 * c.batch * kv_heads * c.head_dim  # k and v elements of one token
     ex = gathered_exchange(c.layout, c.vis, ranks, local_len)
-    per_rank = [_gathered_rank_s(c, ranks, r, local_len, heads, kv_heads, hw) for r in range(ranks)]
+    per_rank = [_gathered_rank_s(c, ranks, r, local_len, heads, kv_heads, hw,
+                                 None if ex is None else ex.buffer_len(r) - local_len) for r in range(ranks)]
     gathers = 1 if gather_keeps(ex, ranks, local_len) else 2  # again in the backward unless the buffer is kept
     if ex is None:  # all-gathers waited before any block, reduce-scatter of dK, dV in fp32
         kv = row * local_len * (ranks - 1)
