@@ -43,9 +43,9 @@ Note [All-gather KV]
     rows (``own_keys_in_shard``, its blocks split at the runs), so that its dK/dV are rows of the shard's
     sums and are written there, and step 1's terms on own rows go to those sums as the kernel returned them,
     the fp32 buffer holding only the rows that go home. Every rank posts the reduction at the same place
-    (after its step 1, whatever its blocks), so the collectives match. What overlaps is step 0's work: for causal attention the diagonal
-    blocks (of a contiguous rank r's pairs 1 in 2r + 1, of a zigzag rank's about 1 in 2W), with windows or
-    documents the blocks inside the rank's own keys, on a rank with none nothing. The price: with packing
+    (after its step 1, whatever its blocks), so the collectives match. What overlaps is step 0's work: for
+    causal attention the diagonal blocks (of a contiguous rank r's pairs 1 in 2r + 1, of a zigzag rank's about
+    1 in 2W), with windows or documents the blocks inside the rank's own keys, on a rank with none nothing. The price: with packing
     kernels (Note [Packed steps]) the two steps are packed apart, possibly into more calls than one step's,
     and K, V are freed after step 0, no longer before the reduction's send buffers are made.
 """
@@ -202,7 +202,8 @@ class AllGatherKV:
         (``spans``: each step's ``call_spans`` in the order they run, or None) write their output or dq straight
         into it (``slot_order``); None where no call does."""
         def make():
-            return slot_order([(row_span, rows) for step in spans if step is not None for row_span, rows, _, _ in step])
+            return slot_order([(row_span, rows) for step in spans if step is not None
+                               for row_span, rows, _, _ in step])
 
         order = plan.cached(("row slots", tuple(spans)), make)
         return None if order is None else Slots(order)
@@ -234,8 +235,9 @@ class AllGatherKV:
 
     def _others_sums(self, grads, k_all, v_all, acc_dtype):
         """Step 1's terms (kv rows of the buffer, dK, dV) summed into fp32 buffers on the other ranks' rows (what
-        goes home; own rows left unset: nothing reads them), and their parts on own rows as they are, (shard
-        rows, dK, dV), for the own keys' sums (``_own_sums``): no copy of them into the buffer."""
+        goes home; own rows left unset: nothing reads them), and their parts on own rows, (shard rows, dK, dV)
+        in the kernel's dtype, for the own keys' sums (``_own_sums``): copied once, into one tensor each, not
+        into the fp32 buffer."""
         sparse, n = self.sparse, k_all.shape[1]
         others, own = [], []
         for kv, dk_b, dv_b in grads:
