@@ -36,6 +36,25 @@ def test_sums_match_adding_every_term_into_zeros(terms, dtypes):
     torch.testing.assert_close(acc, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("terms", [3, ring._MAX_TERMS + 5])
+def test_unread_rows_are_left_as_they_were(terms):
+    """Rows the caller reads none of (``unread``, the all-gather's own rows) that no term reaches are neither
+    copied to nor zero-filled, with few terms or many; every other row is the float64 sum."""
+    g = torch.Generator().manual_seed(terms)
+    n, unread = 40, ((5, 12), (30, 34))
+    outside = [i for i in range(n) if not any(a <= i < b for a, b in unread)]
+    grads = []
+    for _ in range(terms):  # terms on rows outside ``unread`` only, as the all-gather's others' rows
+        i = outside[int(torch.randint(0, len(outside), (1,), generator=g))]
+        grads.append((slice(i, i + 1), torch.randn(2, 1, 3, generator=g, dtype=torch.float64)))
+    acc = torch.full((2, n, 3), float("nan"), dtype=torch.float64)
+    ring._sum_terms((acc,), grads, unread=unread)
+    want = _reference(n, grads, torch.float64)
+    for a, b in unread:
+        assert acc[:, a:b].isnan().all()
+    torch.testing.assert_close(acc[:, outside], want[:, outside], rtol=0, atol=0)
+
+
 def test_two_buffers_sum_their_own_terms():
     n = 12
     g = torch.Generator().manual_seed(0)

@@ -249,7 +249,7 @@ def _sum_terms(accs: tuple[torch.Tensor, ...], grads, unread=()) -> None:
     n, written = accs[0].shape[1], ()
     if len(grads) > _MAX_TERMS:
         for acc in accs:
-            acc.zero_()
+            _zero_untouched(acc, _runs(unread))
         for kv, *terms in grads:
             for acc, term in zip(accs, terms):
                 _add_into(acc, kv, term)
