@@ -87,8 +87,10 @@ Note [Cost model]
     that go home in fp32 (own keys' first terms are written in place); the ring's and Ulysses' terms are
     unchanged. Against run 13 (docs/bench/emulated.md, one H100, the tree with the slots and f0ee421 before it
     alternating): the all-gather's rows at S = 128k, W = 8 went from +13% to +19% to -10% (a slow-mode run)
-    to +12%, 8 of 8 within 15%, picks unchanged; on the older runs' packed rows (emulated_run5.json, before
-    several of the all-gather's changes) one row moved from +11% to -19%, picks unchanged.
+    to +12%, 8 of 8 within 15%, picks unchanged. Against the older runs, which measured trees before the
+    slots (the all-gather slower there), its packed rows are under-predicted more: emulated_run5.json one
+    row +11% -> -19%, emulated_run4.json 4 -> 2 of 6 rows within 15%, the W = 16 packs on the mesh 15 -> 14
+    of 16; every pick unchanged.
 """
 
 from __future__ import annotations
