@@ -199,6 +199,12 @@ class Slots:
         return self.order[i][1]
 
 
+def _granted(slots: Slots | None, touched, r0: int, r1: int) -> bool:
+    """Whether a call asking for rows [r0, r1) of a sum gets a slot: ``slots`` grants the request (which counts
+    it) and no term written in place before (``touched``) holds one of those rows."""
+    return slots is not None and slots.grant(r0, r1) and r1 > r0 and not any(a < r1 and r0 < z for a, z in touched)
+
+
 def _owns(term: Tensor) -> bool:
     """Whether ``term`` is the whole of its memory (a kernel's own output), so that adopting it as a sum's buffer
     keeps nothing else alive and returns a contiguous tensor."""
@@ -398,11 +404,9 @@ class MergeState:
     def slot(self, r0: int, r1: int, dtype: torch.dtype, lse_dtype: torch.dtype) -> Tensor | None:
         """Rows [r0, r1) of ``out`` (B, r1 - r0, H, D), contiguous, for a packed call to write its output into
         (then merged with ``merge_block`` as usual: recorded, not copied), or None (as ``RowSum.slot``)."""
-        if self.slots is None or not self.slots.grant(r0, r1) or r1 <= r0:
+        if not _granted(self.slots, self.touched, r0, r1):
             return None
         if self.out is not None and (self.out.dtype != dtype or self.lse.dtype != lse_dtype):
-            return None
-        if any(a < r1 and r0 < z for a, z in self.touched):
             return None
         if self.out is None:
             b, sq, h, d = self.shape
@@ -459,11 +463,9 @@ class RowSum:
         those rows into (then pass that term to ``add``/``add_runs`` as usual: it is recorded, not copied), or
         None: ``slots`` does not grant this request, the kept rows have another dtype, or a term written in
         place before holds one of its rows."""
-        if self.slots is None or not self.slots.grant(r0, r1) or r1 <= r0:
+        if not _granted(self.slots, self.touched, r0, r1):
             return None
         if self.base is not None and self.base.dtype != dtype:
-            return None
-        if any(a < r1 and r0 < z for a, z in self.touched):
             return None
         if self.base is None:
             self.base = torch.empty(self.shape, dtype=dtype, device=self.device)
@@ -479,10 +481,7 @@ class RowSum:
         if r1 <= r0:
             return
         if self.slots is not None:  # slots still open: written in place, or kept for ``result``
-            if self._in_place(term, r0):
-                self.touched = list(_runs(self.touched + [(r0, r1)]))
-            else:
-                self.deferred.append((term, ((r0, r1),), r0))
+            self.add_runs(term, ((r0, r1),), r0)
             return
         if self.deferred:
             self._replay()

@@ -127,6 +127,8 @@ class SparseGather:
         pieces = MAX_PIECES if hasattr(transport, "exchange") else -1
         (self.skip, self.own_runs, self.own_all, self.back_runs, self.place_runs, self.pieces,
          self.returns_by_runs) = _tables(ex, layout, transport.rank, MAX_RUNS, pieces)
+        # the pieces sent, grouped by the rows they cover: what comes back for them is summed per group
+        self.back_groups = () if self.pieces is None else _same_rows(self.pieces[0])
 
     def _index(self, name: str, device: torch.device) -> torch.Tensor:
         return on_device(getattr(self, name), device)  # ``_indices``' cached tensors
@@ -197,12 +199,11 @@ class SparseGather:
         if self.pieces is not None:  # each received piece's rows back to its owner, each sent piece's home
             sent, received = self.pieces
             # the pieces that come back for the same rows (from several ranks) land in one tensor, summed at once
-            groups = [rows.new_empty((len(which), length) + tuple(rows.shape[1:])) for _, length, which in
-                      _same_rows(sent)]
-            back = [None] * len(sent)
-            for group, (_, _, which) in zip(groups, _same_rows(sent)):
+            groups, back = [], [None] * len(sent)
+            for _, length, which in self.back_groups:
+                groups.append(rows.new_empty((len(which), length) + tuple(rows.shape[1:])))
                 for j, i in enumerate(which):
-                    back[i] = group[j]
+                    back[i] = groups[-1][j]
             handle = self.transport.exchange([(peer, rows[at:at + length]) for peer, at, length in received],
                                              list(zip((peer for peer, _, _ in sent), back)))
             handle = _Grouped(handle, groups)
@@ -251,7 +252,7 @@ class _Returning:
         first, in one reduction) or per run of ``back_runs``; the buffer's own rows are not read."""
         if self._handle is not None and self._sparse.pieces is not None:
             self._handle.wait()
-            for (a, length, which), group in zip(_same_rows(self._sparse.pieces[0]), self._handle.groups):
+            for (a, length, which), group in zip(self._sparse.back_groups, self._handle.groups):
                 acc.add(a, a + length, (group[0] if len(which) == 1 else group.sum(0)).transpose(0, 1))
         elif self._handle is not None:
             (back,) = self._handle.wait()
