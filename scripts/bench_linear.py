@@ -77,7 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="CPU, no fla: check the arguments, plans and bytes, run one tiny step per simulated rank")
     p.add_argument("--profile", action="store_true",
                    help="GPU: per kernel, the CUDA time of the busiest rank's step and of one call over n tokens; "
-                        "the step's host time (profile_rank_host_ms)")
+                        "the step's host time (profile_rank_host_ms); both as the GPU ran them, the host ahead "
+                        "(profile_*_timeline: every kernel in start order, the span and its idle time)")
     p.add_argument("--gpu-time", action="store_true",
                    help="GPU: also each time with the host kept ahead (a GPU sleep queued before each call): the "
                         "kernels' time without the GPU waiting for Python, as inside a model whose earlier layers "
@@ -190,6 +191,33 @@ def kernel_times(fn, top: int = 14) -> list[tuple[str, float]]:
     return [(name, round(ms, 4)) for name, ms in ranked[:top]] + [("total", round(sum(totals.values()), 4))]
 
 
+def timeline(fn, ahead_ms: float, top: int = 60) -> dict:
+    """One call of ``fn`` behind a GPU sleep of ``ahead_ms`` (the host ahead), as the GPU ran it: every kernel
+    and copy in start order (ms from the first, ms long, stream), and the time no stream was busy inside the
+    call's span (gaps: waits for the host, or for a synchronising call), from torch.profiler's device events."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        U.gpu_sleep(torch.device("cuda"), 1e-3 * ahead_ms)
+        fn()
+        torch.cuda.synchronize()
+    events = sorted((e.start_ns(), e.duration_ns(), e.device_resource_id(), e.name())
+                    for e in prof.profiler.kineto_results.events()
+                    if e.device_type() == torch.autograd.DeviceType.CUDA and "sleep" not in e.name()
+                    and e.duration_ns() > 0)
+    if not events:
+        return {}
+    t0 = events[0][0]
+    end, idle = t0, 0.0
+    for start, dur, _, _ in events:
+        if start > end:
+            idle += start - end
+        end = max(end, start + dur)
+    rows = [(round((s - t0) / 1e6, 4), round(d / 1e6, 4), stream, name[:60]) for s, d, stream, name in events]
+    return {"span_ms": round((end - t0) / 1e6, 4), "idle_ms": round(idle / 1e6, 4),
+            "kernels_ms": round(sum(d for _, d, _, _ in events) / 1e6, 4), "events": rows[:top] if top else rows}
+
+
 def host_top(fn, iters: int, device, top: int = 30) -> dict[str, list[tuple[str, float, float, int]]]:
     """cProfile of ``iters`` calls of ``fn``: (function, own ms per call, cumulative ms per call, calls per
     call), the largest own and the largest cumulative times: where a host-bound rank's Python goes."""
@@ -265,6 +293,9 @@ def run_case(args, kind, layout, n, world, device, dtype, run) -> dict:
         row["profile_rank_host_ms"] = 1e3 * U.host_seconds(step, 1e-3 * rank_ms[busiest], args.iters, device)
         row["profile_rank_host_top"] = host_top(step, args.iters, device)
         row["profile_local_call_kernels"] = kernel_times(lambda: full_call(kind, part, run, args.backward))
+        row["profile_rank_timeline"] = timeline(step, 2 * rank_ms[busiest] + 1, top=0)
+        row["profile_local_call_timeline"] = timeline(lambda: full_call(kind, part, run, args.backward),
+                                                      2 * local + 1, top=0)
     del full
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -100,7 +100,8 @@ def chunk_states(k, w, u, gl, h0, bounds):
             new = uc - wc @ state
             news.append((row, c, new))
             last = gc[:, -1:]
-            state = torch.exp2(last)[..., None] * state + (kc * torch.exp2(last - gc)[..., None]).transpose(-1, -2) @ new
+            carried = (kc * torch.exp2(last - gc)[..., None]).transpose(-1, -2) @ new
+            state = torch.exp2(last)[..., None] * state + carried
             afters.append((row, state))
         ends.append(state)
     return afters, news, torch.stack(ends)

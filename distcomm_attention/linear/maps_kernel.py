@@ -134,28 +134,40 @@ def _end_grad_kernel(k, w, g, dht, dh, dv, cu_seqlens, chunk_offsets, T, H: tl.c
     w += (bos * HV + i_h) * K
     dv += (bos * HV + i_h) * V
     g += bos * HV + i_h
-    dh += (boh * HV + i_h) * K * V
+    dh += ((boh + nt - 1) * HV + i_h) * K * V  # the last chunk's (int64: the offsets reach NT * HV * K * V)
+    # what each chunk adds to is read one chunk ahead (these loads feed no product, so the compiler's pipelining
+    # leaves them in line: their latency would be paid twice a chunk)
+    p_dh = dh + o_k[:, None] * V + o_v[None, :]
+    o_t = ((nt - 1) * BT + tl.arange(0, BT)).to(tl.int64)  # row offsets reach T * HV * V
+    m_tv = (o_t < T)[:, None] & m_v[None, :]
+    b_old = tl.load(p_dh, mask=m_kv, other=0.0).to(tl.float32)
+    b_dv_old = tl.load(dv + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+    b_g_last = tl.load(g + (T - 1) * HV).to(tl.float32)
+    b_g = tl.load(g + o_t * HV, mask=o_t < T, other=0.0).to(tl.float32)
     for i_t in range(nt - 1, -1, -1):
-        o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)  # row offsets reach T * HV * V
-        # the state after chunk i_t: its gradient gains b_dh (the chunk's index in int64: its offset reaches
-        # NT * HV * K * V)
-        p_dh = dh + (tl.max(o_t, axis=0) // BT) * (HV * K * V) + o_k[:, None] * V + o_v[None, :]
-        b_old = tl.load(p_dh, mask=m_kv, other=0.0).to(tl.float32)
-        tl.store(p_dh, (b_old + b_dh).to(p_dh.dtype.element_ty), mask=m_kv)
+        o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
         m_t = o_t < T
+        # the state after chunk i_t: its gradient gains b_dh
+        tl.store(p_dh, (b_old + b_dh).to(p_dh.dtype.element_ty), mask=m_kv)
         m_tk = m_t[:, None] & m_k[None, :]
         b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
         b_w = tl.load(w + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
-        last = tl.minimum((i_t + 1) * BT, T) - 1
-        b_g_last = tl.load(g + last * HV).to(tl.float32)
-        b_g = tl.load(g + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
         # the chunk's new values' gradient gains what flows back through the state (fla's dhu without do)
         b_dv = tl.dot(b_k, b_dh.to(b_k.dtype)) * tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)[:, None]
         p_dv = dv + o_t[:, None] * (HV * V) + o_v[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
-        b_dv_old = tl.load(p_dv, mask=m_tv, other=0.0).to(tl.float32)
-        tl.store(p_dv, (b_dv_old + b_dv).to(p_dv.dtype.element_ty), mask=m_tv)
-        b_dh = b_dh * tl.exp2(b_g_last) - tl.dot(tl.trans(b_w), b_dv.to(b_w.dtype))
+        tl.store(p_dv, (b_dv_old + b_dv).to(p_dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        decay = tl.exp2(b_g_last)
+        # the chunk before's (none before the first)
+        more = i_t > 0
+        p_dh -= HV * K * V
+        b_old = tl.load(p_dh, mask=m_kv & more, other=0.0).to(tl.float32)
+        o_p = o_t - BT
+        m_p = (o_p >= 0) & more
+        b_dv_old = tl.load(dv + o_p[:, None] * (HV * V) + o_v[None, :], mask=m_p[:, None] & m_v[None, :],
+                           other=0.0).to(tl.float32)
+        b_g_last = tl.load(g + (i_t * BT - 1) * HV, mask=more, other=0.0).to(tl.float32)
+        b_g = tl.load(g + o_p * HV, mask=m_p, other=0.0).to(tl.float32)
+        b_dh = b_dh * decay - tl.dot(tl.trans(b_w), b_dv.to(b_w.dtype))
 
 
 _end_grad_tuned = _tuned(_end_grad_kernel, restore=("dh", "dv"))

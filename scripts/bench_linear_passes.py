@@ -1,0 +1,86 @@
+"""Time the gated delta rule's state passes alone at one rank's shapes (one GPU, fla-core, no tilelang needed):
+fla's forward state pass, its reverse pass with and without an end-state gradient, and this library's two
+state-only passes (distcomm_attention/linear/maps_kernel.py), each the median of CUDA-event timings; and check
+that fla's reverse pass without the end-state gradient plus ``delta_end_state_grad`` gives the pass with it.
+
+    python scripts/bench_linear_passes.py --tokens 16384 --heads 16/32 --dim 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+
+def timed(fn, iters: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--heads", default="16/32", help="key heads / value heads")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_bwd_dv_local
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    from distcomm_attention.linear.maps_kernel import delta_end_state_grad, delta_maps
+
+    torch.manual_seed(0)
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    h, hv = (int(x) for x in args.heads.split("/"))
+    t, d = args.tokens, args.dim
+    q = torch.randn(1, t, h, d, device=dev, dtype=bf)
+    k = torch.nn.functional.normalize(torch.randn(1, t, h, d, device=dev), dim=-1).to(bf)
+    v = torch.randn(1, t, hv, d, device=dev, dtype=bf)
+    g = chunk_local_cumsum(torch.nn.functional.logsigmoid(torch.randn(1, t, hv, device=dev) + 4), chunk_size=64,
+                           scale=RCP_LN2)
+    beta = torch.rand(1, t, hv, device=dev).to(bf)
+    do = torch.randn(1, t, hv, d, device=dev, dtype=bf)
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=64)
+    h0, dht = torch.randn(1, hv, d, d, device=dev), torch.randn(1, hv, d, d, device=dev)
+    scale = d**-0.5
+    dv_local = chunk_bwd_dv_local(q=q, k=k, do=do, g=g, scale=scale)
+    dhu = lambda end: chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, do=do, dv=dv_local, g=g, h0=h0,  # noqa: E731
+                                                     dht=end, scale=scale)
+    dh_ref, _, dv_ref = dhu(dht)
+    dh, _, dv2 = dhu(None)
+    delta_end_state_grad(k, w, g, dht, dh, dv2)
+    errors = {name: ((mine.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+              for name, mine, ref in (("dh", dh, dh_ref), ("dv", dv2, dv_ref))}
+    rows = {
+        "fla forward state pass (fwd_h)": timed(lambda: chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g,
+                                                                                     initial_state=h0)),
+        "fla reverse pass, no end-state gradient": timed(lambda: dhu(None)),
+        "fla reverse pass with it": timed(lambda: dhu(dht)),
+        "fla local values' gradient (dv_local)": timed(lambda: chunk_bwd_dv_local(q=q, k=k, do=do, g=g, scale=scale)),
+        "maps (A, B), one pass": timed(lambda: delta_maps(k, w, u, g)),
+        "end-state gradient's part, in place": timed(lambda: delta_end_state_grad(k, w, g, dht, dh, dv2)),
+    }
+    out = {"device": torch.cuda.get_device_name(), "tokens": t, "heads": args.heads, "dim": d, "ms": rows,
+           "max relative error against fla's pass with the end-state gradient": errors}
+    print(json.dumps(out, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
