@@ -401,8 +401,10 @@ class _Call:
 
     @staticmethod
     def _split(o, segs, b):
-        """A call's outputs -> one (B, length, ...) per segment."""
-        return o.reshape((b, -1) + o.shape[2:]).split([s.length for s in segs], dim=1)
+        """A call's outputs -> one (B, length, ...) per segment (one segment: the outputs themselves, not a split
+        of one piece, whose backward copies the gradient)."""
+        o = o.reshape((b, -1) + o.shape[2:])
+        return (o,) if len(segs) == 1 else o.split([s.length for s in segs], dim=1)
 
     def _call(self, segs, h0=None):
         """One kernel call over ``segs``: per segment outputs (B, length, ...) and end states (B, ...).
