@@ -1,9 +1,14 @@
 """Time the gated delta rule's state passes alone at one rank's shapes (one GPU, fla-core, no tilelang needed):
-fla's forward state pass, its reverse pass with and without an end-state gradient, and this library's two
-state-only passes (distcomm_attention/linear/maps_kernel.py), each the median of CUDA-event timings; and check
-that fla's reverse pass without the end-state gradient plus ``delta_end_state_grad`` gives the pass with it.
+fla's forward state pass, its values' local gradient and reverse pass, and this library's two state-only passes
+(distcomm_attention/linear/maps_kernel.py: the maps, and dS_in by the fused reverse pass), each the median of
+CUDA-event timings; and each pass again with the tokens cut into pieces run as batch rows, which shows whether a
+pass's time follows its work or its chain of chunks (a pass bound by the chain would take 1/P of the time in P
+pieces, and an open segment could then run its passes in pieces).
 
     python scripts/bench_linear_passes.py --tokens 16384 --heads 16/32 --dim 128
+
+Each time is CUDA events around one call with the host ahead (a GPU sleep queued first), so fla's Python does
+not count.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ def timed(fn, iters: int = 20) -> float:
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000)  # about 1 ms: the host queues the call before the GPU reaches it
         start.record()
         fn()
         end.record()
@@ -30,9 +37,12 @@ def timed(fn, iters: int = 20) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per rank")
     p.add_argument("--heads", default="16/32", help="key heads / value heads")
     p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--splits", default="1,2,4,8",
+                   help="the tokens also cut into this many equal pieces, run as batch rows (chunk-local inputs "
+                        "stay valid): whether a pass's time follows its work or its chain of chunks")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
@@ -41,7 +51,7 @@ def main() -> None:
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
-    from distcomm_attention.linear.maps_kernel import delta_end_state_grad, delta_maps
+    from distcomm_attention.linear.maps_kernel import delta_maps, delta_state_grad
 
     torch.manual_seed(0)
     dev, bf = torch.device("cuda"), torch.bfloat16
@@ -60,11 +70,9 @@ def main() -> None:
     dv_local = chunk_bwd_dv_local(q=q, k=k, do=do, g=g, scale=scale)
     dhu = lambda end: chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, do=do, dv=dv_local, g=g, h0=h0,  # noqa: E731
                                                      dht=end, scale=scale)
-    dh_ref, _, dv_ref = dhu(dht)
-    dh, _, dv2 = dhu(None)
-    delta_end_state_grad(k, w, g, dht, dh, dv2)
-    errors = {name: ((mine.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-              for name, mine, ref in (("dh", dh, dh_ref), ("dv", dv2, dv_ref))}
+    ds = delta_state_grad(q, k, w, g, do, scale)
+    ds_ref = dhu(None)[1]
+    error = ((ds - ds_ref).abs().max() / ds_ref.abs().max()).item()
     rows = {
         "fla forward state pass (fwd_h)": timed(lambda: chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g,
                                                                                      initial_state=h0)),
@@ -72,10 +80,25 @@ def main() -> None:
         "fla reverse pass with it": timed(lambda: dhu(dht)),
         "fla local values' gradient (dv_local)": timed(lambda: chunk_bwd_dv_local(q=q, k=k, do=do, g=g, scale=scale)),
         "maps (A, B), one pass": timed(lambda: delta_maps(k, w, u, g)),
-        "end-state gradient's part, in place": timed(lambda: delta_end_state_grad(k, w, g, dht, dh, dv2)),
+        "dS_in, fused local gradient and reverse pass": timed(lambda: delta_state_grad(q, k, w, g, do, scale)),
     }
+    by_split = {}
+    for pieces in (int(x) for x in args.splits.split(",")):
+        if t % (64 * pieces):
+            continue
+        cut = lambda x: x.reshape((pieces, t // pieces) + x.shape[2:])  # noqa: E731
+        kc, wc, uc, gc, qc, doc, dvc = map(cut, (k, w, u, g, q, do, dv_local))
+        h0c, dhtc = (x.expand(pieces, *x.shape[1:]).contiguous() for x in (h0, dht))
+        by_split[pieces] = {
+            "fwd_h": timed(lambda: chunk_gated_delta_rule_fwd_h(k=kc, w=wc, u=uc, g=gc, initial_state=h0c)),
+            "reverse pass": timed(lambda: chunk_gated_delta_rule_bwd_dhu(q=qc, k=kc, w=wc, do=doc, dv=dvc, g=gc,
+                                                                         h0=h0c, dht=dhtc, scale=scale)),
+            "maps": timed(lambda: delta_maps(kc, wc, uc, gc)),
+            "dS_in": timed(lambda: delta_state_grad(qc, kc, wc, gc, doc, scale)),
+        }
     out = {"device": torch.cuda.get_device_name(), "tokens": t, "heads": args.heads, "dim": d, "ms": rows,
-           "max relative error against fla's pass with the end-state gradient": errors}
+           "ms, tokens cut into pieces run as batch rows": by_split,
+           "dS_in's max relative error against fla's pass": error}
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:

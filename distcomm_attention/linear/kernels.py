@@ -280,11 +280,8 @@ def select_kernel(kernel: str, q: torch.Tensor, backward: bool = False, delta: b
 #     chunked PyTorch kernel (any device, float64: the reference the tests check the autograd wiring with),
 #     ``FlaPasses`` by fla-core's chunk kernels, except for two state-only Triton passes of its own
 #     (maps_kernel.py; K <= 128): the summary's A and B columns in one launch that stores the end state
-#     alone (fla's state pass, run twice, also writes every chunk's state), and the end-state gradient's part
-#     of the reverse state pass. That pass is linear in its end-state gradient: the output's backward runs it
-#     once without one, which gives dS_in and the chunks' state and new-value gradients less that part, and
-#     the summary's backward adds the part (two products per chunk, where the pass has three) before fla's
-#     remaining kernels, so the segment's backward runs fla's own reverse pass once, as one call's does.
+#     alone (fla's state pass, run twice, also writes every chunk's state), and dS_in by one reverse pass
+#     with the values' local gradient fused in (fla's chunk_bwd_dv_local then its reverse state pass).
 
 
 class TorchPasses:
@@ -417,16 +414,13 @@ class FlaPasses:
                             **self.common)
         return o.to(self.q.dtype)
 
-    def _before_dht(self, h_in, do):
-        """fla's backward up to the end of its reverse state pass run without an end-state gradient: w and u
-        recomputed, then the chunk states from S_in and their new values on a side stream (dqkwg reads them;
-        they overlap the rest), and on this stream the values' local gradient and the reverse state pass, which
-        gives dS_in; its chunk states' and new values' gradients lack the end-state gradient's part, which
-        ``input_grads`` adds (Note [Open segments in two passes])."""
-        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    def _before_dht(self, h_in, do, side: bool):
+        """fla's backward up to its reverse state pass, the parts that need no end-state gradient: w and u
+        recomputed, the chunk states from S_in and their new values, the values' local gradient. ``side``: the
+        state pass and the local gradient on a side stream (they overlap what the caller runs next, dS_in's
+        reverse pass); the current stream waits for them when input_grads uses them."""
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
         from fla.ops.common.chunk_o import chunk_bwd_dv_local
-
-        from distcomm_attention.linear import maps_kernel
 
         w, u = self._w_u()
         offsets = None
@@ -434,69 +428,67 @@ class FlaPasses:
             from fla.ops.utils.index import prepare_chunk_offsets
 
             offsets = prepare_chunk_offsets(self.cu, self.CHUNK)
-        h0 = h_in.float().contiguous()
         main = torch.cuda.current_stream()
-        side = _side_stream(self.q.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=self.k, w=w, u=u, g=self.g, initial_state=h0,
-                                                       output_final_state=False, chunk_size=self.CHUNK,
-                                                       chunk_offsets=offsets, **self.common)
-        # the allocator's stream bookkeeping: read on the side stream, or made there and read here
-        for t in (w, u, h0, self.k, self.g, self.cu, self.indices, offsets):
-            if t is not None:
-                t.record_stream(side)
-        for t in (h, v_new):
-            t.record_stream(main)
-        dv = chunk_bwd_dv_local(q=self.q, k=self.k, do=do, g=self.g, scale=self.scale, chunk_size=self.CHUNK,
-                                **self.common)
-        dh, dh0, dv2 = chunk_gated_delta_rule_bwd_dhu(q=self.q, k=self.k, w=w, do=do, dv=dv, g=self.g, h0=h0,
-                                                      dht=None, scale=self.scale, chunk_size=self.CHUNK,
-                                                      chunk_offsets=offsets, **self.common)
-        wide = self.k.shape[-1] > maps_kernel.MAX_K  # (the local gradient kept for fla's pass run again)
-        self.pending = (w, h, v_new, dv if wide else None, dh, dv2, offsets, main, side)
-        return dh0
+        stream = _side_stream(self.q.device) if side else main
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=self.k, w=w, u=u, g=self.g,
+                                                       initial_state=h_in.float().contiguous(),
+                                                       output_final_state=False, chunk_size=self.CHUNK, **self.common)
+            dv = chunk_bwd_dv_local(q=self.q, k=self.k, do=do, g=self.g, scale=self.scale, chunk_size=self.CHUNK,
+                                    **self.common)
+        if side:  # the allocator's stream bookkeeping: read on the side stream, or made there and read here
+            for t in (w, u, do, h_in, self.q, self.k, self.g, self.cu, self.indices, offsets):
+                if t is not None:
+                    t.record_stream(stream)
+            for t in (h, v_new, dv):
+                t.record_stream(main)
+        self.pending = (w, h, v_new, dv, stream)
+        return w
 
     def state_grad(self, h_in, do):
-        with self.device:
-            return self._before_dht(h_in, do.contiguous())
-
-    def input_grads(self, h_in, do, dht):
-        """fla's ``chunk_gated_delta_rule_bwd`` from the end of its reverse state pass on (fla-core 0.6.0's
-        sequence of kernels), the pass's outputs completed by the end-state gradient's part (K <= 128:
-        maps_kernel.delta_end_state_grad; wider keys: fla's pass run again with it)."""
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
-        from fla.ops.common.chunk_o import chunk_bwd_dqkwg
-        from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
-        from fla.ops.utils import chunk_local_cumsum
 
         from distcomm_attention.linear import maps_kernel
 
         with self.device:
             do = do.contiguous()
+            if self.k.shape[-1] <= maps_kernel.MAX_K:  # one reverse state-only pass (maps_kernel.py)
+                w = self._before_dht(h_in, do, side=True)
+                return maps_kernel.delta_state_grad(self.q, self.k, w, self.g, do, self.scale, self.cu)
+            w = self._before_dht(h_in, do, side=False)
+            dv = self.pending[3]
+            _, dh0, _ = chunk_gated_delta_rule_bwd_dhu(q=self.q, k=self.k, w=w, do=do, dv=dv, g=self.g,
+                                                       h0=h_in.float().contiguous(), dht=None, scale=self.scale,
+                                                       chunk_size=self.CHUNK, **self.common)
+        return dh0
+
+    def input_grads(self, h_in, do, dht):
+        """fla's ``chunk_gated_delta_rule_bwd`` from its reverse state pass on, the parts before it taken from
+        state_grad where it ran (fla-core 0.6.0's sequence of kernels)."""
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+        from fla.ops.common.chunk_o import chunk_bwd_dqkwg
+        from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
+        from fla.ops.utils import chunk_local_cumsum
+
+        with self.device:
+            do = do.contiguous()
             if self.pending is None:
-                self._before_dht(h_in, do)
-            w, h, v_new, dv, dh, dv2, offsets, main, side = self.pending
+                self._before_dht(h_in, do, side=False)
+            w, h, v_new, dv, stream = self.pending
             self.pending = None
             here = torch.cuda.current_stream()
-            if here != main:  # (autograd runs both nodes on the forward's stream; another one waits here)
-                here.wait_stream(main)
-                for t in (w, h, v_new, dh, dv2):
+            here.wait_stream(stream)
+            if stream != here:
+                for t in (h, v_new, dv):
                     t.record_stream(here)
-            if self.k.shape[-1] <= maps_kernel.MAX_K:
-                maps_kernel.delta_end_state_grad(self.k, w, self.g, dht, dh, dv2, self.cu, offsets)
-            else:
-                dh, _, dv2 = chunk_gated_delta_rule_bwd_dhu(q=self.q, k=self.k, w=w, do=do, dv=dv, g=self.g,
-                                                            h0=h_in.float().contiguous(),
-                                                            dht=dht.float().contiguous(), scale=self.scale,
-                                                            chunk_size=self.CHUNK, chunk_offsets=offsets,
-                                                            **self.common)
-            del dv
-            here.wait_stream(side)
-            dq, dk, dw, dg = chunk_bwd_dqkwg(q=self.q, k=self.k, v=v_new, w=w, g=self.g, h=h, dv=dv2, do=do, dh=dh,
+            dh, _, dv = chunk_gated_delta_rule_bwd_dhu(q=self.q, k=self.k, w=w, do=do, dv=dv, g=self.g,
+                                                       h0=h_in.float().contiguous(), dht=dht.float().contiguous(),
+                                                       scale=self.scale, chunk_size=self.CHUNK, **self.common)
+            dq, dk, dw, dg = chunk_bwd_dqkwg(q=self.q, k=self.k, v=v_new, w=w, g=self.g, h=h, dv=dv, do=do, dh=dh,
                                              scale=self.scale, chunk_size=self.CHUNK, **self.common)
             dk2, dv, db, dg2 = prepare_wy_repr_bwd(k=self.k, v=self.v, beta=self.beta, g=self.g, A=self.solved,
-                                                   dw=dw, du=dv2, **self.common)
+                                                   dw=dw, du=dv, **self.common)
             dk.add_(dk2)
             dg.add_(dg2)
             dg = chunk_local_cumsum(dg, chunk_size=self.CHUNK, reverse=True, **self.common)

@@ -1,8 +1,8 @@
 """Two state-only Triton passes for the gated delta rule's open segments (Note [Open segments in two passes]):
-the map (A, B) of a run, and the part of the reverse state pass that its end-state gradient adds.
+the map (A, B) of a run, and the gradient of its outputs with respect to its incoming state.
 
     delta_maps(k, w, u, g, cu_seqlens=None) -> (A, B)
-    delta_end_state_grad(k, w, g, dht, dh, dv, cu_seqlens=None, chunk_offsets=None)   dh, dv added to in place
+    delta_state_grad(q, k, w, g, do, scale, cu_seqlens=None) -> dS_in   (N, HV, K, V) float32
 
         k        (B, T, H, K)      the keys
         w, u     (B, T, HV, K/V)   the WY representation of fla's forward (``chunk_gated_delta_rule_fwd_intra``)
@@ -15,13 +15,8 @@ map does not need, and needs the zero values and the identity materialised. Here
 groups: programs over the V columns of B and the K columns of A, the state kept in float32 and rounded to the
 inputs' dtype for its products exactly as fla's pass rounds it, nothing stored but the end state. fla-core's
 own summary kernel (``fla/ops/cp``) composes A as K x K products in float32, four times the work of these
-columns (docs/bench: 2.40 ms against a 1.99 ms forward at 16k tokens on one H100).
-
-fla's reverse state pass (``chunk_gated_delta_rule_bwd_dhu``) is linear in its end-state gradient dht: run with
-dht = None it gives dS_in (the gradient of the outputs alone with respect to the incoming state) and the
-gradients of the chunks' states and new values without dht's part; ``delta_end_state_grad`` adds that part
-once dht is known, by the same recurrence with no output gradient (two products per chunk where fla's pass has
-three), so the segment's backward runs fla's pass once instead of a separate pass for dS_in.
+columns (docs/bench: 2.40 ms against a 1.99 ms forward at 16k tokens on one H100). ``delta_state_grad`` is
+fla's values' local gradient and reverse state pass without an end-state gradient, fused, storing dS_in alone.
 """
 
 from __future__ import annotations
@@ -30,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["delta_maps", "delta_end_state_grad", "CHUNK", "MAX_K"]
+__all__ = ["delta_maps", "delta_state_grad", "CHUNK", "MAX_K"]
 
 CHUNK = 64
 MAX_K = 128  # one [K, BV] tile of the state per program
@@ -41,15 +36,13 @@ MAX_K = 128  # one [K, BV] tile of the state per program
 STAGES = (2, 3, 4)
 
 
-def _tuned(kernel, restore: tuple[str, ...] = ()):
-    """On CUDA the tile width and launch shape are tuned per shape (``_launch``); ``restore``: the arguments the
-    kernel adds into, restored before each configuration tried."""
+def _tuned(kernel):
+    """On CUDA the tile width and launch shape are tuned per shape (``_launch``)."""
     return triton.autotune(
-        configs=[triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
-                 for bv in (32, 64) for warps in (2, 4) for stages in STAGES],
-        key=["H", "HV", "K", "V", "BK"],
-        restore_value=list(restore) or None,
-    )(kernel)
+    configs=[triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
+             for bv in (32, 64) for warps in (2, 4) for stages in STAGES],
+    key=["H", "HV", "K", "V", "BK"],
+)(kernel)
 
 
 def _launch(kernel, tuned, grid, args, meta, on_cuda: bool):
@@ -113,64 +106,45 @@ _maps_tuned = _tuned(_maps_kernel)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _end_grad_kernel(k, w, g, dht, dh, dv, cu_seqlens, chunk_offsets, T, H: tl.constexpr, HV: tl.constexpr,
-                     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     IS_VARLEN: tl.constexpr):
+def _state_grad_kernel(q, k, w, g, do, out, cu_seqlens, scale, T, H: tl.constexpr, HV: tl.constexpr,
+                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       IS_VARLEN: tl.constexpr):
     i_nh, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_h, bos, T = _sequence(i_nh, cu_seqlens, T, HV, IS_VARLEN)
-    nt = tl.cdiv(T, BT)
-    if IS_VARLEN:
-        boh = tl.load(chunk_offsets + i_nh // HV).to(tl.int64)
-    else:
-        boh = (i_nh // HV) * nt
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    b_dh = tl.load(dht + i_nh * K * V + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0).to(tl.float32)
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
 
+    q += (bos * H + i_h // (HV // H)) * K
     k += (bos * H + i_h // (HV // H)) * K
     w += (bos * HV + i_h) * K
-    dv += (bos * HV + i_h) * V
+    do += (bos * HV + i_h) * V
     g += bos * HV + i_h
-    dh += ((boh + nt - 1) * HV + i_h) * K * V  # the last chunk's (int64: the offsets reach NT * HV * K * V)
-    # what each chunk adds to is read one chunk ahead (these loads feed no product, so the compiler's pipelining
-    # leaves them in line: their latency would be paid twice a chunk)
-    p_dh = dh + o_k[:, None] * V + o_v[None, :]
-    o_t = ((nt - 1) * BT + tl.arange(0, BT)).to(tl.int64)  # row offsets reach T * HV * V
-    m_tv = (o_t < T)[:, None] & m_v[None, :]
-    b_old = tl.load(p_dh, mask=m_kv, other=0.0).to(tl.float32)
-    b_dv_old = tl.load(dv + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-    b_g_last = tl.load(g + (T - 1) * HV).to(tl.float32)
-    b_g = tl.load(g + o_t * HV, mask=o_t < T, other=0.0).to(tl.float32)
-    for i_t in range(nt - 1, -1, -1):
-        o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
+    for i_t in range(tl.cdiv(T, BT) - 1, -1, -1):
+        o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)  # row offsets reach T * HV * V
         m_t = o_t < T
-        # the state after chunk i_t: its gradient gains b_dh
-        tl.store(p_dh, (b_old + b_dh).to(p_dh.dtype.element_ty), mask=m_kv)
         m_tk = m_t[:, None] & m_k[None, :]
+        b_q = tl.load(q + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
         b_k = tl.load(k + o_t[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
         b_w = tl.load(w + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_tk, other=0.0)
-        # the chunk's new values' gradient gains what flows back through the state (fla's dhu without do)
-        b_dv = tl.dot(b_k, b_dh.to(b_k.dtype)) * tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)[:, None]
-        p_dv = dv + o_t[:, None] * (HV * V) + o_v[None, :]
-        tl.store(p_dv, (b_dv_old + b_dv).to(p_dv.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-        decay = tl.exp2(b_g_last)
-        # the chunk before's (none before the first)
-        more = i_t > 0
-        p_dh -= HV * K * V
-        b_old = tl.load(p_dh, mask=m_kv & more, other=0.0).to(tl.float32)
-        o_p = o_t - BT
-        m_p = (o_p >= 0) & more
-        b_dv_old = tl.load(dv + o_p[:, None] * (HV * V) + o_v[None, :], mask=m_p[:, None] & m_v[None, :],
-                           other=0.0).to(tl.float32)
-        b_g_last = tl.load(g + (i_t * BT - 1) * HV, mask=more, other=0.0).to(tl.float32)
-        b_g = tl.load(g + o_p * HV, mask=m_p, other=0.0).to(tl.float32)
-        b_dh = b_dh * decay - tl.dot(tl.trans(b_w), b_dv.to(b_w.dtype))
+        b_do = tl.load(do + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        last = tl.minimum((i_t + 1) * BT, T) - 1
+        b_g_last = tl.load(g + last * HV).to(tl.float32)
+        b_g = tl.load(g + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+        # the values' gradient inside the chunk (fla's chunk_bwd_dv_local), then through the state (its dhu)
+        b_a = tl.dot(b_k, tl.trans(b_q)) * scale * tl.exp2(b_g[None, :] - b_g[:, None])
+        b_a = tl.where((o_t[:, None] <= o_t[None, :]) & m_t[:, None] & m_t[None, :], b_a, 0.0)
+        b_dv = tl.dot(b_a.to(b_do.dtype), b_do).to(b_do.dtype).to(tl.float32)
+        b_dv += tl.dot(b_k, b_dh.to(b_k.dtype)) * tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)[:, None]
+        b_qg = b_q * tl.exp2(b_g)[:, None]  # float32, as fla's reverse pass keeps it
+        b_dh = b_dh * tl.exp2(b_g_last) + tl.dot(tl.trans(b_qg), b_do.to(tl.float32)) * scale \
+            - tl.dot(tl.trans(b_w), b_dv.to(b_w.dtype))
+    tl.store(out + i_nh * K * V + o_k[:, None] * V + o_v[None, :], b_dh, mask=m_k[:, None] & m_v[None, :])
 
 
-_end_grad_tuned = _tuned(_end_grad_kernel, restore=("dh", "dv"))
+_state_grad_tuned = _tuned(_state_grad_kernel)
 
 
 def delta_maps(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
@@ -194,28 +168,22 @@ def delta_maps(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tenso
     return out[..., dv:], out[..., :dv]
 
 
-def delta_end_state_grad(k: torch.Tensor, w: torch.Tensor, g: torch.Tensor, dht: torch.Tensor, dh: torch.Tensor,
-                         dv: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                         chunk_offsets: torch.Tensor | None = None) -> None:
-    """Add the end-state gradient ``dht`` (N, HV, K, V) to fla's reverse state pass's outputs in place: ``dh``
-    (B, NT, HV, K, V), the gradient of the state after each chunk, and ``dv`` (B, T, HV, V), the chunks' new
-    values' gradient, as ``chunk_gated_delta_rule_bwd_dhu`` run with ``dht=None`` left them (Note [Open segments
-    in two passes]: the pass is linear in its end-state gradient). k (B, T, H, K); w, g as ``delta_maps``;
-    ``chunk_offsets`` (N,) the first chunk of each of ``cu_seqlens``' sequences (fla's
-    ``prepare_chunk_offsets``), made here where not given."""
+def delta_state_grad(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, g: torch.Tensor, do: torch.Tensor,
+                     scale: float, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """dS_in = (d o / d S_in)^T do of each sequence (N, HV, K, V) float32, by one reverse state-only pass: fla's
+    local values' gradient and reverse state pass (``chunk_bwd_dv_local``, ``chunk_gated_delta_rule_bwd_dhu``
+    without an end-state gradient) fused, nothing stored but dS_in. q, k (B, T, H, K); w (B, T, HV, K); g as
+    ``delta_maps``; do (B, T, HV, V)."""
     b, t, heads, dk = k.shape
-    hv, dvd = dv.shape[2], dv.shape[3]
+    hv, dv = do.shape[2], do.shape[3]
     if dk > MAX_K:
-        raise ValueError(f"delta_end_state_grad: key dim {dk} > {MAX_K} (one state tile per program)")
-    if not (dh.is_contiguous() and dv.is_contiguous()):
-        raise ValueError("delta_end_state_grad: dh and dv are added to in place and must be contiguous")
-    k, w, g, dht = k.contiguous(), w.contiguous(), g.float().contiguous(), dht.float().contiguous()
+        raise ValueError(f"delta_state_grad: key dim {dk} > {MAX_K} (one state tile per program)")
+    q, k, w, do, g = q.contiguous(), k.contiguous(), w.contiguous(), do.contiguous(), g.float().contiguous()
     n = b if cu_seqlens is None else len(cu_seqlens) - 1
-    if cu_seqlens is not None and chunk_offsets is None:
-        counts = (cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1).div(CHUNK, rounding_mode="floor")
-        chunk_offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)[:-1]])
-    args = (k, w, g, dht, dh, dv, cu_seqlens, chunk_offsets, t)
-    meta = dict(H=heads, HV=hv, K=dk, V=dvd, BT=CHUNK, BK=max(16, triton.next_power_of_2(dk)),
+    out = torch.empty(n, hv, dk, dv, dtype=torch.float32, device=k.device)
+    args = (q, k, w, g, do, out, cu_seqlens, scale, t)
+    meta = dict(H=heads, HV=hv, K=dk, V=dv, BT=CHUNK, BK=max(16, triton.next_power_of_2(dk)),
                 IS_VARLEN=cu_seqlens is not None)
-    _launch(_end_grad_kernel, _end_grad_tuned, lambda m: (n * hv, triton.cdiv(dvd, m["BV"])), args, meta,
+    _launch(_state_grad_kernel, _state_grad_tuned, lambda m: (n * hv, triton.cdiv(dv, m["BV"])), args, meta,
             k.is_cuda)
+    return out
