@@ -120,9 +120,10 @@ def _cp_rank(rank: int, world: int, cases: list[dict]):
     for case in cases:
         (q, k, v, g, beta, h0), (wo, wf) = make_inputs(case)
         sharding = Sharding(case["layout"], group=_device_mesh(*case["mesh"]) if case.get("mesh") else None)
-        local = [sharding.shard(t, cu_seqlens=case["docs"]).to(case.get("dtype", F64)).requires_grad_()
-                 for t in (q, k, v, g, beta)]
-        h0 = h0.clone().requires_grad_()
+        trained = case.get("grad", NAMES)  # the inputs that need grad
+        local = [sharding.shard(t, cu_seqlens=case["docs"]).to(case.get("dtype", F64)).requires_grad_(
+                 name in trained) for name, t in zip(NAMES, (q, k, v, g, beta))]
+        h0 = h0.clone().requires_grad_("initial_state" in trained)
         options = dict(initial_state=h0, output_final_state=case.get("finals", True), cu_seqlens=case["docs"],
                        sharding=sharding)
         if case["kind"] == "gdn":
@@ -171,12 +172,13 @@ def _check_world(world: int, cases: list[dict], results=None, tol=None):
             else:
                 assert got_final is None, (case, r)
             for name, got in zip(NAMES[:5], got_grads[:5]):
-                if name == "beta" and case["kind"] != "gdn":
+                if (name == "beta" and case["kind"] != "gdn") or name not in case.get("grad", NAMES):
                     continue
                 torch.testing.assert_close(got.to(F64), shard(grads[name]), **tol,
                                            msg=lambda m: f"{case} rank {r} d{name}: {m}")
-        total = sum(results[r][i][2][5] for r in range(world))  # initial_state: summed over the ranks
-        torch.testing.assert_close(total, grads["initial_state"], **tol, msg=lambda m: f"{case} dh0: {m}")
+        if "initial_state" in case.get("grad", NAMES):
+            total = sum(results[r][i][2][5] for r in range(world))  # initial_state: summed over the ranks
+            torch.testing.assert_close(total, grads["initial_state"], **tol, msg=lambda m: f"{case} dh0: {m}")
 
 
 def _case(kind, layout, seq, docs=None, heads=(2, 4), dtype=F64, mesh=None):
@@ -360,6 +362,12 @@ def _bad(**change):
     (dict(cu_seqlens=[0, 3, 8]), ValueError, r"with `cu_seqlens` the documents are packed in one row: B must be 1, got B=2"),
     (dict(layout="diagonal"), ValueError, r"diagonal"),
     (dict(kernel="triton"), ValueError, r"Invalid kernel 'triton'. Must be one of: 'auto', 'torch', 'fla'"),
+    (dict(q=torch.zeros(2, 8, 0, 4, dtype=F64), k=torch.zeros(2, 8, 0, 4, dtype=F64)), ValueError,
+     r"`q` must have heads H >= 1, got shape \(2, 8, 0, 4\)"),
+    (dict(q=torch.zeros(2, 8, 2, 0, dtype=F64), k=torch.zeros(2, 8, 2, 0, dtype=F64)), ValueError,
+     r"`q` must have head dim K >= 1, got shape \(2, 8, 2, 0\)"),
+    (dict(v=torch.zeros(2, 8, 4, 0, dtype=F64)), ValueError,
+     r"`v` must have head dim V >= 1, got shape \(2, 8, 4, 0\)"),
 ])
 def test_bad_input_names_the_argument(change, error, match):
     """Each bad argument raises a clear error naming it, the value received and what is allowed."""
@@ -471,6 +479,46 @@ def test_conv_halo(world, layout, docs, seq, mesh):
         torch.testing.assert_close(dx, shard(x.grad), **TOL)
     torch.testing.assert_close(sum(r[2] for r in results), weight.grad, **TOL)
     torch.testing.assert_close(sum(r[3] for r in results), bias.grad, **TOL)
+
+
+@pytest.mark.parametrize("kind, layout, docs, grad", [
+    ("gdn", "contiguous", None, ("initial_state",)),  # state tuning: rank 1's runs are all open
+    ("ssd", "contiguous", None, ("initial_state",)),
+    ("gdn", "contiguous", None, ("q",)),  # rank 0's end states do not depend on q, rank 1's maps do
+    ("ssd", "zigzag", None, ("q",)),
+    ("gdn", "zigzag", [0, 5, 9, 36], ("beta",)),
+    ("gdn", "balanced", [0, 5, 9, 36], ("g", "initial_state")),
+])
+def test_some_inputs_need_grad(kind, layout, docs, grad):
+    """Only some inputs need grad: a rank whose summaries depend on none of them still joins the gather's
+    backward (it used to skip it, and its peers waited in the reduce-scatter), and the gradients that reach
+    the trained inputs through other ranks' outputs (the initial state's, through rank 0's map) are not lost."""
+    world = 2 if layout == "contiguous" else 3
+    cases = [dict(_case(kind, layout, 16 * world if layout == "contiguous" else 36, docs), grad=grad)]
+    _check_world(world, cases, results=run_world(_cp_rank, world, cases, timeout=60))
+
+
+def _conv_x_grad_on_rank_0(rank: int, world: int):
+    """The conv with x needing grad on rank 0 only and the weight on every rank (the grad flag agrees)."""
+    x = torch.randn(1, 16, 6, generator=_gen("conv partial"), dtype=F64)
+    weight = torch.randn(6, 4, generator=_gen("conv partial w"), dtype=F64)
+    local = shard_sequence(x, "contiguous", ring_size=world, rank=rank).clone().requires_grad_(rank == 0)
+    w = weight.clone().requires_grad_()
+    out = causal_conv1d_cp(local, w, None, "silu", layout="contiguous")
+    out.sum().backward()
+    return w.grad, local.grad
+
+
+def test_conv_with_x_needing_grad_on_one_rank():
+    """Every rank joins the halo's backward, and the weight's gradient summed over the ranks is the whole
+    sequence's."""
+    results = run_world(_conv_x_grad_on_rank_0, 2, timeout=60)
+    x = torch.randn(1, 16, 6, generator=_gen("conv partial"), dtype=F64).requires_grad_()
+    weight = torch.randn(6, 4, generator=_gen("conv partial w"), dtype=F64).requires_grad_()
+    conv_reference(x, weight, None, None).sum().backward()
+    torch.testing.assert_close(results[0][0] + results[1][0], weight.grad, **TOL)
+    torch.testing.assert_close(results[0][1], x.grad[:, :8], **TOL)
+    assert results[1][1] is None
 
 
 def _bad_on_rank_1(rank: int, world: int):

@@ -129,7 +129,7 @@ def causal_conv1d_cp(
     if width > 1 and comm.size > 1:
         mine = rows.index_select(0, on_device(sends[comm.rank], x.device))
         mine = torch.nn.functional.pad(mine, (0, 0, 0, 0, 0, slots - mine.shape[0]))
-        halo = all_gather_rows(mine, comm.group, comm.size)
+        halo = all_gather_rows(mine, comm.group, comm.size, grad=needs_grad)
         parts.append(halo.reshape(comm.size * slots, *rows.shape[1:]))
     else:
         parts.append(rows.new_zeros((comm.size * slots,) + rows.shape[1:]))

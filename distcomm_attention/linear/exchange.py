@@ -44,9 +44,17 @@ class _ReduceScatter(torch.autograd.Function):
         return _AllGather.apply(grad.contiguous(), _groups.unhold(ctx.group)), None
 
 
-def all_gather_rows(x: torch.Tensor, group, world: int) -> torch.Tensor:
+def all_gather_rows(x: torch.Tensor, group, world: int, grad: bool = False) -> torch.Tensor:
     """Every rank's ``x`` (the same shape everywhere) stacked: (world, *x.shape); differentiable. A world of
-    one returns ``x`` unsqueezed, without communication."""
+    one returns ``x`` unsqueezed, without communication.
+
+    ``grad``: the backward reaches this gather on every rank (the call's grad flag, verified alike on every
+    rank). A rank whose ``x`` needs no grad (its rows depend on no input that does: a rank of closed segments
+    when only q needs grad, or of open ones when only the initial state does) still gathers rows that do, and
+    its peers wait for it in the adjoint reduce-scatter: its ``x`` is then a leaf that needs grad, whose
+    gradient nobody reads, so that its gather too has a backward."""
     if world == 1:
         return x.unsqueeze(0)
+    if grad and not x.requires_grad:
+        x = x.detach().requires_grad_()
     return _AllGather.apply(x.unsqueeze(0), group)

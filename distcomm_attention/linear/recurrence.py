@@ -177,7 +177,8 @@ def _linear_cp(op, q, k, v, g, beta, scale, initial_state, output_final_state, c
     scale, plan, run = checked
     if l2norm:
         q, k = _l2norm(q), _l2norm(k)
-    return _Call(plan, comm, run, scale, q, k, v, g, beta, initial_state).forward(output_final_state)
+    return _Call(plan, comm, run, scale, q, k, v, g, beta, initial_state, needs_grad=needs_grad).forward(
+        output_final_state)
 
 
 class _ScaledAdd(torch.autograd.Function):
@@ -326,10 +327,12 @@ class _Fold(torch.autograd.Function):
 class _Call:
     """One call's three phases (Note [Linear attention across ranks]) on this rank's runs."""
 
-    def __init__(self, plan, comm, run, scale, q, k, v, g, beta, initial_state, gather=None):
+    def __init__(self, plan, comm, run, scale, q, k, v, g, beta, initial_state, gather=None, needs_grad=False):
         self.plan, self.comm, self.run, self.scale = plan, comm, run, scale
-        # (slots, n) -> (W, slots, n); scripts/bench_linear.py passes one for simulated ranks
-        self.gather = gather or (lambda table: all_gather_rows(table, comm.group, comm.size))
+        # (slots, n) -> (W, slots, n); scripts/bench_linear.py passes one for simulated ranks. ``needs_grad``:
+        # the call's grad flag, alike on every rank, so that every rank joins the gather's backward
+        # (exchange.all_gather_rows)
+        self.gather = gather or (lambda table: all_gather_rows(table, comm.group, comm.size, grad=needs_grad))
         self.q, self.k, self.v, self.g, self.beta, self.h0 = q, k, v, g, beta, initial_state
         self.delta = beta is not None
         self.passes = passes_of(run) if self.delta else None
