@@ -25,9 +25,11 @@ Note [Collective verdicts]
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import struct
+import threading
 import weakref
 from typing import NamedTuple
 
@@ -174,10 +176,31 @@ def _tensor_code(t) -> list[int]:
 _ERRORS = (None, TypeError, ValueError, ImportError, NotImplementedError, RuntimeError, OverflowError)
 
 
+_PENDING = threading.local()  # an input error found before the call's own checks (``pending_error``)
+
+
+@contextlib.contextmanager
+def pending_error(error: BaseException):
+    """Inside: the next :func:`verdict` on this thread returns ``error`` as its rank's verdict, without running
+    its checks. For an entry point that checks its own input before calling a communicating one (a module's
+    ``x``): the call it makes with stand-in tensors then raises ``error`` on every rank, after the exchange,
+    instead of this rank raising alone while its peers wait in the call (Note [Collective verdicts])."""
+    before = getattr(_PENDING, "error", None)
+    _PENDING.error = error
+    try:
+        yield
+    finally:
+        _PENDING.error = before
+
+
 def verdict(fn, *args, **kwargs):
     """``(fn(...), None)``, or ``(None, error)`` for an input error (TypeError, ValueError, ImportError,
     NotImplementedError): this rank's verdict, to be raised by every rank after the exchange
-    (Note [Collective verdicts])."""
+    (Note [Collective verdicts]). Inside :func:`pending_error`, that error, once."""
+    pending = getattr(_PENDING, "error", None)
+    if pending is not None:
+        _PENDING.error = None
+        return None, pending
     try:
         return fn(*args, **kwargs), None
     except (TypeError, ValueError, ImportError, NotImplementedError, OverflowError) as e:

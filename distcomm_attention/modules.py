@@ -111,23 +111,39 @@ class RingAttention(nn.Module):
         ``attention_mask`` (bool (batch, local_seq), True = attend: this rank's shard of the key padding
         mask) and ``cu_seqlens`` (global document boundaries) are passed to ``ring_flash_attn``.
         """
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"RingAttention expects a tensor (batch, local_seq, dim), got {type(x).__name__}")
-        if x.dim() != 3:
-            raise ValueError(f"RingAttention expects (batch, local_seq, dim), got shape {tuple(x.shape)}")
+        _, error = _validation.verdict(self._check_input, x)
+        options = dict(causal=self.causal, layout=self.layout, group=self.group, backend=self.backend,
+                       attention_mask=attention_mask, window_size=self.window_size, softcap=self.softcap,
+                       cu_seqlens=cu_seqlens)
+        if error is not None:  # raised by every rank, through the attention's own exchange of verdicts
+            weight = self.to_qkv.weight
+            # stand-ins of the peers' shapes where x has its batch and tokens (a wrong width), so that the
+            # error is all the message says; else the stand-ins' shapes differ from the peers' too
+            b, n = x.shape[:2] if isinstance(x, torch.Tensor) and x.dim() == 3 else (1, 1)
+            q, k, v = (weight.new_zeros(b, n, h, self.dim_head) for h in (self.heads, self.kv_heads, self.kv_heads))
+            with _validation.pending_error(error):
+                self._attend(q, k, v, options)
+            raise error  # (not reached: the call raises it on every rank)
         b, n, _ = x.shape
         q, k, v = self.to_qkv(x).split(
             [self.heads * self.dim_head, self.kv_heads * self.dim_head, self.kv_heads * self.dim_head], dim=-1
         )
         q, k, v = (t.view(b, n, h, self.dim_head) for t, h in ((q, self.heads), (k, self.kv_heads), (v, self.kv_heads)))
-        options = dict(causal=self.causal, layout=self.layout, group=self.group, backend=self.backend,
-                       attention_mask=attention_mask, window_size=self.window_size, softcap=self.softcap,
-                       cu_seqlens=cu_seqlens)
-        if self.strategy == "ring":
-            out = ring_flash_attn(q, k, v, ring_size=self.ring_size, **options)
-        else:
-            out = context_parallel_attn(q, k, v, strategy=self.strategy, hardware=self.hardware, **options)
+        out = self._attend(q, k, v, options)
         return self.to_out(out.reshape(b, n, self.heads * self.dim_head))
+
+    def _check_input(self, x) -> None:
+        dim = self.to_qkv.in_features
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"RingAttention expects `x`, a tensor (batch, local_seq, {dim}), got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[-1] != dim:
+            raise ValueError(f"RingAttention expects `x` of shape (batch, local_seq, {dim}) (dim={dim}), got shape "
+                             f"{tuple(x.shape)}")
+
+    def _attend(self, q, k, v, options):
+        if self.strategy == "ring":
+            return ring_flash_attn(q, k, v, ring_size=self.ring_size, **options)
+        return context_parallel_attn(q, k, v, strategy=self.strategy, hardware=self.hardware, **options)
 
     def extra_repr(self) -> str:
         return (

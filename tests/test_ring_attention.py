@@ -279,6 +279,37 @@ def test_module_distributed_equals_single_process(layout):
         torch.testing.assert_close(sum(results[r]["params"][name] for r in range(world)), p.grad, **FP64)
 
 
+def _module_bad_x_rank(rank, world, strategy):
+    """Rank 1 alone passes a bad ``x`` to the module; then every rank makes a good call."""
+    torch.manual_seed(0)
+    module = da.RingAttention(strategy=strategy, **MODULE_KW).double()
+    good = torch.randn(2, 8, 16, dtype=torch.float64)
+    msgs = {}
+    for key, bad in (("2-D", good[0]), ("width", good[..., :12]), ("type", good.tolist())):
+        try:
+            module(bad if rank == 1 else good)
+            msgs[key] = None
+        except (TypeError, ValueError) as e:
+            msgs[key] = f"{type(e).__name__}: {e}"
+    msgs["after"] = tuple(module(good).shape)
+    return msgs
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+def test_module_bad_x_on_one_rank_raises_everywhere(strategy):
+    """A bad input on one rank (wrong number of dims, wrong width, not a tensor) raises the same error naming
+    rank 1 and `x` on every rank, through the attention's exchange of verdicts (no rank left waiting); the
+    module works after it."""
+    msgs = run_world(_module_bad_x_rank, 3, strategy, timeout=60)
+    for key, expect in (("2-D", r"ValueError: .*rank 1.*RingAttention expects `x` of shape \(batch, local_seq, 16\) "
+                                r"\(dim=16\), got shape \(8, 16\)"),
+                        ("width", r"ValueError: .*rank 1.*got shape \(2, 8, 12\)"),
+                        ("type", r"TypeError: .*rank 1.*RingAttention expects `x`, a tensor .*got list")):
+        assert msgs[0][key] is not None and all(m[key] == msgs[0][key] for m in msgs), (key, msgs)
+        assert re.search(expect, msgs[0][key], re.S), (key, msgs[0][key])
+    assert all(m["after"] == (2, 8, 16) for m in msgs)
+
+
 def _catch(fn):
     try:
         fn()
