@@ -197,6 +197,7 @@ def _check_all_to_all(
     rows = [_check.encode_meta(t) for t in [*inputs, *outputs]]
     _, extras = _check.gather_meta(None, group, extra=[int(needs_grad), *(v for row in rows for v in row)])
     width = len(rows[0])
+    _check.refuse_wide((rank, e[1 + k * width]) for rank, e in enumerate(extras) for k in range(len(rows)))
 
     def meta(rank: int, k: int):
         return _check.decode_meta(extras[rank][1 + k * width : 1 + (k + 1) * width])

@@ -46,6 +46,7 @@ __all__ = [
     "encode_meta",
     "decode_meta",
     "meta_row",
+    "refuse_wide",
     "dtype_code",
     "raise_mismatch",
     "require_agreement",
@@ -121,12 +122,22 @@ class TensorMeta(tuple):
 
 
 def encode_meta(tensor: torch.Tensor | None) -> list[int]:
-    """``[ndim, dtype code, *shape, 0-padding]`` (2 + MAX_DIMS ints) of ``tensor``; ``[-1, -1, 0...]`` for None."""
+    """``[ndim, dtype code, *shape, 0-padding]`` (2 + MAX_DIMS ints) of ``tensor``; ``[-1, -1, 0...]`` for None.
+    Never raises: a tensor of more than MAX_DIMS dims is refused after the exchange, by every rank
+    (:func:`refuse_wide`), not by its own rank while the others wait in the exchange."""
     if tensor is None:
         return [-1, -1] + [0] * MAX_DIMS
-    if tensor.dim() > MAX_DIMS:
-        raise ValueError(f"tensors of more than {MAX_DIMS} dims are not supported, got shape {tuple(tensor.shape)}")
-    return [tensor.dim(), dtype_code(tensor.dtype)] + list(tensor.shape) + [0] * (MAX_DIMS - tensor.dim())
+    return meta_row(tensor.shape, tensor.dtype)
+
+
+def refuse_wide(ndims) -> None:
+    """Raise the same ValueError on every rank if any rank's tensor has more than MAX_DIMS dims: ``ndims`` is
+    (rank, number of dims) of every row gathered (a row's first entry), alike on every rank."""
+    wide = [(r, n) for r, n in ndims if n > MAX_DIMS]
+    if wide:
+        ranks = ", ".join(f"rank {r}: {n} dims" for r, n in wide)
+        raise ValueError(f"tensors of more than {MAX_DIMS} dims are not supported ({ranks}); reshape to at most "
+                         f"{MAX_DIMS} dims (every rank raises this error)")
 
 
 def meta_row(shape, dtype: torch.dtype) -> list[int]:
@@ -162,6 +173,7 @@ def gather_meta(tensor: torch.Tensor | None, group=None, *, extra: list[int] | N
         out = torch.empty(_groups.group_size(group) * len(row), dtype=torch.int64, device=device)
         all_gather_flat(out, local, group=group)
         rows = out.view(-1, len(row)).tolist()
+    refuse_wide((i, r[0]) for i, r in enumerate(rows))
     metas = [decode_meta(r[: 2 + MAX_DIMS]) for r in rows]
     if extra:
         return metas, [r[2 + MAX_DIMS :] for r in rows]

@@ -104,6 +104,15 @@ def _user_combine(combine: Callable, parts: Parts, single: bool) -> Callable[[Pa
     return checked
 
 
+def _try_combine(fold, parts: Parts) -> None:
+    """The user's combine (``_user_combine``'s check of it) tried once on this rank's own summary, before any
+    communication: a combine that does not keep the shapes of ``x`` raises here, on every rank alike (each
+    runs the same combine on summaries of the same shapes), instead of only on the ranks that combine after
+    the exchange while rank 0, which combines nothing there, waits in the next one."""
+    with torch.no_grad():
+        fold(parts, parts)
+
+
 def local_scan(
     rows: Parts, rank: int, *, combine: str | Callable[[Parts, Parts], Parts], exclusive: bool, identity: Parts
 ) -> Parts:
@@ -260,8 +269,8 @@ def scan(
         combine: "sum" (elementwise), "affine" (map composition in rank order: (A0, B0) then (A1, B1) =
             (A0 @ A1, B0 @ A1 + B1)), or an associative ``combine(left, right)`` taking and returning
             values shaped like ``x`` (``left`` holds the lower ranks), written in differentiable torch ops.
-            A result not shaped like ``x`` raises where the combine runs (after the all-gather, on the
-            ranks past the first).
+            It is tried once on this rank's own summary before any communication, so a result not shaped
+            like ``x`` raises the same error on every rank.
         exclusive: False: rank r receives x_0 ⊕ ... ⊕ x_r. True: x_0 ⊕ ... ⊕ x_{r-1}, and rank 0 the
             identity (zeros for "sum", (I, 0) for "affine", ``identity`` for a callable).
         identity: for a callable ``combine`` only: the identity, shaped like ``x`` (each tensor
@@ -300,6 +309,8 @@ def scan(
         fold = compose_affine
     elif callable(combine):
         fold = _user_combine(combine, parts, isinstance(x, torch.Tensor))
+        if n > 1:
+            _try_combine(fold, parts)
     else:
         fold = combine
     size = sum(p.numel() * p.element_size() for p in parts)
@@ -421,13 +432,25 @@ def _pieces_parts(combine, identity, parts: Parts, positions):
 def _scan_pieces(x, parts: Parts, positions, combine, exclusive: bool, identity, group, n: int, rank: int):
     from distcomm._all_gather import all_gather_variable
 
-    ident, places = _check.decide("scan", group, n, _pieces_parts, combine, identity, parts, positions)
+    if n == 1:
+        ident, places = _pieces_parts(combine, identity, parts, positions)
+        every, sizes = places.tolist(), [places.numel()]
+    else:  # this rank's verdict travels with its places: a bad `positions` raises on every rank
+        try:
+            (ident, places), error = _pieces_parts(combine, identity, parts, positions), None
+            if callable(combine):  # tried on one piece (zeros where this rank has none)
+                one = tuple(p[0] if places.numel() else p.new_zeros(p.shape[1:]) for p in parts)
+                _try_combine(_user_combine(combine, one, isinstance(x, torch.Tensor)), one)
+        except (TypeError, ValueError) as e:
+            ident, places, error = None, torch.zeros(0, dtype=torch.int64, device=parts[0].device), e
+        verdict = torch.tensor(_check.encode_verdict(error), dtype=torch.int64, device=places.device)
+        gathered, lengths = all_gather_variable(torch.cat([verdict, places]), 0, None, group)
+        rows = gathered.tolist()
+        starts = [sum(lengths[:r]) for r in range(n)]
+        _check.raise_verdicts("scan", [rows[a:a + _check.VERDICT_WIDTH] for a in starts])
+        sizes = [length - _check.VERDICT_WIDTH for length in lengths]
+        every = [p for a, length in zip(starts, lengths) for p in rows[a + _check.VERDICT_WIDTH:a + length]]
     count = places.numel()
-    if n > 1:
-        every, sizes = all_gather_variable(places, 0, None, group)
-    else:
-        every, sizes = places, [count]
-    every = every.tolist()
     if len(set(every)) != len(every):
         seen = sorted({p for p in every if every.count(p) > 1})
         raise ValueError(f"scan: `positions` must be distinct across the group; places {seen} are given by more "

@@ -205,6 +205,8 @@ def _verify_transfer(comm: RingComm, tensors, shapes, shift: int, op: str, arg: 
         row += _check.meta_row(t.shape, t.dtype) + _check.meta_row(s, t.dtype)
     rows = comm.all_gather_ints(row, device)
     width = 2 * (2 + _check.MAX_DIMS)
+    _check.refuse_wide((comm.ranks[p], rows[p][k * width + half]) for p in range(comm.size)
+                       for k in range(len(tensors)) for half in (0, width // 2))
     shift %= comm.size
     for p in range(comm.size):
         q = (p + shift) % comm.size
@@ -290,6 +292,7 @@ def _learn_recv_shape(comm: RingComm, tensor: torch.Tensor, shift: int, needs_gr
     requires grad (the backward is a ring pass too) agree."""
     row = _check.meta_row(tensor.shape, tensor.dtype) + [shift % comm.size, int(needs_grad)]
     rows = comm.all_gather_ints(row, _groups.comm_device(tensor, comm.group))
+    _check.refuse_wide((comm.ranks[i], r[0]) for i, r in enumerate(rows))
     ring_metas = [_check.decode_meta(r[:-2]) for r in rows]
     if any(m.dtype != ring_metas[0].dtype or len(m.shape) != len(ring_metas[0].shape) for m in ring_metas):
         _check.raise_mismatch("ring_pass", "dtypes or numbers of dims", ring_metas)

@@ -278,6 +278,19 @@ def _cases(rank: int, world: int) -> dict:
         "siglip_gather_dtype": (False, lambda: siglip_loss(img.double() if second else img, txt.double() if second else txt,
                                                           2.0, 0.0, impl="gather")),
         "siglip_skips_backward": (False, lambda: siglip_loss(img.requires_grad_(not first), txt, 2.0, 0.0)),
+        # more than MAX_DIMS (12) dims on one rank: refused by every rank after the exchange, not by its own
+        "var_wide_one_rank": (False, lambda: F.all_gather_variable(
+            torch.zeros([1] * 12 + [2]) if second else torch.zeros([1] * 11 + [2]), dim=-1)),
+        "all_reduce_wide_one_rank": (True, lambda: F.all_reduce(torch.zeros([1] * (13 if second else 12)))),
+        "ring_learn_wide_one_rank": (False, lambda: F.ring_pass(torch.zeros([2] + [1] * (12 if second else 11)))),
+        # scan: one rank's bad positions, and a combine that does not keep the shapes (log depth: rank 0
+        # combines nothing in the first round)
+        "scan_positions_repeated": (False, lambda: F.scan(torch.ones(2, 3), positions=[2, 2] if second else
+                                                          [2 * rank, 2 * rank + 1])),
+        "scan_positions_count": (False, lambda: F.scan(torch.ones(2, 3), positions=[2] if second else
+                                                       [2 * rank, 2 * rank + 1])),
+        "scan_combine_shape": (False, lambda: F.scan(torch.ones(2), combine=lambda a, b: torch.cat([a, b]),
+                                                     algorithm="log")),
     }
 
 
@@ -321,6 +334,15 @@ EXPECTED = {
     "siglip_gather_dtype": r"ValueError: siglip_loss: feature dims or dtypes differ across ranks \(rank 0: dim=4 "
                            r"dtype=torch.float32, rank 1: dim=4 dtype=torch.float64",
     "siglip_skips_backward": r"ValueError: siglip_loss: whether the loss needs a backward differs across ranks",
+    "var_wide_one_rank": r"ValueError: tensors of more than 12 dims are not supported \(rank 1: 13 dims\)",
+    "all_reduce_wide_one_rank": r"ValueError: tensors of more than 12 dims are not supported \(rank 1: 13 dims\)",
+    "ring_learn_wide_one_rank": r"ValueError: tensors of more than 12 dims are not supported \(rank 1: 13 dims\)",
+    "scan_positions_repeated": r"ValueError: scan: the input of rank 1 was rejected.*`positions` must be distinct, "
+                               r"got \[2, 2\]",
+    "scan_positions_count": r"ValueError: scan: the input of rank 1 was rejected.*`positions` holds 1 places; `x` has "
+                            r"2 pieces",
+    "scan_combine_shape": r"ValueError: `combine` returned shapes \[\(4,\)\]; it must keep the shapes of `x`, "
+                          r"\[\(2,\)\]",
 }
 
 
