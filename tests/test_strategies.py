@@ -597,6 +597,8 @@ def _run_local(case, index, group=None):
         return {"out": out.detach(), "dq": q.grad}
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = context_parallel_attn(q, k, v, **kwargs)
+    if case.get("twice"):  # a first backward through the same graph, kept: the gradients add up
+        out.backward(dout, retain_graph=True)
     out.backward(dout)
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
@@ -910,6 +912,29 @@ def test_hybrid_ring_dimension_sends_only_the_rows_read():
         minimum = 2 * row * sum(exchange_plan("contiguous", vis, 2, 2 * n).remote_rows(r))
         assert ring[1] == sent and 0 < sent <= 1.1 * minimum * (1 if sp.keep else 1.5), (r, u, ring, sent, minimum)
         assert sent < 2 * row * 2 * n  # less than one whole ring shard of k, v relayed
+
+
+def _hybrid_twice_rank(rank, world, cases):
+    mesh = _mesh((2, 2), ("ring", "ulysses"))
+    r, u = mesh.get_local_rank("ring"), mesh.get_local_rank("ulysses")
+    index = [dispatch.hybrid_positions(case["layout"], case["seq"], 2, r, 2, u) for case in cases]
+    return (r, u), [_run_local(case, i, group=mesh) for case, i in zip(cases, index)], index
+
+
+def test_hybrid_backward_twice_through_one_graph():
+    """Two backwards through one hybrid output (retain_graph): each gives the float64 gradients, so they add
+    up to twice them. The ring dimension's sparse sends keep their rows for the first backward only; the
+    second sends them again (it used to find no rows and fail on every rank)."""
+    base = dict(layout="contiguous", causal=True, b=1, h=2, hkv=2, d=8, seq=16, seed=92, twice=True)
+    cases = [dict(base, strategy="hybrid", window=(2, -1)), dict(base, strategy="hybrid", docs=[0, 3, 4, 11, 16]),
+             dict(base, strategy="hybrid", layout="zigzag", docs=[0, 3, 4, 11, 16]),
+             dict(base, strategy="hybrid_allgather", window=(2, -1))]
+    for (r, u), results, index in run_world(_hybrid_twice_rank, 4, cases, timeout=120):
+        for case, got, i in zip(cases, results, index):
+            want = _expected(case)
+            for name, ref in want.items():
+                ref = ref.index_select(1, i) * (1 if name == "out" else 2)
+                torch.testing.assert_close(got[name], ref, **FP64, msg=lambda m: f"{name} at {(r, u)}, {case}: {m}")
 
 
 def test_hybrid_positions_partition_the_sequence():

@@ -131,7 +131,8 @@ class _Ring:
 class _SparseRing:
     """The hybrid's ring dimension with direct sparse sends (Note [Sparse ring]) as Ulysses' inner computation,
     over transport ``t``; rows in source order. One forward, then its backward: the rows the forward keeps for
-    the backward (``sp.keep``) wait on the object in between."""
+    the backward (``sp.keep``) wait on the object in between, and the first backward takes them (another
+    backward through the same graph sends the rows again)."""
 
     def __init__(self, t, sp, softcap: float, scale: float, fwd, bwd):
         self.t, self.sp, self.softcap, self.scale, self.fwd, self.bwd = t, sp, softcap, scale, fwd, bwd

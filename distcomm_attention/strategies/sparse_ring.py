@@ -131,7 +131,10 @@ def sparse_ring_backward(dout, q, k, v, out, lse, km, t, sp: SparseRing, kept, s
     moves = _moves(sp, k.device)
     dout, acc_dtype, delta, dq = backward_start(dout, q, out, bwd)
     steps = plan.steps
-    handle = None if sp.keep else _post_rows(t, k, v, km, moves[1])
+    # the forward's rows, unless a backward already took them (a second backward through the same graph,
+    # retain_graph: every rank's were taken alike, so every rank sends the rows again)
+    keep = sp.keep and kept is not None
+    handle = None if keep else _post_rows(t, k, v, km, moves[1])
     dk_own, dv_own = step_grads(dout, q, k, v, out, lse, delta, km, dq, plan, 0, softcap, scale, bwd, acc_dtype)
     back = []  # (move, handle) of the dK, dV on their way to their sources, at most two in flight
 
@@ -141,7 +144,7 @@ def sparse_ring_backward(dout, q, k, v, out, lse, km, t, sp: SparseRing, kept, s
         _add_rows(dv_own, move, dv_r)
 
     for i in range(1, len(steps)):
-        if sp.keep:
+        if keep:
             kb, vb, mb = kept[i - 1]
         else:
             kb, vb, mb = _received(handle, km is not None)
