@@ -366,11 +366,12 @@ def _wait(pending) -> tuple[torch.Tensor, torch.Tensor | None]:
     return handle_right.wait()[0], None if handle_left is None else handle_left.wait()[0]
 
 
-def _exchange_sizes(op: str, image_features: torch.Tensor, needs_grad: bool, group, error=None,
+def _exchange_sizes(op: str, image_features: torch.Tensor, needs_grad: int, group, error=None,
                     agreed: dict[str, torch.Tensor] | None = None) -> list[int]:
     """Every rank's batch size (one small all_gather), checking that every rank's own inputs passed its
     checks (``error``: this rank's verdict, None if they did), and that feature dims, dtypes and
-    ``needs_grad`` (whether this rank's loss will be in the autograd graph) agree across ranks.
+    ``needs_grad`` agree across ranks: bit 0 whether this rank's loss will be in the autograd graph, bits 1 and
+    2 whether its image and its text features need grad.
 
     Both losses' backward passes communicate, so a rank without a graph would leave its peers waiting in
     theirs; every rank sees the same gathered rows and raises the same error (Note [Collective verdicts]
@@ -403,12 +404,23 @@ def _exchange_sizes(op: str, image_features: torch.Tensor, needs_grad: bool, gro
     if any(r[1:3] != rows[0][1:3] for r in rows):
         detail = ", ".join(f"rank {i}: dim={r[1]} dtype={_check.decode_meta([0, r[2]]).dtype}" for i, r in enumerate(rows))
         raise ValueError(f"{op}: feature dims or dtypes differ across ranks ({detail}); they must agree")
-    if any(r[3] != rows[0][3] for r in rows):
-        detail = ", ".join(f"rank {i}: {bool(r[3])}" for i, r in enumerate(rows))
+    if any(r[3] & 1 != rows[0][3] & 1 for r in rows):
+        detail = ", ".join(f"rank {i}: {bool(r[3] & 1)}" for i, r in enumerate(rows))
         raise ValueError(
             f"{op}: whether the loss needs a backward differs across ranks ({detail}); the backward "
             "communicates, so it must be all or none: grad mode enabled and the features or the scalars "
             "(`logit_scale`, `logit_bias`) requiring grad on every rank, or on none"
+        )
+    if any(r[3] != rows[0][3] for r in rows):
+        def which(code: int) -> str:
+            named = [n for bit, n in ((2, "image_features"), (4, "text_features")) if code & bit]
+            return " and ".join(named) or "neither"
+
+        detail = "; ".join(f"rank {i}: {which(r[3])}" for i, r in enumerate(rows))
+        raise ValueError(
+            f"{op}: which features need grad differs across ranks ({detail}); the features' gathers have a "
+            "backward only on the ranks whose features need grad, and it communicates, so `image_features` and "
+            "`text_features` must each need grad on every rank or on none"
         )
     return [r[0] for r in rows]
 
@@ -424,7 +436,11 @@ def _agree_on_inputs(op: str, comm: RingComm, image_features, validate, *args, n
     except (TypeError, ValueError, OverflowError) as e:
         scalars, error = None, e
     tensors = [t for t in (*args, *(scalars or ())) if isinstance(t, torch.Tensor)]
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    grad = torch.is_grad_enabled()
+    # bit 0: the loss needs a backward; bits 1, 2: the image and the text features need grad (their gathers
+    # have a backward, a collective, only where they do)
+    needs_grad = int(grad and any(t.requires_grad for t in tensors)) | sum(
+        bit for bit, t in ((2, args[1]), (4, args[2])) if grad and isinstance(t, torch.Tensor) and t.requires_grad)
     # the same names on every rank (the rows' lengths must match), values or None where unread
     agreed = {**dict(zip(names, scalars or (None,) * len(names))), **(extra or {})}
     return _exchange_sizes(op, image_features, needs_grad, comm.group, error, agreed), scalars

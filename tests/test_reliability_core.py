@@ -278,6 +278,12 @@ def _cases(rank: int, world: int) -> dict:
         "siglip_gather_dtype": (False, lambda: siglip_loss(img.double() if second else img, txt.double() if second else txt,
                                                           2.0, 0.0, impl="gather")),
         "siglip_skips_backward": (False, lambda: siglip_loss(img.requires_grad_(not first), txt, 2.0, 0.0)),
+        # every loss needs a backward (its scale does), but the features' gathers would have one on rank 0 only
+        "clip_feature_grad_one_rank": (False, lambda: clip_loss(img.detach().requires_grad_(first), txt.detach(),
+                                                                torch.tensor(2.0, requires_grad=True))),
+        "siglip_text_grad_one_rank": (False, lambda: siglip_loss(img.detach(), txt.detach().requires_grad_(first),
+                                                                 torch.tensor(2.0, requires_grad=True), 0.0,
+                                                                 impl="gather")),
         # more than MAX_DIMS (12) dims on one rank: refused by every rank after the exchange, not by its own
         "var_wide_one_rank": (False, lambda: F.all_gather_variable(
             torch.zeros([1] * 12 + [2]) if second else torch.zeros([1] * 11 + [2]), dim=-1)),
@@ -334,6 +340,10 @@ EXPECTED = {
     "siglip_gather_dtype": r"ValueError: siglip_loss: feature dims or dtypes differ across ranks \(rank 0: dim=4 "
                            r"dtype=torch.float32, rank 1: dim=4 dtype=torch.float64",
     "siglip_skips_backward": r"ValueError: siglip_loss: whether the loss needs a backward differs across ranks",
+    "clip_feature_grad_one_rank": r"ValueError: clip_loss: which features need grad differs across ranks \(rank 0: "
+                                  r"image_features; rank 1: neither",
+    "siglip_text_grad_one_rank": r"ValueError: siglip_loss: which features need grad differs across ranks \(rank 0: "
+                                 r"text_features; rank 1: neither",
     "var_wide_one_rank": r"ValueError: tensors of more than 12 dims are not supported \(rank 1: 13 dims\)",
     "all_reduce_wide_one_rank": r"ValueError: tensors of more than 12 dims are not supported \(rank 1: 13 dims\)",
     "ring_learn_wide_one_rank": r"ValueError: tensors of more than 12 dims are not supported \(rank 1: 13 dims\)",
