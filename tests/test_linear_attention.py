@@ -673,6 +673,35 @@ def _hf_rank(rank: int, world: int, layout: str, family: str):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
+def _hf_one_token_rank(rank: int, world: int, padded: bool):
+    from distcomm_attention.integrations import huggingface as ring_hf
+
+    ring = ring_hf.register("cp_one_token", layout="contiguous")
+    model = ring.attach(_qwen3_next(ring.name, "bamba"))
+    ids = _hf_ids()[:, :world]
+    mask = torch.ones_like(ids)
+    mask[1, 0] = 0 if padded else 1
+    try:
+        loss = model(**ring.shard_inputs(input_ids=ids, labels=ids, attention_mask=mask)).loss
+    except ValueError as e:
+        return str(e)
+    loss.backward()
+    return None
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_hf_padded_one_token_shards_are_refused(padded):
+    """One token per rank with padding: transformers hands linear-attention layers no padding mask for a
+    one-token input (a decode step to it), so a padded token would enter their state; shard_inputs refuses it
+    with the same error on every rank. Without padding the same shards run."""
+    messages = run_world(_hf_one_token_rank, 2, padded, timeout=120)
+    if padded:
+        assert messages[0] is not None and len(set(messages)) == 1, messages
+        assert "one token per rank" in messages[0] and "at least two tokens per rank" in messages[0]
+    else:
+        assert messages == [None, None]
+
+
 @pytest.mark.parametrize("world, layout, family", [(2, "zigzag", "qwen3_next"), (3, "zigzag", "qwen3_next"),
                                                    (3, "contiguous", "qwen3_next"), (2, "zigzag", "qwen3_5"),
                                                    (3, "zigzag", "bamba"), (2, "contiguous", "granitemoehybrid"),

@@ -272,6 +272,7 @@ class RingAttentionHF:
             raise ValueError(f"{type(model).__name__} has no linear-attention layer to attach ({layers.SUPPORTED})")
         for module, layer_forward in found:
             module.forward = functools.partial(_linear_forward, layer_forward, self, module, kernel)
+        object.__setattr__(self, "_linear_layers", True)  # (shard_inputs refuses padded one-token shards for them)
         return model
 
     # -- inputs ---------------------------------------------------------------------------------------
@@ -329,6 +330,13 @@ class RingAttentionHF:
         inputs["position_ids"] = shard(position_ids)
         if real is not None and not bool(real.all()):  # decided on the full batch: the same on every rank
             inputs["attention_mask"] = shard(attention_mask.bool())
+            if getattr(self, "_linear_layers", False) and inputs["attention_mask"].shape[1] == 1:
+                raise ValueError(
+                    f"padded inputs of {seq} tokens on {seq // inputs['attention_mask'].shape[1]} ranks leave one "
+                    "token per rank, and transformers gives linear-attention layers no padding mask for a "
+                    "one-token input (it takes it for a decode step), so a padded token would enter their state: "
+                    "use at least two tokens per rank, or no padding (every rank raises this error)"
+                )
         if labels is not None:
             _check_2d("labels", labels, seq, batch)
             # a document's last token has no next token in its document
