@@ -191,7 +191,7 @@ def kernel_times(fn, top: int = 14) -> list[tuple[str, float]]:
     return [(name, round(ms, 4)) for name, ms in ranked[:top]] + [("total", round(sum(totals.values()), 4))]
 
 
-def timeline(fn, ahead_ms: float, top: int = 60) -> dict:
+def timeline(fn, ahead_ms: float) -> dict:
     """One call of ``fn`` behind a GPU sleep of ``ahead_ms`` (the host ahead), as the GPU ran it: every kernel
     and copy in start order (ms from the first, ms long, stream), and the time no stream was busy inside the
     call's span (gaps: waits for the host, or for a synchronising call), from torch.profiler's device events."""
@@ -215,7 +215,7 @@ def timeline(fn, ahead_ms: float, top: int = 60) -> dict:
         end = max(end, start + dur)
     rows = [(round((s - t0) / 1e6, 4), round(d / 1e6, 4), stream, name[:60]) for s, d, stream, name in events]
     return {"span_ms": round((end - t0) / 1e6, 4), "idle_ms": round(idle / 1e6, 4),
-            "kernels_ms": round(sum(d for _, d, _, _ in events) / 1e6, 4), "events": rows[:top] if top else rows}
+            "kernels_ms": round(sum(d for _, d, _, _ in events) / 1e6, 4), "events": rows}
 
 
 def host_top(fn, iters: int, device, top: int = 30) -> dict[str, list[tuple[str, float, float, int]]]:
@@ -293,9 +293,8 @@ def run_case(args, kind, layout, n, world, device, dtype, run) -> dict:
         row["profile_rank_host_ms"] = 1e3 * U.host_seconds(step, 1e-3 * rank_ms[busiest], args.iters, device)
         row["profile_rank_host_top"] = host_top(step, args.iters, device)
         row["profile_local_call_kernels"] = kernel_times(lambda: full_call(kind, part, run, args.backward))
-        row["profile_rank_timeline"] = timeline(step, 2 * rank_ms[busiest] + 1, top=0)
-        row["profile_local_call_timeline"] = timeline(lambda: full_call(kind, part, run, args.backward),
-                                                      2 * local + 1, top=0)
+        row["profile_rank_timeline"] = timeline(step, 2 * rank_ms[busiest] + 1)
+        row["profile_local_call_timeline"] = timeline(lambda: full_call(kind, part, run, args.backward), 2 * local + 1)
     del full
     if device.type == "cuda":
         torch.cuda.empty_cache()
