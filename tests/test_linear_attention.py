@@ -312,6 +312,37 @@ def test_the_fold_multiplies_only_where_a_state_crosses(docs, finals, folds, mon
     assert len(calls) == folds
 
 
+@pytest.mark.parametrize("docs, calls, passes", [
+    (None, 0, 1),  # zigzag rank 0: its closed first run and open last run, one call of the two passes
+    ([0, 28, 32], 1, 1),  # a document start inside the last run: segments of two lengths, apart
+])
+def test_a_closed_run_joins_the_open_ones_as_a_batch_row(docs, calls, passes, monkeypatch):
+    """The gated delta rule's rank 0 of a zigzag layout holds the sequence's first run (closed) and its last
+    (open), of one length: both go through one call of the two passes as batch rows (one call's host work, not
+    two), unless their segments differ in length. The values are the float64 tests' (test_world_1_and_2);
+    here the count of kernel calls is the skipped work's property."""
+    from types import SimpleNamespace
+
+    from distcomm_attention.linear import recurrence
+
+    case = _case("gdn", "zigzag", 32, docs)
+    (q, k, v, g, beta, h0), _ = make_inputs(case)
+    plan = recurrence._checks.cached_plan("zigzag", 32, 2, None if docs is None else tuple(docs), False)
+    local = [shard_sequence(t, "zigzag", ring_size=2, rank=0, cu_seqlens=docs) for t in (q, k, v, g, beta)]
+    counted = {"calls": 0, "passes": 0}
+    call_kernel, two_passes = recurrence._Call._call, recurrence.open_segments
+    monkeypatch.setattr(recurrence._Call, "_call", lambda self, *a, **kw: counted.update(
+        calls=counted["calls"] + 1) or call_kernel(self, *a, **kw))
+    monkeypatch.setattr(recurrence, "open_segments", lambda *a, **kw: counted.update(
+        passes=counted["passes"] + 1) or two_passes(*a, **kw))
+    comm = SimpleNamespace(size=2, rank=0, group=None)
+    run = recurrence.select_kernel("torch", local[0], backward=False, delta=True)
+    call = recurrence._Call(plan, comm, run, 0.5, *local, h0 if docs is None else None,
+                            gather=lambda t: t.unsqueeze(0).expand(2, *t.shape))
+    call.forward(False)
+    assert counted == {"calls": calls, "passes": passes}
+
+
 def test_inside_torch_compile_the_operators_run_eagerly():
     """A compiled function calling the operators (one process, no process group) gives the eager values and
     gradients; the compiler does not trace their planning (it would warn of the plan cache it bypasses)."""

@@ -82,13 +82,31 @@ def test_maps_kernel_refuses_wide_keys():
         delta_maps(k, k, torch.zeros(1, 64, 1, 8), torch.zeros(1, 64, 1))
 
 
+def local_values_grad(q, k, gl, do, scale, bounds):
+    """fla's ``chunk_bwd_dv_local`` in float64: dv_i = sum over later tokens j of i's chunk of scale (k_i . q_j)
+    2^(gl_j - gl_i) do_j (gl: the chunk-local gates in log2 units), chunks restarting at every sequence start."""
+    hv = do.shape[2]
+    qq, kk = (x.repeat_interleave(hv // x.shape[2], 2).transpose(1, 2) for x in (q, k))
+    gt, dot = gl.transpose(1, 2), do.transpose(1, 2)
+    dv = torch.zeros_like(dot)
+    for a, e in zip(bounds[:-1], bounds[1:]):
+        for c in range(a, e, CHUNK):
+            sl = slice(c, min(c + CHUNK, e))
+            weight = (kk[:, :, sl] @ qq[:, :, sl].transpose(-1, -2)) * scale
+            weight = (weight * torch.exp2(gt[:, :, None, sl] - gt[:, :, sl, None])).triu()
+            dv[:, :, sl] = weight @ dot[:, :, sl]
+    return dv.transpose(1, 2)
+
+
+@pytest.mark.parametrize("given", [False, True])
 @pytest.mark.parametrize("batch, bounds, heads, dims", [
     (1, [0, 37, 37 + 150, 37 + 150 + 64], (2, 4), (16, 24)),
     (2, None, (2, 2), (8, 40)),
 ])
-def test_state_grad_kernel_matches_the_recurrence(batch, bounds, heads, dims):
+def test_state_grad_kernel_matches_the_recurrence(batch, bounds, heads, dims, given):
     """dS_in = (d o / d S_in)^T do by the reverse state-only pass, against autograd through the float64
-    recurrence from S_in (its outputs' weights do)."""
+    recurrence from S_in (its outputs' weights do); the values' local gradient made in the pass, or ``given``
+    (fla's, here made in float64)."""
     from distcomm_attention.linear.maps_kernel import delta_state_grad
 
     gen = _gen("state grad", batch, bounds, heads, dims)
@@ -109,7 +127,11 @@ def test_state_grad_kernel_matches_the_recurrence(batch, bounds, heads, dims):
 
     w, _, gl = wy_inputs(k, v, g, beta, bounds or [0, t])
     cu = None if bounds is None else torch.tensor(bounds, device=DEVICE)
-    mine = delta_state_grad(*(x.float().to(DEVICE) for x in (q, k, w, gl, do)), scale=0.7, cu_seqlens=cu)
+    dv_local = local_values_grad(q, k, gl, do, 0.7, bounds or [0, t]) if batch == 1 else \
+        torch.cat([local_values_grad(q[i:i + 1], k[i:i + 1], gl[i:i + 1], do[i:i + 1], 0.7, [0, t])
+                   for i in range(batch)])
+    mine = delta_state_grad(*(x.float().to(DEVICE) for x in (q, k, w, gl, do)), scale=0.7, cu_seqlens=cu,
+                            dv_local=dv_local.float().to(DEVICE) if given else None)
     assert mine.shape == (n, hv, dk, dv) and mine.dtype == torch.float32
     torch.testing.assert_close(mine.cpu().double(), ref, **KERNEL_TOL)
 
@@ -155,8 +177,9 @@ def test_kernels_match_fla_passes(varlen):
     dv_local = chunk_bwd_dv_local(q=q, k=k, do=do, g=g, scale=dk**-0.5, cu_seqlens=cu)
     ds_ref = chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, do=do, dv=dv_local, g=g, h0=h0, dht=None,
                                             scale=dk**-0.5, cu_seqlens=cu)[1]
-    ds = delta_state_grad(q, k, w, g, do, dk**-0.5, cu)
-    torch.testing.assert_close(ds, ds_ref, rtol=2e-2, atol=2e-2 * ds_ref.abs().max().item())
+    for given in (None, dv_local):
+        ds = delta_state_grad(q, k, w, g, do, dk**-0.5, cu, dv_local=given)
+        torch.testing.assert_close(ds, ds_ref, rtol=2e-2, atol=2e-2 * ds_ref.abs().max().item())
 
 
 @pytest.mark.gpu

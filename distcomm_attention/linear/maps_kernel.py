@@ -106,9 +106,9 @@ _maps_tuned = _tuned(_maps_kernel)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _state_grad_kernel(q, k, w, g, do, out, cu_seqlens, scale, T, H: tl.constexpr, HV: tl.constexpr,
+def _state_grad_kernel(q, k, w, g, do, dvl, out, cu_seqlens, scale, T, H: tl.constexpr, HV: tl.constexpr,
                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       IS_VARLEN: tl.constexpr):
+                       IS_VARLEN: tl.constexpr, HAS_DV: tl.constexpr):
     i_nh, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_h, bos, T = _sequence(i_nh, cu_seqlens, T, HV, IS_VARLEN)
     o_k = tl.arange(0, BK)
@@ -121,6 +121,7 @@ def _state_grad_kernel(q, k, w, g, do, out, cu_seqlens, scale, T, H: tl.constexp
     k += (bos * H + i_h // (HV // H)) * K
     w += (bos * HV + i_h) * K
     do += (bos * HV + i_h) * V
+    dvl += (bos * HV + i_h) * V
     g += bos * HV + i_h
     for i_t in range(tl.cdiv(T, BT) - 1, -1, -1):
         o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)  # row offsets reach T * HV * V
@@ -133,10 +134,15 @@ def _state_grad_kernel(q, k, w, g, do, out, cu_seqlens, scale, T, H: tl.constexp
         last = tl.minimum((i_t + 1) * BT, T) - 1
         b_g_last = tl.load(g + last * HV).to(tl.float32)
         b_g = tl.load(g + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
-        # the values' gradient inside the chunk (fla's chunk_bwd_dv_local), then through the state (its dhu)
-        b_a = tl.dot(b_k, tl.trans(b_q)) * scale * tl.exp2(b_g[None, :] - b_g[:, None])
-        b_a = tl.where((o_t[:, None] <= o_t[None, :]) & m_t[:, None] & m_t[None, :], b_a, 0.0)
-        b_dv = tl.dot(b_a.to(b_do.dtype), b_do).to(b_do.dtype).to(tl.float32)
+        # the values' gradient inside the chunk (fla's chunk_bwd_dv_local: given, or made here), then through the
+        # state (its dhu)
+        if HAS_DV:
+            b_dv = tl.load(dvl + o_t[:, None] * (HV * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                           other=0.0).to(tl.float32)
+        else:
+            b_a = tl.dot(b_k, tl.trans(b_q)) * scale * tl.exp2(b_g[None, :] - b_g[:, None])
+            b_a = tl.where((o_t[:, None] <= o_t[None, :]) & m_t[:, None] & m_t[None, :], b_a, 0.0)
+            b_dv = tl.dot(b_a.to(b_do.dtype), b_do).to(b_do.dtype).to(tl.float32)
         b_dv += tl.dot(b_k, b_dh.to(b_k.dtype)) * tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)[:, None]
         b_qg = b_q * tl.exp2(b_g)[:, None]  # float32, as fla's reverse pass keeps it
         b_dh = b_dh * tl.exp2(b_g_last) + tl.dot(tl.trans(b_qg), b_do.to(tl.float32)) * scale \
@@ -148,8 +154,9 @@ _state_grad_tuned = _tuned(_state_grad_kernel)
 
 
 def delta_maps(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
-               cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A, B) of each sequence (the module's docstring); ``cu_seqlens`` on k's device, B = 1 with it."""
+               cu_seqlens: torch.Tensor | None = None, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) of each sequence (the module's docstring); ``cu_seqlens`` on k's device, B = 1 with it. ``config``:
+    one launch configuration (BV, num_warps, num_stages) instead of the tuned one (benchmarks)."""
     b, t, heads, dk = k.shape
     hv, dv = u.shape[2], u.shape[3]
     if dk > MAX_K:
@@ -164,16 +171,22 @@ def delta_maps(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tenso
 
     args = (k, w, u, g, out, cu_seqlens, t)
     meta = dict(H=heads, HV=hv, K=dk, V=dv, BT=CHUNK, BK=bk, IS_VARLEN=cu_seqlens is not None)
-    _launch(_maps_kernel, _maps_tuned, grid, args, meta, k.is_cuda)
+    if config is not None:
+        _maps_kernel[grid({"BV": config["BV"]})](*args, **meta, **config)
+    else:
+        _launch(_maps_kernel, _maps_tuned, grid, args, meta, k.is_cuda)
     return out[..., dv:], out[..., :dv]
 
 
 def delta_state_grad(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, g: torch.Tensor, do: torch.Tensor,
-                     scale: float, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, cu_seqlens: torch.Tensor | None = None,
+                     dv_local: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """dS_in = (d o / d S_in)^T do of each sequence (N, HV, K, V) float32, by one reverse state-only pass: fla's
     local values' gradient and reverse state pass (``chunk_bwd_dv_local``, ``chunk_gated_delta_rule_bwd_dhu``
     without an end-state gradient) fused, nothing stored but dS_in. q, k (B, T, H, K); w (B, T, HV, K); g as
-    ``delta_maps``; do (B, T, HV, V)."""
+    ``delta_maps``; do (B, T, HV, V); ``dv_local`` (like do): the local gradient already made (fla's), read
+    instead of made. ``config``: one launch configuration (BV, num_warps, num_stages) instead of the tuned one
+    (benchmarks)."""
     b, t, heads, dk = k.shape
     hv, dv = do.shape[2], do.shape[3]
     if dk > MAX_K:
@@ -181,9 +194,13 @@ def delta_state_grad(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, g: torch
     q, k, w, do, g = q.contiguous(), k.contiguous(), w.contiguous(), do.contiguous(), g.float().contiguous()
     n = b if cu_seqlens is None else len(cu_seqlens) - 1
     out = torch.empty(n, hv, dk, dv, dtype=torch.float32, device=k.device)
-    args = (q, k, w, g, do, out, cu_seqlens, scale, t)
+    has_dv = dv_local is not None
+    args = (q, k, w, g, do, dv_local.contiguous() if has_dv else do, out, cu_seqlens, scale, t)
     meta = dict(H=heads, HV=hv, K=dk, V=dv, BT=CHUNK, BK=max(16, triton.next_power_of_2(dk)),
-                IS_VARLEN=cu_seqlens is not None)
-    _launch(_state_grad_kernel, _state_grad_tuned, lambda m: (n * hv, triton.cdiv(dv, m["BV"])), args, meta,
-            k.is_cuda)
+                IS_VARLEN=cu_seqlens is not None, HAS_DV=has_dv)
+    grid = lambda m: (n * hv, triton.cdiv(dv, m["BV"]))  # noqa: E731
+    if config is not None:
+        _state_grad_kernel[grid({"BV": config["BV"]})](*args, **meta, **config)
+    else:
+        _launch(_state_grad_kernel, _state_grad_tuned, grid, args, meta, k.is_cuda)
     return out

@@ -391,11 +391,16 @@ class _Call:
         b = x[0].shape[0]
         if len(segs) == 1:
             return x, None, b
-        if len({s.length for s in segs}) == 1 and len(segs) <= _MAX_ROWS and b * len(segs) * self.hv <= _MAX_GRID_Y:
+        if self._as_rows(segs):
             shape = (b * len(segs), segs[0].length)  # (B, S L, ...) -> (B S, L, ...): the same order of sequences
             return [None if t is None else t.reshape(shape + t.shape[2:]) for t in x], None, b
         x = [None if t is None else t.reshape((1, -1) + t.shape[2:]) for t in x]
         return x, torch.tensor([0] + [s.length for _ in range(b) for s in segs]).cumsum(0), b
+
+    def _as_rows(self, segs) -> bool:
+        """Whether one kernel call takes ``segs`` as batch rows (``_packed``): a few segments of one length."""
+        return (len({s.length for s in segs}) == 1 and len(segs) <= _MAX_ROWS
+                and self.q.shape[0] * len(segs) * self.hv <= _MAX_GRID_Y)
 
     @staticmethod
     def _per_segment(t, segs, b):
@@ -419,25 +424,64 @@ class _Call:
         return self._split(o, segs, b), self._per_segment(ends, segs, b)
 
     def _phase1(self, closed, opening):
-        """Phase 1: (o, end state) per closed segment; (A, B) per open one and ``finish``, taking the open
-        segments' incoming states to their outputs (phase 3). The scalar decay runs every segment in one kernel
-        call (an open one from a zero state, corrected in phase 3); the delta rule runs the closed ones in one
-        call and the open ones in two passes, their maps now and their outputs from the incoming states
-        (Note [Open segments in two passes] in kernels.py)."""
+        """Phase 1: (o, end state) per closed segment, o None where phase 3 gives it; (A, B) per open one; and
+        ``finish``, taking the open segments' incoming states to {local start: outputs} of the segments whose
+        outputs phase 3 gives. The scalar decay runs every segment in one kernel call (an open one from a zero
+        state, corrected in phase 3); the delta rule runs the closed ones in one call and the open ones in two
+        passes, their maps now and their outputs from the incoming states (Note [Open segments in two passes]
+        in kernels.py), or, where they would all be batch rows of one call (a zigzag rank 0's two runs), the
+        closed ones in the two passes too, from their documents' initial states: one call's host work saved."""
         if not self.delta:
             segs = sorted(closed + opening, key=lambda s: s.local)
             results = dict(zip((s.local for s in segs), zip(*self._call(segs, h0=self._states_of(segs))))) \
                 if segs else {}
             started = [self._scalar_open(s, *results[s.local]) for s in opening]
             return ([results[s.local] for s in closed], [(a, b) for _, _, a, b in started],
-                    lambda hs: [self._corrected(o0, factor, h) for (o0, factor, _, _), h in zip(started, hs)])
+                    lambda hs: {s.local: self._corrected(o0, factor, h)
+                                for s, (o0, factor, _, _), h in zip(opening, started, hs)})
+        if closed and opening and self._as_rows(closed + opening):
+            return self._rows_in_two_passes(closed, opening)
         done = list(zip(*self._call(closed, h0=self._states_of(closed)))) if closed else []
         if not opening:
-            return done, [], lambda hs: []
+            return done, [], lambda hs: {}
         x, cu, b = self._packed(opening)
         a, bmap, finish = open_segments(self.passes, *x, scale=self.scale, cu_seqlens=cu)
         maps = list(zip(self._per_segment(a, opening, b), self._per_segment(bmap, opening, b)))
-        return done, maps, lambda hs: self._split(finish(torch.stack(hs, 1).flatten(0, 1)), opening, b)
+        return done, maps, lambda hs: dict(zip((s.local for s in opening),
+                                               self._split(finish(torch.stack(hs, 1).flatten(0, 1)), opening, b)))
+
+    def _rows_in_two_passes(self, closed, opening):
+        """``_phase1`` of the delta rule with every segment a batch row of the two passes: a closed segment's
+        end state is its map applied to its document's initial state (B alone from zeros), its outputs come
+        from that state in phase 3 with the open segments'."""
+        segs = sorted(closed + opening, key=lambda s: s.local)
+        x, cu, b = self._packed(segs)
+        a, bmap, finish = open_segments(self.passes, *x, scale=self.scale, cu_seqlens=cu)
+        maps = dict(zip((s.local for s in segs), zip(self._per_segment(a, segs, b), self._per_segment(bmap, segs, b))))
+        entering = {s.local: self._entering(s) for s in closed}
+        done = [(None, maps[s.local][1] if entering[s.local] is None else
+                 self._product(maps[s.local][0].flatten(0, 1), maps[s.local][1].flatten(0, 1),
+                               entering[s.local].flatten(0, 1)).view(self.b_shape)) for s in closed]
+
+        def finish_all(hs):
+            given = dict(zip((s.local for s in opening), hs))
+            zero = None
+            states = []
+            for s in segs:
+                h = given[s.local] if s.local in given else entering[s.local]
+                if h is None:
+                    zero = zero if zero is not None else hs[0].new_zeros(self.b_shape)
+                    h = zero
+                states.append(h)
+            return dict(zip((s.local for s in segs), self._split(finish(torch.stack(states, 1).flatten(0, 1)), segs, b)))
+
+        return done, [maps[s.local] for s in opening], finish_all
+
+    def _entering(self, seg):
+        """The state entering closed segment ``seg`` in the map's dtype (its document's initial state), or None
+        for zeros."""
+        h = self._doc_state(seg.doc)
+        return None if h is None else h.to(self.sdtype).view(self.b_shape)
 
     def _scalar_open(self, seg, o, end):
         # the sum along the tokens as the last dim: along the strided middle dim it took 5.9 ms on an H100
@@ -477,7 +521,8 @@ class _Call:
         done, maps, finish = self._phase1(closed, [r.segments[0] for r in runs])
         end_of = {}
         for s, (o, e) in zip(closed, done):
-            pieces[s.local] = o
+            if o is not None:
+                pieces[s.local] = o
             end_of[s.local] = (zero_a, e)
         for r, ab in zip(runs, maps):
             end_of[r.segments[0].local] = ab
@@ -490,8 +535,7 @@ class _Call:
         gathered = self.gather(table)
         open_ends = _open_ends(plan) if finals else frozenset()
         states = self._fold(gathered, open_ends)
-        for r, o in zip(runs, finish([states[r.order] for r in runs])):
-            pieces[r.segments[0].local] = o
+        pieces.update(finish([states[r.order] for r in runs]))
         ordered = [pieces[key] for key in sorted(pieces)]
         out = (ordered[0] if len(ordered) == 1 else torch.cat(ordered, dim=1)).to(self.q.dtype)
         if gathered.requires_grad:  # every rank joins the gather's backward (Note [Scan by gathered summaries])
