@@ -1,6 +1,7 @@
 """Time the gated delta rule's state passes alone at one rank's shapes (one GPU, fla-core, no tilelang needed):
-fla's forward state pass, its values' local gradient and reverse pass, and this library's two state-only passes
-(distcomm_attention/linear/maps_kernel.py: the maps, and dS_in by the fused reverse pass), each the median of
+fla's forward state pass, its values' local gradient and reverse pass (dS_in, without an end-state gradient, as the
+open segments' backward runs it), and this library's state-only pass (distcomm_attention/linear/maps_kernel.py:
+the maps), each the median of
 CUDA-event timings; and each pass again with the tokens cut into pieces run as batch rows, which shows whether a
 pass's time follows its work or its chain of chunks (a pass bound by the chain would take 1/P of the time in P
 pieces, and an open segment could then run its passes in pieces).
@@ -41,9 +42,6 @@ def main() -> None:
     p.add_argument("--splits", default="1,2,4,8",
                    help="the tokens also cut into this many equal pieces, run as batch rows (chunk-local inputs "
                         "stay valid): whether a pass's time follows its work or its chain of chunks")
-    p.add_argument("--configs", action="store_true",
-                   help="also every launch configuration of the two state-only passes (BV, warps, stages), dS_in "
-                        "both fused and reading fla's dv_local: what the tuner chooses among")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
@@ -52,7 +50,7 @@ def main() -> None:
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
-    from distcomm_attention.linear.maps_kernel import delta_maps, delta_state_grad
+    from distcomm_attention.linear.maps_kernel import delta_maps
 
     torch.manual_seed(0)
     dev, bf = torch.device("cuda"), torch.bfloat16
@@ -71,11 +69,6 @@ def main() -> None:
     dv_local = chunk_bwd_dv_local(q=q, k=k, do=do, g=g, scale=scale)
     dhu = lambda end: chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, do=do, dv=dv_local, g=g, h0=h0,  # noqa: E731
                                                      dht=end, scale=scale)
-    ds = delta_state_grad(q, k, w, g, do, scale)
-    ds_ref = dhu(None)[1]
-    rel = lambda x: ((x - ds_ref).abs().max() / ds_ref.abs().max()).item()  # noqa: E731
-    error = rel(ds)
-    error_given = rel(delta_state_grad(q, k, w, g, do, scale, dv_local=dv_local))
     rows = {
         "fla forward state pass (fwd_h)": timed(lambda: chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g,
                                                                                      initial_state=h0)),
@@ -83,24 +76,7 @@ def main() -> None:
         "fla reverse pass with it": timed(lambda: dhu(dht)),
         "fla local values' gradient (dv_local)": timed(lambda: chunk_bwd_dv_local(q=q, k=k, do=do, g=g, scale=scale)),
         "maps (A, B), one pass": timed(lambda: delta_maps(k, w, u, g)),
-        "dS_in, fused local gradient and reverse pass": timed(lambda: delta_state_grad(q, k, w, g, do, scale)),
-        "dS_in, reading fla's dv_local": timed(lambda: delta_state_grad(q, k, w, g, do, scale, dv_local=dv_local)),
     }
-    configs = {}
-    if args.configs:
-        shapes = [(bv, warps, stages) for bv in (16, 32, 64) for warps in (2, 4, 8) for stages in (2, 3)]
-        for name, fn in (("dS_in fused", lambda c: delta_state_grad(q, k, w, g, do, scale, config=c)),
-                         ("dS_in reading dv_local",
-                          lambda c: delta_state_grad(q, k, w, g, do, scale, dv_local=dv_local, config=c)),
-                         ("maps", lambda c: delta_maps(k, w, u, g, config=c))):
-            for bv, warps, stages in shapes:
-                if name == "maps" and warps == 8:
-                    continue
-                c = dict(BV=bv, num_warps=warps, num_stages=stages)
-                try:
-                    configs[f"{name} BV={bv} warps={warps} stages={stages}"] = timed(lambda: fn(c))
-                except Exception as exc:  # a configuration the compiler refuses (shared memory): recorded
-                    configs[f"{name} BV={bv} warps={warps} stages={stages}"] = f"{type(exc).__name__}: {exc}"[:200]
     by_split = {}
     for pieces in (int(x) for x in args.splits.split(",")):
         if t % (64 * pieces):
@@ -113,13 +89,9 @@ def main() -> None:
             "reverse pass": timed(lambda: chunk_gated_delta_rule_bwd_dhu(q=qc, k=kc, w=wc, do=doc, dv=dvc, g=gc,
                                                                          h0=h0c, dht=dhtc, scale=scale)),
             "maps": timed(lambda: delta_maps(kc, wc, uc, gc)),
-            "dS_in": timed(lambda: delta_state_grad(qc, kc, wc, gc, doc, scale)),
         }
     out = {"device": torch.cuda.get_device_name(), "tokens": t, "heads": args.heads, "dim": d, "ms": rows,
-           "ms, tokens cut into pieces run as batch rows": by_split,
-           "ms per launch configuration": configs,
-           "dS_in's max relative error against fla's pass": error,
-           "dS_in's (reading dv_local) max relative error against fla's pass": error_given}
+           "ms, tokens cut into pieces run as batch rows": by_split}
     print(json.dumps(out, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -278,10 +278,12 @@ def select_kernel(kernel: str, q: torch.Tensor, backward: bool = False, delta: b
 #
 #     The pass objects below give these four operations over one call's sequences; ``TorchPasses`` by the
 #     chunked PyTorch kernel (any device, float64: the reference the tests check the autograd wiring with),
-#     ``FlaPasses`` by fla-core's chunk kernels, except for two state-only Triton passes of its own
+#     ``FlaPasses`` by fla-core's chunk kernels, except for one state-only Triton pass of its own
 #     (maps_kernel.py; K <= 128): the summary's A and B columns in one launch that stores the end state
-#     alone (fla's state pass, run twice, also writes every chunk's state), and dS_in by one reverse pass
-#     with the values' local gradient fused in (fla's chunk_bwd_dv_local then its reverse state pass).
+#     alone (fla's state pass, run twice, also writes every chunk's state). dS_in is fla's reverse state pass
+#     without an end-state gradient, on the values' local gradient (made first: the input gradients read it
+#     again), while the chunk states' recompute runs beside it on a side stream. A fused state-only reverse
+#     pass of its own measured no faster there (docs/hybrid.md, 2026-11-27).
 
 
 class TorchPasses:
@@ -416,9 +418,10 @@ class FlaPasses:
 
     def _before_dht(self, h_in, do, side: bool):
         """fla's backward up to its reverse state pass, the parts that need no end-state gradient: w and u
-        recomputed, the chunk states from S_in and their new values, the values' local gradient. ``side``: the
-        state pass and the local gradient on a side stream (they overlap what the caller runs next, dS_in's
-        reverse pass); the current stream waits for them when input_grads uses them."""
+        recomputed, the values' local gradient (on the current stream: dS_in's pass reads it too), the chunk
+        states from S_in and their new values. ``side``: that state pass on a side stream (it overlaps what the
+        caller runs next, dS_in's reverse pass); the current stream waits for it when input_grads uses it.
+        Returns (w, the local gradient)."""
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
         from fla.ops.common.chunk_o import chunk_bwd_dv_local
 
@@ -428,6 +431,8 @@ class FlaPasses:
             from fla.ops.utils.index import prepare_chunk_offsets
 
             offsets = prepare_chunk_offsets(self.cu, self.CHUNK)
+        dv = chunk_bwd_dv_local(q=self.q, k=self.k, do=do, g=self.g, scale=self.scale, chunk_size=self.CHUNK,
+                                **self.common)
         main = torch.cuda.current_stream()
         stream = _side_stream(self.q.device) if side else main
         stream.wait_stream(main)
@@ -435,29 +440,21 @@ class FlaPasses:
             h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=self.k, w=w, u=u, g=self.g,
                                                        initial_state=h_in.float().contiguous(),
                                                        output_final_state=False, chunk_size=self.CHUNK, **self.common)
-            dv = chunk_bwd_dv_local(q=self.q, k=self.k, do=do, g=self.g, scale=self.scale, chunk_size=self.CHUNK,
-                                    **self.common)
         if side:  # the allocator's stream bookkeeping: read on the side stream, or made there and read here
-            for t in (w, u, do, h_in, self.q, self.k, self.g, self.cu, self.indices, offsets):
+            for t in (w, u, h_in, self.k, self.g, self.cu, self.indices, offsets):
                 if t is not None:
                     t.record_stream(stream)
-            for t in (h, v_new, dv):
+            for t in (h, v_new):
                 t.record_stream(main)
         self.pending = (w, h, v_new, dv, stream)
-        return w
+        return w, dv
 
     def state_grad(self, h_in, do):
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
 
-        from distcomm_attention.linear import maps_kernel
-
         with self.device:
             do = do.contiguous()
-            if self.k.shape[-1] <= maps_kernel.MAX_K:  # one reverse state-only pass (maps_kernel.py)
-                w = self._before_dht(h_in, do, side=True)
-                return maps_kernel.delta_state_grad(self.q, self.k, w, self.g, do, self.scale, self.cu)
-            w = self._before_dht(h_in, do, side=False)
-            dv = self.pending[3]
+            w, dv = self._before_dht(h_in, do, side=True)
             _, dh0, _ = chunk_gated_delta_rule_bwd_dhu(q=self.q, k=self.k, w=w, do=do, dv=dv, g=self.g,
                                                        h0=h_in.float().contiguous(), dht=None, scale=self.scale,
                                                        chunk_size=self.CHUNK, **self.common)
