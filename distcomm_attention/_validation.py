@@ -243,12 +243,13 @@ def _positions(ranks: list[int], what: str = "ring position") -> str:
 
 
 def _describe(op: str, names: list[str], texts: list[list[str]], where: str = "the ring",
-              what: str = "ring position") -> str:
+              what: str = "ring position", labels: list[int] | None = None) -> str:
     """The message of a disagreement: the differing fields, and each group of ring positions with the values
-    it passed (``texts[r][i]``: ring position r's value of ``names[i]``)."""
+    it passed (``texts[r][i]``: ring position r's value of ``names[i]``; ``labels[r]``: the number it is named
+    by, default r)."""
     groups: dict[tuple[str, ...], list[int]] = {}
     for pos, row in enumerate(texts):
-        groups.setdefault(tuple(row), []).append(pos)
+        groups.setdefault(tuple(row), []).append(pos if labels is None else labels[pos])
     clauses = [
         f"{_positions(ranks, what)}: " + ", ".join(f"{name}={text}" for name, text in zip(names, row))
         for row, ranks in groups.items()
@@ -256,8 +257,9 @@ def _describe(op: str, names: list[str], texts: list[list[str]], where: str = "t
     hints = "".join(f"; {_HINTS[n]}" for n in names if n in _HINTS)
     fields = ", ".join(f"`{n}`" for n in names)
     return (
-        f"{op}: the ranks of {where} disagree on {fields} ({'; '.join(clauses)}); every rank of the ring must "
-        f"pass the same shapes, dtypes and options{hints}"
+        f"{op}: the ranks of {where} disagree on {fields} ({'; '.join(clauses)}); every rank of "
+        f"{'the ring' if where.startswith('the ring') else where} must pass the same shapes, dtypes and "
+        f"options{hints}"
     )
 
 
@@ -305,10 +307,12 @@ def verify_across_ring(
     extra: dict[str, object] | None = None,
     *,
     error: BaseException | None = None,
+    mesh: bool = False,
 ) -> None:
     """Raise the same error on every rank of ``comm``'s group unless no rank found an input error (``error``:
     this rank's, see :func:`verdict`) and the ranks of each ring agree on ``tensors``' shapes and dtypes and on
-    the ``extra`` options (Note [Collective verdicts]).
+    the ``extra`` options (Note [Collective verdicts]). ``mesh``: ``comm`` is a 2-D mesh's ranks in a row, not
+    a ring: a disagreement names them by their ranks in the default group.
 
     ``extra`` values are bools, ints, floats, strings, None, tuples of ints (compared by a digest) or
     :class:`Shown`. One exchange of one int per option (and 2 + MAX_DIMS per tensor, 2 for the verdict), over
@@ -352,13 +356,15 @@ def verify_across_ring(
         return
     parts = [_errors_text(op, whole, device, verdicts, error)] if failed else []
     if differing:
-        parts.append(_disagreement(op, whole, device, comm.size, rings, len(sizes) > 1, rows, spans,
-                                   [names[i] for i in differing], [values[i] for i in differing]))
+        parts.append(_disagreement(op, whole, device, comm.size, rings, len(sizes) > 1 or mesh, rows, spans,
+                                   [names[i] for i in differing], [values[i] for i in differing],
+                                   "the mesh" if mesh else "the group"))
     raise (_ERRORS[failed[0]] if failed else ValueError)("; and ".join(parts)) from error
 
 
-def _disagreement(op, whole, device, ring_size, rings, sizes_differ, rows, spans, names, values) -> str:
-    """The message naming the fields (``names``, this rank's ``values``) the ranks of some ring disagree on."""
+def _disagreement(op, whole, device, ring_size, rings, by_rank, rows, spans, names, values, where) -> str:
+    """The message naming the fields (``names``, this rank's ``values``) the ranks of some ring disagree on;
+    ``by_rank``: every rank of ``where`` named by its rank in the default group."""
     texts = _exchange_texts(whole, [_render(v) for v in values], device)
     for j, (lo, hi) in enumerate(spans):  # long boundary lists that differ only where they are not shown
         seen: dict[str, set] = {}
@@ -367,8 +373,8 @@ def _disagreement(op, whole, device, ring_size, rings, sizes_differ, rows, spans
         for g, row in enumerate(rows):
             if len(seen[texts[g][j]]) > 1:
                 texts[g][j] += f" (digest {row[lo] & 0xFFFFFFFF:08x})"
-    if sizes_differ:
-        return _describe(op, names, texts, "the group", "rank")
+    if by_rank:
+        return _describe(op, names, texts, where, "rank", list(whole.ranks))
     if len(rows) == ring_size:
         return _describe(op, names, texts)
     parts = []

@@ -216,6 +216,28 @@ def test_ranks_passing_different_ring_sizes_all_raise():
     assert all(g["rings"] == 4 and g["sync"] for g in got)
 
 
+def _mesh_rank(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+    dtype = torch.float32 if rank == 1 else torch.float64
+    q, k, v = (torch.randn(1, 8, 4, 8, dtype=dtype) for _ in range(3))
+    return _catch(lambda: da.context_parallel_attn(q, k, v, strategy="hybrid", layout="contiguous", group=mesh,
+                                                   causal=True))
+
+
+def test_a_mismatch_on_a_mesh_names_the_ranks():
+    """On a 2 x 2 mesh named ("ring", "ulysses") a dtype on rank 1 alone (mesh coordinate ring 0, ulysses 1):
+    the same error on every rank, naming the ranks by their default-group ranks, not as ring positions (which
+    the mesh's "ring" dimension would make read as the wrong coordinate)."""
+    got = run_world(_mesh_rank, 4, timeout=90)
+    assert got[0] is not None and all(g == got[0] for g in got), got
+    assert "the ranks of the mesh disagree on `q`, `k`, `v`" in got[0], got[0]
+    assert re.search(r"\(ranks 0, 2-3: q=\(1, 8, 4, 8\) torch\.float64.*; rank 1: q=\(1, 8, 4, 8\) torch\.float32"
+                     r".*\); every rank of the mesh must pass", got[0]), got[0]
+    assert "ring position" not in got[0], got[0]
+
+
 def _twin_rank(rank, world):
     """The NCCL path: a group whose backend reports NCCL verifies over a gloo twin made on first use."""
     real = dist.get_backend

@@ -125,7 +125,7 @@ def prepare(
 
         fields["strategy"] = STRATEGIES[fields["strategy"]]
     _validation.verify_across_ring(op, comm, {"q": q, "k": k, "v": v}, extra=fields,
-                                   error=local_error)
+                                   error=local_error, mesh=bool(fields["mesh"]))
     resolved.raise_if_ambiguous(op)
     if placement_error is not None:
         raise placement_error
