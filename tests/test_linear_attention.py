@@ -1057,6 +1057,35 @@ def test_backward_fills_no_input_sized_zeros(kind, layout, docs):
     assert not fills, fills
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_zigzag_rank_returns_one_calls_outputs_whole(rank):
+    """A gated-delta-rule rank whose segments all go through one call of the two passes (zigzag, one document:
+    rank 1's two open runs; rank 0's closed and open runs as batch rows) returns that call's outputs whole: no
+    join of per-run pieces forward (aten::cat) and no join of their gradients backward (a split's backward
+    copies the output gradient). The values are the world tests'."""
+    from types import SimpleNamespace
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from distcomm_attention.linear import recurrence
+
+    case = _case("gdn", "zigzag", 32)
+    (q, k, v, g, beta, _), _ = make_inputs(case)
+    plan = recurrence._checks.cached_plan("zigzag", 32, 2, None, False)
+    local = [shard_sequence(t, "zigzag", ring_size=2, rank=rank).detach().requires_grad_() for t in (q, k, v, g, beta)]
+    run = recurrence.select_kernel("torch", local[0], backward=True, delta=True)
+    call = recurrence._Call(plan, SimpleNamespace(size=2, rank=rank, group=None), run, 0.5, *local, None,
+                            gather=lambda t: t.unsqueeze(0).expand(2, *t.shape))
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out, _ = call.forward(False)
+        out.sum().backward()
+    out_shape = list(out.shape)
+    joins = [e.name for e in prof.events() if e.name in ("aten::cat", "aten::split_backward", "aten::slice_backward")
+             and e.input_shapes and any(list(s) == out_shape for s in e.input_shapes[:2] if s)]
+    assert call.whole is not None and not joins, joins
+    assert all(t.grad is not None for t in local)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # GPU: a Qwen3.5-shaped hybrid on 2 GPUs over NCCL, bf16 with fla's kernels, against one GPU
 # ---------------------------------------------------------------------------------------------------------

@@ -345,6 +345,9 @@ class _Call:
         self.a_shape = (self.rows, self.hv, self.dk, self.dk) if self.delta else (self.rows, self.hv)
         self.b_shape = (self.rows, self.hv, self.dk, self.dv)
         self._split_cache: dict[int, tuple[torch.Tensor, dict[int, torch.Tensor]]] = {}  # _pieces
+        # this rank's segments' local starts in order, and the outputs whole where one call gives them (_finished)
+        self.locals = sorted(s.local for r in plan.runs[comm.rank] for s in r.segments)
+        self.whole = None
 
     def _pieces(self, x: torch.Tensor) -> dict[int, torch.Tensor]:
         """x (q, k, v, g or beta) split along the tokens into this rank's segments: {local start: view}. One
@@ -414,6 +417,14 @@ class _Call:
         o = o.reshape((b, -1) + o.shape[2:])
         return (o,) if len(segs) == 1 else o.split([s.length for s in segs], dim=1)
 
+    def _finished(self, o, segs, b):
+        """The two passes' outputs over ``segs`` -> {local start: outputs}; where ``segs`` are every segment of
+        this rank in local order (a zigzag rank's two open runs), also the outputs whole (``self.whole``), which
+        the call returns without a split and a join (whose backward copies the output gradient)."""
+        if [s.local for s in segs] == self.locals:
+            self.whole = o.reshape((b, -1) + o.shape[2:])
+        return dict(zip((s.local for s in segs), self._split(o, segs, b)))
+
     def _call(self, segs, h0=None):
         """One kernel call over ``segs``: per segment outputs (B, length, ...) and end states (B, ...).
         ``h0``: (segments x B, ...) segment-major."""
@@ -447,8 +458,7 @@ class _Call:
         x, cu, b = self._packed(opening)
         a, bmap, finish = open_segments(self.passes, *x, scale=self.scale, cu_seqlens=cu)
         maps = list(zip(self._per_segment(a, opening, b), self._per_segment(bmap, opening, b)))
-        return done, maps, lambda hs: dict(zip((s.local for s in opening),
-                                               self._split(finish(torch.stack(hs, 1).flatten(0, 1)), opening, b)))
+        return done, maps, lambda hs: self._finished(finish(torch.stack(hs, 1).flatten(0, 1)), opening, b)
 
     def _rows_in_two_passes(self, closed, opening):
         """``_phase1`` of the delta rule with every segment a batch row of the two passes: a closed segment's
@@ -473,7 +483,7 @@ class _Call:
                     zero = zero if zero is not None else hs[0].new_zeros(self.b_shape)
                     h = zero
                 states.append(h)
-            return dict(zip((s.local for s in segs), self._split(finish(torch.stack(states, 1).flatten(0, 1)), segs, b)))
+            return self._finished(finish(torch.stack(states, 1).flatten(0, 1)), segs, b)
 
         return done, [maps[s.local] for s in opening], finish_all
 
@@ -537,7 +547,8 @@ class _Call:
         states = self._fold(gathered, open_ends)
         pieces.update(finish([states[r.order] for r in runs]))
         ordered = [pieces[key] for key in sorted(pieces)]
-        out = (ordered[0] if len(ordered) == 1 else torch.cat(ordered, dim=1)).to(self.q.dtype)
+        out = self.whole if self.whole is not None else ordered[0] if len(ordered) == 1 else torch.cat(ordered, dim=1)
+        out = out.to(self.q.dtype)
         if gathered.requires_grad:  # every rank joins the gather's backward (Note [Scan by gathered summaries])
             out = _Join.apply(out, gathered)
         final = None
