@@ -312,10 +312,10 @@ def verify_across_ring(
     """Raise the same error on every rank of ``comm``'s group unless no rank found an input error (``error``:
     this rank's, see :func:`verdict`) and the ranks of each ring agree on ``tensors``' shapes and dtypes and on
     the ``extra`` options (Note [Collective verdicts]). ``mesh``: ``comm`` is a 2-D mesh's ranks in a row, not
-    a ring: a disagreement names them by their ranks in the default group.
+    a ring: where any rank says so, a disagreement names the ranks by their ranks in the default group.
 
     ``extra`` values are bools, ints, floats, strings, None, tuples of ints (compared by a digest) or
-    :class:`Shown`. One exchange of one int per option (and 2 + MAX_DIMS per tensor, 2 for the verdict), over
+    :class:`Shown`. One exchange of one int per option (and 2 + MAX_DIMS per tensor, 2 for the verdict, 1 for ``mesh``), over
     the host; only when a rank failed or the ranks disagree, a second exchange of the errors and the differing
     fields as text, so that the message (the same on every rank, of the first failing rank's exception type,
     else ValueError) names each failing rank with its error, each differing field and every rank's value as
@@ -334,8 +334,9 @@ def verify_across_ring(
     names = list(tensors) + list(extra)
     values = list(tensors.values()) + list(extra.values())
     codes = [_tensor_code(t) for t in tensors.values()] + [[_encode(v)] for v in extra.values()]
-    rows = whole.all_gather_ints(_error_code(error) + [x for code in codes for x in code], device)
-    verdicts, rows = [r[:2] for r in rows], [r[2:] for r in rows]
+    rows = whole.all_gather_ints([int(mesh)] + _error_code(error) + [x for code in codes for x in code], device)
+    on_mesh = any(r[0] for r in rows)  # some rank's call is over a mesh: every rank names the ranks alike
+    verdicts, rows = [r[1:3] for r in rows], [r[3:] for r in rows]
     # Every rank holds the same rows, so every rank finds the same fields and joins the second exchange.
     sizes = {r[-1] for r in rows}  # ring_size comes last
     rings = [list(range(len(rows)))] if len(sizes) > 1 else \
@@ -356,9 +357,9 @@ def verify_across_ring(
         return
     parts = [_errors_text(op, whole, device, verdicts, error)] if failed else []
     if differing:
-        parts.append(_disagreement(op, whole, device, comm.size, rings, len(sizes) > 1 or mesh, rows, spans,
+        parts.append(_disagreement(op, whole, device, comm.size, rings, len(sizes) > 1 or on_mesh, rows, spans,
                                    [names[i] for i in differing], [values[i] for i in differing],
-                                   "the mesh" if mesh else "the group"))
+                                   "the mesh" if on_mesh else "the group"))
     raise (_ERRORS[failed[0]] if failed else ValueError)("; and ".join(parts)) from error
 
 

@@ -199,12 +199,19 @@ def planner_imbalance(layout, seq: int, world: int, docs=None, causal: bool = Tr
 
 
 def planned_rank_s(strategy: str, concrete, vis: Visibility, world: int, local_len: int, heads: int,
-                   kv_heads: int, head_dim: int = 128, hw: cost.Hardware = cost.Hardware()) -> list[float]:
-    """The cost model's compute seconds (no communication) of every rank's ring or gathered plan."""
-    call = cost.Call(1, local_len, heads, kv_heads, head_dim, 2, concrete, vis, world)
-    planner = ring_plan if strategy == "ring" else gathered_plan
+                   kv_heads: int, head_dim: int = 128, hw: cost.Hardware = cost.Hardware(),
+                   packs: bool = True) -> list[float]:
+    """The cost model's compute seconds (no communication) of every rank's ring or gathered plan, its kernel
+    calls counted as a packing backend (flash-attn-4, ``packs``) issues them, the gathered plan's as the
+    all-gather runs it (own keys first, the sparse exchange's buffer): the ranks the benchmarks time as the
+    busiest are the model's, whose call counts can set a rank apart where its pairs do not."""
+    call = cost.Call(1, local_len, heads, kv_heads, head_dim, 2, concrete, vis, world, packs=packs)
+    if strategy != "ring":
+        ex = cost.gathered_exchange(concrete, vis, world, local_len)
+        return [cost._gathered_rank_s(call, world, r, local_len, heads, kv_heads, hw,
+                                      None if ex is None else ex.buffer_len(r) - local_len)[0] for r in range(world)]
     return [sum(cost._compute_s(*c, call, heads, kv_heads, hw)
-                for c in cost._step_costs(planner(concrete, vis, world, r, local_len)))
+                for c in cost._step_costs(ring_plan(concrete, vis, world, r, local_len), packs))
             for r in range(world)]
 
 

@@ -352,6 +352,40 @@ def test_cost_counts_the_packed_calls_the_loop_issues():
         assert cost.predict(cost.Call(**{**dense.__dict__, "packs": True}), strategy) == cost.predict(dense, strategy)
 
 
+def test_a_step_of_plain_blocks_packs_where_the_plan_has_documents():
+    """The all-gather's blocks on a rank's own keys (``split_local``'s step 0) are each a document's causal
+    square where the balanced layout placed whole documents on the rank: with a packing kernel they are one
+    varlen call, not one per document, because the plan has documents (a step packs by its plan, not only by
+    its own blocks), and the cost model counts the same. A plan without documents or a window keeps one call
+    per block."""
+    import random
+
+    from distcomm_attention.planning.calls import step_calls
+    from distcomm_attention.planning.plans import own_rows, split_local
+
+    rng = random.Random(0)
+    docs = [0]
+    while docs[-1] < 1024:
+        docs.append(min(1024, docs[-1] + rng.choice([16, 24, 40, 64, 100, 200])))
+    vis = Visibility(causal=True, cu_seqlens=tuple(docs))
+    concrete = balance.resolve("balanced", 1024, 4, tuple(docs))
+    plain_steps = 0
+    for r in range(4):
+        split = split_local(gathered_plan(concrete, vis, 4, r, 256), own_rows(concrete, 4, r, 256))
+        blocks = split.blocks[0]
+        if len(blocks) < 2 or any(b.mode == "interval" for b in blocks):
+            continue
+        plain_steps += 1
+        for backward in (False, True):
+            calls = step_calls(split, 0, torch.device("cpu"), backward)
+            assert calls is not None and len(calls) == 1, (r, backward, calls)
+        assert cost._step_costs(split, packs=True)[0][1] == 1
+    assert plain_steps > 0  # the case has such a step (rank 1: five documents' squares, rank 2: four)
+    dense = Visibility(causal=True)
+    split = split_local(gathered_plan("zigzag", dense, 4, 1, 256), own_rows("zigzag", 4, 1, 256))
+    assert not dense.documents and step_calls(split, 0, torch.device("cpu"), False) is None
+
+
 def _which_backend_rank(rank, world):
     """which_strategy on a packed-documents call of 2 ranks, per backend; then an "auto" call whose ranks
     count kernel calls differently (rank 0's "torch" taken for a packing backend)."""

@@ -53,11 +53,13 @@ def packed_calls(blocks, masks, disjoint_keys: bool) -> tuple[PackedCall, ...]:
 
 def step_calls(plan, i: int, device, backward: bool) -> tuple[PackedCall, ...] | None:
     """Step i of ``plan`` as packed calls (masks on ``device``, made once per plan), or None where the step has
-    nothing to pack (no "interval" block: no documents, no window): one call per block then. Both answers are
-    cached on the plan."""
+    nothing to pack (no documents, no window: no "interval" block, and a plan without ``documents``): one call
+    per block then. A step of a plan with documents packs also where its blocks are all plain squares (the
+    all-gather's blocks on a rank's own keys, one causal square per document it holds: one call, not one per
+    document). Both answers are cached on the plan."""
     def make():
         blocks = plan.blocks[i]
-        if all(b.mode != "interval" for b in blocks):
+        if not plan.documents and all(b.mode != "interval" for b in blocks):
             return None
         return packed_calls(blocks, [plan.mask(i, j, device) for j in range(len(blocks))], disjoint_keys=backward)
 

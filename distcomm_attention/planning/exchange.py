@@ -135,7 +135,7 @@ def compact_plan(plan: RingPlan, ex: Exchange, rank: int) -> RingPlan:
     for block in plan.blocks[0]:
         a = ex.compact(rank, block.kv.start)
         blocks.append(Block(block.q, slice(a, a + block.kv.stop - block.kv.start), block.mode, block.intervals))
-    return RingPlan(plan.steps, (tuple(blocks),))
+    return RingPlan(plan.steps, (tuple(blocks),), plan.documents)
 
 
 SPARSE_BELOW = 0.9  # the sparse exchange replaces the all-gather when its busiest rank receives less than this share
@@ -258,7 +258,7 @@ def _compact(plan: RingPlan, recv) -> RingPlan:
         for a, b in recv[i]:
             at[a], row = row, row + b - a
         steps.append(tuple(sub for block in plan.blocks[i] for sub in split_block(block, recv[i], at)))
-    return RingPlan(plan.steps, tuple(steps))
+    return RingPlan(plan.steps, tuple(steps), plan.documents)
 
 
 @functools.lru_cache(maxsize=128)

@@ -90,7 +90,7 @@ def gathered_plan(layout: str, vis: Visibility, ring_size: int, rank: int, local
     if not gathered_in_natural_order(layout):
         ring = ring_plan(layout, vis, ring_size, rank, n)
         blocks = [_shifted(b, 0, ((rank - t) % ring_size) * n) for t, step in zip(ring.steps, ring.blocks) for b in step]
-        return RingPlan((0,), (tuple(blocks),))
+        return RingPlan((0,), (tuple(blocks),), ring.documents)
     return _rows_plan(vis, seq_len, layouts.positions(layout, seq_len, ring_size, rank))
 
 
@@ -106,7 +106,7 @@ def _rows_plan(vis: Visibility, seq_len: int, pos: torch.Tensor) -> RingPlan:
     blocks: list[Block] = []
     whole = _block(lo, hi)  # every row seeing the same keys: one call for the whole rank
     if whole is not None and whole.mode == "full" and whole.q == slice(0, n):
-        return RingPlan((0,), ((whole,),))
+        return RingPlan((0,), ((whole,),), vis.documents)
     for s, e in zip(cuts, cuts[1:]):
         split = _causal_split(s, lo[s:e], hi[s:e]) if vis.plain and vis.causal else None
         if split is not None:
@@ -115,7 +115,7 @@ def _rows_plan(vis: Visibility, seq_len: int, pos: torch.Tensor) -> RingPlan:
         block = _block(lo[s:e], hi[s:e])
         if block is not None:
             blocks.append(_shifted(block, s, 0))
-    return RingPlan((0,), (tuple(blocks),))
+    return RingPlan((0,), (tuple(blocks),), vis.documents)
 
 
 @functools.lru_cache(maxsize=64)
@@ -158,4 +158,4 @@ def split_local(plan: RingPlan, own: torch.Tensor) -> RingPlan:
     for block in plan.blocks[0]:
         a, b = block.kv.start, block.kv.stop
         (local if int(covered[b] - covered[a]) == b - a else remote).append(block)
-    return RingPlan((0, 1), (tuple(local), tuple(remote)))
+    return RingPlan((0, 1), (tuple(local), tuple(remote)), plan.documents)

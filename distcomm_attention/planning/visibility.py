@@ -101,6 +101,11 @@ class Visibility:
         return None if self.window[1] < 0 else self.window[1]
 
     @property
+    def documents(self) -> bool:
+        """Documents or a window: what makes blocks of intervals (key masks aside)."""
+        return self.cu_seqlens is not None or self.left is not None or (not self.causal and self.right is not None)
+
+    @property
     def plain(self) -> bool:
         """No window, documents or key mask: plain full or causal attention."""
         return self.left is None and (self.causal or self.right is None) and self.cu_seqlens is None \
@@ -169,10 +174,13 @@ class RingPlan:
         steps: the needed ring steps t in increasing order, always starting with 0; at step t this rank
             attends the keys of ring position (rank - t) mod W.
         blocks: blocks[i] are the kernel calls of steps[i] (possibly none for this rank).
+        documents: the visibility has documents or a window: a kernel that packs runs each step's blocks as
+            packed calls (Note [Packed steps]), also a step whose own blocks are all plain squares.
     """
 
     steps: tuple[int, ...]
     blocks: tuple[tuple[Block, ...], ...]
+    documents: bool = False
     _device_masks: dict = field(default_factory=dict, repr=False)
 
     def cached(self, key, make):
@@ -309,7 +317,7 @@ def ring_plan(layout: str, vis: Visibility, ring_size: int, rank: int, local_len
         hi = torch.maximum(_count_below(layout, ring_size, local_len, src, stop), lo)
         block = _block(lo, hi)
         blocks.append(() if block is None else (block,))
-    return RingPlan(steps, tuple(blocks))
+    return RingPlan(steps, tuple(blocks), vis.documents)
 
 
 def band_pieces(row_lo: torch.Tensor, row_hi: torch.Tensor) -> tuple[Piece, ...]:

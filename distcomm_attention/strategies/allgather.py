@@ -222,7 +222,7 @@ class AllGatherKV:
                 if block.mode != "interval" and sum(a < block.kv.stop and b > block.kv.start for a, b in runs) > 1:
                     return None
                 blocks.extend(split_block(block, runs, shard_row))
-            return RingPlan((0,), (tuple(blocks),))
+            return RingPlan((0,), (tuple(blocks),), self.plan.documents)
 
         return self.plan.cached("own keys in shard rows", make)
 
