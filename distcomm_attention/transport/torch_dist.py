@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from distcomm import _groups
+from distcomm import _groups, _reduce_raw  # _reduce_raw: the non-deprecated all-gather and reduce-scatter names
 from distcomm.ring import RingComm
 from distcomm_attention.transport.base import Done
 
@@ -104,7 +104,7 @@ class TorchTransport:
         if self.size == 1 or x.numel() == 0:  # (shapes agree across ranks: every rank takes this path)
             out.copy_(x)
             return Done(out)
-        work = dist.all_gather_into_tensor(out, x, group=self.group, async_op=True)
+        work = _reduce_raw._all_gather_into(out, x, group=self.group, async_op=True)
         return _Work([work], (out,))
 
     def reduce_scatter(self, x: torch.Tensor):
@@ -113,5 +113,5 @@ class TorchTransport:
         if self.size == 1 or x.numel() == 0:
             out.copy_(x)
             return Done(out)
-        work = dist.reduce_scatter_tensor(out, x, group=self.group, async_op=True)
+        work = _reduce_raw._reduce_scatter_into(out, x, group=self.group, async_op=True)
         return _Work([work], (out,))
