@@ -448,7 +448,9 @@ def main():
                              "--links); a row whose world or heads it does not divide runs no mesh strategy")
     parser.add_argument("--heads", default="32/8")
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--ranks", type=int, default=2, help="time the k busiest ranks (by plan) and rank 0")
+    parser.add_argument("--ranks", type=bs.parse_ranks, default=2,
+                        help="time the k busiest ranks (by the cost model's compute, packed calls counted) and rank 0; "
+                             "'all': every rank")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--backend", default="fa4")
