@@ -25,10 +25,10 @@ Note [Layout record]
         nothing recorded             ->  "contiguous"
 
     The record is per-process state, so ranks may resolve differently: the resolved layout is one of the
-    fields the ring verifies (Note [Verified signatures] in _validation.py), and a rank whose record differs
+    fields the ring verifies (Note [Collective verdicts] in _validation.py), and a rank whose record differs
     from its peers', or is ambiguous, raises the same error as every other rank of the ring (the ambiguity
-    is raised after the exchange, never by one rank alone). As for any option, a rank whose record changes
-    alone after its ring verified a call is caught in check mode only (Note [Verified signatures]). Under
+    is raised after the exchange, never by one rank alone). The exchange runs on every call, so a rank whose
+    record changes alone after its ring verified a call is caught by the next call (Note [Collective verdicts]). Under
     torch.compile the layout left out is resolved when the compiled op runs. ``Sharding`` is the explicit
     handle, and the way to rely on no process state: shard with ``s.shard(x)`` and attend with
     ``ring_flash_attn(q, k, v, sharding=s)``.
@@ -46,7 +46,7 @@ Note [Balanced sharding]
     shards cannot be what the call assumes). The placement is cached by (cu_seqlens, S, W, window).
 
     Across ranks: the attention verifies cu_seqlens and the balance window it placed with (the field
-    ``balance_window``) like every other call fact (Note [Verified signatures]); the lookup's error is found
+    ``balance_window``) like every other call fact (Note [Collective verdicts]); the lookup's error is found
     before the exchange and raised after it, so a rank whose documents were never sharded ends the call on
     every rank with the same error instead of raising alone while its peers wait.
 """

@@ -55,6 +55,18 @@ def set_safe_env() -> None:
 _BYTE_UNITS = {"": 1, "B": 1, "KB": 1 << 10, "K": 1 << 10, "MB": MiB, "M": MiB, "GB": GiB, "G": GiB}
 
 
+def out_dir(out: str | None, smoke: bool) -> str:
+    """``--out``: as given, else docs/bench, or for a ``--smoke`` run a new temporary folder (a plumbing check
+    does not overwrite the recorded results)."""
+    if out is not None:
+        return out
+    if smoke:
+        import tempfile
+
+        return tempfile.mkdtemp(prefix="distcomm_smoke_")
+    return "docs/bench"
+
+
 def parse_bytes(text: str) -> int:
     """'1MB' -> 1048576, '64KB', '1GB', '4096' (binary units)."""
     t = text.strip().upper()

@@ -702,14 +702,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=2, help="local ranks to start (not under torchrun)")
     p.add_argument("--budget", type=float, default=300.0,
                    help="seconds of measuring after which remaining cases are skipped (default 300)")
-    p.add_argument("--out", default="docs/bench", help="output directory for JSON and PNG (default docs/bench)")
+    p.add_argument("--out", default=None, help="output directory (default docs/bench; with --smoke a new temporary folder)")
     p.add_argument("--quick", action="store_true", help="4 sizes, fewer iterations (about a minute)")
     p.add_argument("--smoke", action="store_true", help="CPU/gloo, tiny sizes, 1-3 iterations: plumbing only")
     p.add_argument("--compiled", action="store_true",
                    help="add a torch.compile'd row after each op (target 1.10x of raw at >= 16 MB)")
     p.add_argument("--compile-backend", help="torch.compile backend of the compiled rows (default inductor; "
                                              "aot_eager under --smoke, which skips code generation)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.out = U.out_dir(args.out, args.smoke)
+    return args
 
 
 def make_config(args: argparse.Namespace) -> dict:

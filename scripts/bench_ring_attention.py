@@ -721,12 +721,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=2, help="local ranks to start (not under torchrun)")
     p.add_argument("--budget", type=float, default=390.0,
                    help="seconds of measuring after which remaining cases are skipped (default 390)")
-    p.add_argument("--out", default="docs/bench", help="output directory for JSON and PNG (default docs/bench)")
+    p.add_argument("--out", default=None, help="output directory (default docs/bench; with --smoke a new temporary folder)")
     p.add_argument("--nccl-priority", choices=["high", "default"], default="high",
                    help="NCCL stream priority for every method (default high: TORCH_NCCL_HIGH_PRIORITY=1)")
     p.add_argument("--quick", action="store_true", help="S = 8k, 32k, minimum matrix, fewer iterations")
     p.add_argument("--smoke", action="store_true", help="CPU/gloo, tiny shapes, torch backend: plumbing only")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.out = U.out_dir(args.out, args.smoke)
+    return args
 
 
 def expand_methods(names: list[str]) -> list[str]:

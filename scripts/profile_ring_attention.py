@@ -252,11 +252,12 @@ def main(argv=None) -> int:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--backend", default="auto", help="ring_flash_attn backend")
     p.add_argument("--trace", action="store_true", help="also write rank 0's Chrome trace of the first case")
-    p.add_argument("--out", default="docs/bench")
+    p.add_argument("--out", default=None, help="output directory (default docs/bench; with --smoke a new temporary folder)")
     p.add_argument("--nccl-priority", choices=["high", "default"], default="high",
                    help="NCCL stream priority (default high: TORCH_NCCL_HIGH_PRIORITY=1)")
     p.add_argument("--smoke", action="store_true", help="CPU/gloo, tiny shapes, torch backend")
     args = p.parse_args(argv)
+    args.out = U.out_dir(args.out, args.smoke)
     U.set_nccl_priority(args.nccl_priority)
     heads = [tuple(int(x) for x in part.split("/")) for part in args.heads.split(",")]
     cfg = dict(seqs=args.seqs, heads=heads, causal={"both": [True, False], "yes": [True], "no": [False]}[args.causal],
