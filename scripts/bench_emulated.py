@@ -268,10 +268,12 @@ def bench_row(seq, world, heads, kv_heads, mix, layout, links, args, fwd, bwd):
                 ranks = [0]  # every rank the same
             elif strategy in HYBRIDS:  # ring ranks; every Ulysses rank of one ring rank the same
                 ranks = bs.pick_ranks(bs.planned_rank_s("ring" if strategy == "hybrid" else "allgather", concrete_mesh,
-                                                        vis, rings, degree * n, heads // degree, kv_sent // degree, d),
+                                                        vis, rings, degree * n, heads // degree, kv_sent // degree, d,
+                                                        packs=getattr(fwd, "packs", False)),
                                       args.ranks)
             else:
-                ranks = bs.pick_ranks(bs.planned_rank_s(base, lay, vis, world, n, heads, kv_heads, d), args.ranks)
+                ranks = bs.pick_ranks(bs.planned_rank_s(base, lay, vis, world, n, heads, kv_heads, d,
+                                                        packs=getattr(fwd, "packs", False)), args.ranks)
             times, gpu, host, sent, sparse = [], [], [], 0, None
             for r in ranks:
                 if strategy in HYBRIDS:

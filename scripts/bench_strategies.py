@@ -306,7 +306,8 @@ def bench_case(seq, world, heads, kv_heads, causal, layout, args, fwd, bwd, docs
     ql, kl, vl, dl = rnd(1, n, heads, d), rnd(1, n, kv_heads, d), rnd(1, n, kv_heads, d), rnd(1, n, heads, d)
     # ring: every (timed) rank's whole loop
     if "ring" in strategies:
-        planned_s["ring"] = planned_rank_s("ring", concrete, vis, world, n, heads, kv_heads, d)
+        planned_s["ring"] = planned_rank_s("ring", concrete, vis, world, n, heads, kv_heads, d,
+                                           packs=getattr(fwd, "packs", False))
         timed["ring"] = pick_ranks(planned_s["ring"], k)
         steps = [_plan_step(ql, kl, vl, dl, ring_plan(concrete, vis, world, r, n), SimComm(world, r), fwd, bwd,
                             scale, False) for r in timed["ring"]]
@@ -314,7 +315,8 @@ def bench_case(seq, world, heads, kv_heads, causal, layout, args, fwd, bwd, docs
         peaks["ring"] = max(_peak(f) for f in steps)
     # all-gather KV: the rank's queries against the gathered buffer
     if "allgather" in strategies:
-        planned_s["allgather"] = planned_rank_s("allgather", concrete, vis, world, n, heads, kv_heads, d)
+        planned_s["allgather"] = planned_rank_s("allgather", concrete, vis, world, n, heads, kv_heads, d,
+                                                packs=getattr(fwd, "packs", False))
         timed["allgather"] = pick_ranks(planned_s["allgather"], k)
         kg, vg = rnd(1, seq, kv_heads, d), rnd(1, seq, kv_heads, d)
         steps = [_plan_step(ql, kg, vg, dl, gathered_plan(concrete, vis, world, r, n), SimComm(1, 0), fwd, bwd,

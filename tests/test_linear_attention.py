@@ -609,6 +609,10 @@ def test_a_layout_mismatch_on_a_mesh_raises_everywhere():
     messages = run_world(_mesh_layout_mismatch_rank, 4, timeout=60)
     assert messages[0] is not None and len(set(messages)) == 1, messages
     assert "layout" in messages[0] and "'contiguous'" in messages[0] and "'zigzag'" in messages[0], messages[0]
+    # over a mesh the ranks are named by their default-group ranks (rank 3 sits at ring coordinate 1), not as
+    # ring positions
+    assert "the ranks of the mesh disagree" in messages[0] and "rank 3: " in messages[0], messages[0]
+    assert "ring position" not in messages[0], messages[0]
 
 
 def _traffic_rank(rank: int, world: int, seqs: list[int]):

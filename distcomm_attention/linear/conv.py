@@ -120,7 +120,7 @@ def causal_conv1d_cp(
                                                  for t in (x, weight, bias))
     _validation.verify_across_ring("causal_conv1d_cp", comm, {"x": x, "weight": weight, "bias": bias},
                                    extra={**facts, "activation": activation, "requires_grad": needs_grad},
-                                   error=error)
+                                   error=error, mesh=grid is not None)
     w, (sends, slots, table) = checked
     width = w.shape[1]
     rows = x.transpose(0, 1)  # (T, B, C)

@@ -173,7 +173,7 @@ def _linear_cp(op, q, k, v, g, beta, scale, initial_state, output_final_state, c
     _validation.verify_across_ring(op, comm, tensors, extra={
         **facts, "output_final_state": output_final_state, "use_qk_l2norm_in_kernel": l2norm,
         "scale": scale if isinstance(scale, (float, int, type(None))) else repr(scale), "kernel": kernel,
-        "requires_grad": needs_grad}, error=error)
+        "requires_grad": needs_grad}, error=error, mesh=grid is not None)
     scale, plan, run = checked
     if l2norm:
         q, k = _l2norm(q), _l2norm(k)

@@ -332,7 +332,7 @@ def _gathered_rank_s(c: Call, ranks: int, rank: int, local_len: int, heads: int,
     pairs, _, rows, keys = _step_costs(plan)[0]
     calls = (_issued(plan, 0, c.packs, False) + sum(_issued(split, i, c.packs, True) for i in (0, 1))) / 2
     own_pairs, _, own_q, own_kv = _step_costs(split)[0]
-    if c.packs and any(b.mode == "interval" for b in plan.blocks[0]):
+    if c.packs and plan.documents:  # packed calls (planning/calls.py: step_calls)
         rows = _twice((b.q.start, b.q.stop) for b in plan.blocks[0])
         own_q = _twice((b.q.start, b.q.stop) for b in split.blocks[0])
         if remote_keys is not None:
