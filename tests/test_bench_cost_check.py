@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from distcomm_attention.planning import cost
+from distcomm_attention.planning.visibility import Visibility
 
 from tests.scripts import import_script
 
@@ -85,3 +86,24 @@ def test_gpu_measure_compares_with_the_gpu_only_times():
     assert m._seconds({"max_s": 1.0}, "gpu") is None and m._seconds({"max_s": 1.0}, "wall") == 1.0
     with pytest.raises(SystemExit, match=r"final_packs.json .*no gpu time recorded for .*--host-time"):
         m.check([str(ROOT / "docs" / "bench" / "run6" / "final_packs.json")], measure="gpu")
+
+
+@pytest.mark.parametrize("mix", ["pareto", "lognormal"])
+def test_the_benchmarks_time_the_models_slowest_rank(mix):
+    """The ranks a benchmark times as the busiest (``planned_rank_s``, with a packing backend's calls) are the
+    cost model's: the largest is the compute the model predicts for the all-gather on the same call (the max
+    over ranks), and ``pick_ranks(..., 1)`` includes that rank. Before, ranks were picked by visible pairs and
+    one call per block, which the balanced layout makes nearly equal, and the slowest rank of a pack went
+    untimed (docs/bench/emulated.md, run 15)."""
+    bs = import_script("bench_strategies")
+    seq, world, n = 32768, 8, 4096
+    docs = bs.documents(mix, seq)
+    vis = Visibility(True, cu_seqlens=tuple(docs))
+    concrete = bs.plan_layout("balanced", seq, world, docs, True)["concrete"]
+    planned = bs.planned_rank_s("allgather", concrete, vis, world, n, 32, 8, 128)
+    call = cost.Call(1, n, 32, 8, 128, 2, concrete, vis, world, packs=True)
+    assert max(planned) == pytest.approx(cost.predict(call, "allgather").compute_s, rel=1e-12)
+    busiest = max(range(world), key=planned.__getitem__)
+    assert busiest in bs.pick_ranks(planned, 1)
+    unpacked = bs.planned_rank_s("allgather", concrete, vis, world, n, 32, 8, 128, packs=False)
+    assert unpacked != planned  # the call counts enter
