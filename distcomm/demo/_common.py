@@ -72,7 +72,7 @@ def parse_args(prog: str, description: str, argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--world-size", type=int, default=2, help=f"local ranks to start, 1 to {MAX_WORLD} (default 2)")
     parser.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
-    parser.add_argument("--plot", default="distcomm_demo.png", help="where to write the loss-curve PNG")
+    parser.add_argument("--plot", default="distcomm_demo.png", help="where to write the loss-curve PNG (default: %(default)s)")
     args = parser.parse_args(argv)
     if not 1 <= args.world_size <= MAX_WORLD:
         parser.error(f"--world-size must be between 1 and {MAX_WORLD}, got {args.world_size}")
