@@ -451,19 +451,17 @@ class _Call:
                     lambda hs: {s.local: self._corrected(o0, factor, h)
                                 for s, (o0, factor, _, _), h in zip(opening, started, hs)})
         if closed and opening and self._as_rows(closed + opening):
-            return self._rows_in_two_passes(closed, opening)
+            return self._two_passes(closed, opening)
         done = list(zip(*self._call(closed, h0=self._states_of(closed)))) if closed else []
         if not opening:
             return done, [], lambda hs: {}
-        x, cu, b = self._packed(opening)
-        a, bmap, finish = open_segments(self.passes, *x, scale=self.scale, cu_seqlens=cu)
-        maps = list(zip(self._per_segment(a, opening, b), self._per_segment(bmap, opening, b)))
-        return done, maps, lambda hs: self._finished(finish(torch.stack(hs, 1).flatten(0, 1)), opening, b)
+        _, maps, finish = self._two_passes([], opening)
+        return done, maps, finish
 
-    def _rows_in_two_passes(self, closed, opening):
-        """``_phase1`` of the delta rule with every segment a batch row of the two passes: a closed segment's
-        end state is its map applied to its document's initial state (B alone from zeros), its outputs come
-        from that state in phase 3 with the open segments'."""
+    def _two_passes(self, closed, opening):
+        """``_phase1`` of the delta rule for ``opening`` and ``closed`` (possibly none) in one call of the two
+        passes: a closed segment's end state is its map applied to its document's initial state (B alone from
+        zeros), its outputs come from that state in phase 3 with the open segments'."""
         segs = sorted(closed + opening, key=lambda s: s.local)
         x, cu, b = self._packed(segs)
         a, bmap, finish = open_segments(self.passes, *x, scale=self.scale, cu_seqlens=cu)
@@ -475,14 +473,10 @@ class _Call:
 
         def finish_all(hs):
             given = dict(zip((s.local for s in opening), hs))
-            zero = None
-            states = []
-            for s in segs:
-                h = given[s.local] if s.local in given else entering[s.local]
-                if h is None:
-                    zero = zero if zero is not None else hs[0].new_zeros(self.b_shape)
-                    h = zero
-                states.append(h)
+            states = [given[s.local] if s.local in given else entering[s.local] for s in segs]
+            if any(h is None for h in states):  # closed segments from zero states
+                zero = hs[0].new_zeros(self.b_shape)
+                states = [zero if h is None else h for h in states]
             return self._finished(finish(torch.stack(states, 1).flatten(0, 1)), segs, b)
 
         return done, [maps[s.local] for s in opening], finish_all
