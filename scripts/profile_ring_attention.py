@@ -75,12 +75,15 @@ def breakdown(trace: dict) -> dict:
     one (the iterations are marked with ``record_function``), so the profiler's start-up stays out.
     """
     events = trace.get("traceEvents", [])
-    marks = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                   if e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith("profiled_iter"))
-    if len(marks) < 2:
+    spans: dict[int, list[float]] = {}  # iteration -> [first start, last end] over its marks (one per stream)
+    for e in events:
+        if e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith("profiled_iter"):
+            span = spans.setdefault(int(e["name"][len("profiled_iter"):]), [e["ts"], e["ts"] + e["dur"]])
+            span[0], span[1] = min(span[0], e["ts"]), max(span[1], e["ts"] + e["dur"])
+    if len(spans) < 2:
         return {"kernels": 0}
-    lo, hi = marks[1][0], max(b for _, b in marks[1:])
-    iters = len(marks) - 1
+    lo, hi = min(a for i, (a, _) in spans.items() if i >= 1), max(b for i, (_, b) in spans.items() if i >= 1)
+    iters = len(spans) - 1
 
     def clip(e):
         return max(e["ts"], lo), min(e["ts"] + e["dur"], hi)
