@@ -589,14 +589,16 @@ def _merge_rows(dst: Tensor, src: Tensor, lse: Tensor, out_b: Tensor, lse_b: Ten
 
 
 def _nan_rows(out: Tensor, lse: Tensor) -> Tensor:
-    """``lse`` with NaN on the rows whose output holds a NaN (Note [Merging block outputs]): a kernel may report
-    a row with a NaN score as one that saw no key (lse -inf; flash-attn-4 does) while its output carries the NaN,
-    and the backward must not take it for an empty row (P = 0, zero gradients). One pass over the output."""
-    if out.is_cuda and out.stride(-1) == 1:  # one read of out (distcomm_attention/kernels/triton_rows.py)
+    """``lse`` with NaN on the rows reported as empty (lse -inf) whose output holds a NaN (Note [Merging block
+    outputs]): a kernel may report a row with a NaN score as one that saw no key (flash-attn-4 does) while its
+    output carries the NaN, and the backward must not take it for an empty row (P = 0, zero gradients). A NaN
+    row with a finite lse (a NaN in a value) keeps it: its backward is NaN through rowsum(dout * out). Only the
+    lse and the empty rows' outputs are read."""
+    if out.is_cuda and out.stride(-1) == 1:  # (distcomm_attention/kernels/triton_rows.py)
         from distcomm_attention.kernels import triton_rows
 
         return triton_rows.nan_rows_(out, lse)
-    bad = out.isnan().any(-1).transpose(1, 2)
+    bad = out.isnan().any(-1).transpose(1, 2) & (lse == float("-inf"))
     return lse.masked_fill_(bad, float("nan"))  # in place: an adopted kernel lse is returned as it is
 
 
@@ -739,7 +741,7 @@ class BlockForward:
 
     def finalize(self, state: MergeState, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """-> out (B, Sq, H, D) in ``dtype``, lse (B, H, Sq) float32 (the blocks' lse dtype); rows that saw no
-        key: out 0, lse -inf; rows whose output is NaN: lse NaN."""
+        key: out 0, lse -inf; rows reported empty whose output is NaN: lse NaN."""
         state.settle()
         if state.out is None:
             b, sq, h, _ = state.shape
