@@ -209,7 +209,8 @@ def planned_rank_s(strategy: str, concrete, vis: Visibility, world: int, local_l
     if strategy != "ring":
         ex = cost.gathered_exchange(concrete, vis, world, local_len)
         return [cost._gathered_rank_s(call, world, r, local_len, heads, kv_heads, hw,
-                                      None if ex is None else ex.buffer_len(r) - local_len)[0] for r in range(world)]
+                                      *(() if ex is None else (ex.buffer_len(r) - local_len, ex.remote_rows(r)[0])))[0]
+                for r in range(world)]
     return [sum(cost._compute_s(*c, call, heads, kv_heads, hw)
                 for c in cost._step_costs(ring_plan(concrete, vis, world, r, local_len), packs))
             for r in range(world)]

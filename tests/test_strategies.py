@@ -28,7 +28,9 @@ from distcomm_attention._reference import attention_reference
 from distcomm_attention.api import context_parallel_attn, which_strategy
 from distcomm_attention.planning import balance, cost, layouts
 from distcomm_attention.planning.exchange import exchange_plan, sparse_ring
-from distcomm_attention.planning.plans import gathered_in_natural_order, gathered_plan, local_plan
+from distcomm_attention.planning.calls import step_calls
+from distcomm_attention.planning.exchange import gathered_exchange
+from distcomm_attention.planning.plans import gathered_in_natural_order, gathered_plan, local_plan, own_rows, split_local
 from distcomm_attention.planning.visibility import Visibility, ring_plan, visible_mask
 from distcomm_attention.strategies import dispatch
 from distcomm_attention.strategies.ulysses import kv_head_index
@@ -242,7 +244,8 @@ def test_ulysses_prediction_counts_its_row_copies(heads, kv_heads, batch):
     reordered between the shards' order and natural order where the shards are not in it (zigzag, striped,
     balanced; not contiguous, nor a mesh assignment whose shards follow each other), in two halves always.
     Checked as the difference of two predictions that differ only in ``copy_gbps``, against the bytes counted
-    here; the ring and the all-gather copy nothing of the kind."""
+    here; the ring and the dense all-gather copy nothing of the kind (the sparse exchange's copies:
+    test_sparse_allgather_prediction_counts_its_exchange_copies)."""
     world, n, d, item = 4, 512, 64, 2
     h = heads // world
     kv = cost._kv_sent(heads, kv_heads, world) // world  # a rank's kv heads after the all-to-all
@@ -261,8 +264,47 @@ def test_ulysses_prediction_counts_its_row_copies(heads, kv_heads, batch):
         extra = cost.predict(c, "ulysses", slow).compute_s - cost.predict(c, "ulysses", fast).compute_s
         want = passes * one_pass * (1 / 100e9 - 1 / 1e18)
         assert math.isclose(extra, want, rel_tol=1e-9), (layout, halves, extra, want)
-        for strategy in ("ring", "allgather"):
-            assert cost.predict(c, strategy, slow) == cost.predict(c, strategy, fast)
+        assert cost.predict(c, "ring", slow) == cost.predict(c, "ring", fast)
+        if gathered_exchange(layout, vis, world, n) is None:
+            assert cost.predict(c, "allgather", slow) == cost.predict(c, "allgather", fast)
+
+
+def test_sparse_allgather_prediction_counts_its_exchange_copies():
+    """With the sparse exchange (Note [Sparse gather]) a rank's compute includes, for k and v each, its own rows
+    placed into the buffer (read and written in the input dtype), the other ranks' rows its step 1 writes
+    converted into fp32 to go home, and the rows the others read of its keys summed into fp32 and rounded:
+    checked as the difference of one rank's predictions that differ only in ``copy_gbps``, against the bytes
+    counted here from the exchange plan's rows (each rank's needs of the others). The forward runs the two steps
+    of the split plan (own keys first), so its calls are those of both."""
+    world, n, d, item, heads, kv_heads = 4, 512, 64, 2, 8, 2
+    docs = Visibility(causal=True, cu_seqlens=(0, 300, 1100, 1500, 2048))
+    balanced = balance.resolve("balanced", world * n, world, docs.cu_seqlens)
+    c = _call(world=world, heads=heads, kv_heads=kv_heads, layout=balanced, vis=docs, local_len=n, head_dim=d,
+              itemsize=item)
+    ex = gathered_exchange(balanced, docs, world, n)
+    assert ex is not None
+    slow, fast = cost.Hardware(copy_gbps=100.0), cost.Hardware(copy_gbps=1e9)
+    for r in range(world):
+        rows = lambda s, t: sum(b - a for a, b in ex.need[s][t])  # noqa: E731
+        received = sum(rows(s, r) for s in range(world) if s != r)
+        sent = sum(rows(r, t) for t in range(world) if t != r)
+        per_tensor = 2 * item * n + (item + 4) * received + (16 + item) * sent
+        want = 2 * kv_heads * d * per_tensor * (1 / 100e9 - 1 / 1e18)
+        args = (c, world, r, n, heads, kv_heads)
+        extra = (cost._gathered_rank_s(*args, slow, received, sent)[0]
+                 - cost._gathered_rank_s(*args, fast, received, sent)[0])
+        assert math.isclose(extra, want, rel_tol=1e-9), (r, extra, want)
+        assert received > 0 or sent > 0 or r == 0
+        # packed calls: the forward's those of both steps of the split plan, as the strategy runs them
+        packed = dataclasses.replace(c, packs=True)
+        split = split_local(gathered_plan(balanced, docs, world, r, n), own_rows(balanced, world, r, n))
+        issued = [sum(len(step_calls(split, i, torch.device("cpu"), backward) or split.blocks[i]) for i in (0, 1))
+                  for backward in (False, True)]
+        per_call = [cost.Hardware(call_overhead_s=x, copy_gbps=1e9) for x in (1.0, 0.0)]
+        calls = (cost._gathered_rank_s(packed, world, r, n, heads, kv_heads, per_call[0], received, sent)[0]
+                 - cost._gathered_rank_s(packed, world, r, n, heads, kv_heads, per_call[1], received, sent)[0])
+        assert math.isclose(calls, sum(issued) / 2, rel_tol=1e-9), (r, calls, issued)
+    assert cost.predict(c, "allgather", slow).compute_s > cost.predict(c, "allgather", fast).compute_s
 
 
 def test_hardware_refuses_values_the_model_cannot_divide_by():

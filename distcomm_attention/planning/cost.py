@@ -319,18 +319,34 @@ def _twice(spans) -> int:
     return sum(b - a for a, b in spans) - covered
 
 
+def _exchange_bytes(c: Call, kv_heads: int, local_len: int, remote_keys: int, sent_rows: int) -> int:
+    """Bytes the sparse exchange's own copies and sums read and write on one rank (Note [Sparse gather]), for k
+    and v each: its own rows placed into the buffer (read and written in the input dtype), step 1's terms on
+    the other ranks' rows (``remote_keys``) converted into the fp32 rows that go home, and what comes back for
+    its keys (``sent_rows``: the rows the others read, once per reader) summed into the own keys' fp32 sums
+    (the piece read, a sum read and written) and rounded into the input dtype."""
+    i = c.itemsize
+    per_row = 2 * i * local_len + (i + 4) * remote_keys + (16 + i) * sent_rows
+    return 2 * c.batch * kv_heads * c.head_dim * per_row
+
+
 def _gathered_rank_s(c: Call, ranks: int, rank: int, local_len: int, heads: int, kv_heads: int, hw: Hardware,
-                     remote_keys: int | None = None):
+                     remote_keys: int | None = None, sent_rows: int = 0):
     """(compute, forward of the blocks on own keys only, backward of them) seconds of one rank's gathered plan:
-    the forward's calls those of the one step, the backward's those of its two (Note [All-gather KV]). Where
-    the kernels pack a plan with documents or windows, their outputs and dq are written into the sums (Note
-    [Packed steps]: slots): state is charged for the rows two blocks reach; with the sparse exchange
-    (``remote_keys``: this rank's buffer rows of other ranks) dK/dV likewise, plus the fp32 rows that go
-    home."""
+    the backward's calls those of its two steps (Note [All-gather KV]), the forward's those of the one step, or
+    with the sparse exchange (``remote_keys``: this rank's buffer rows of other ranks; ``sent_rows``: its rows
+    the others read) of the two it runs there, own keys first, plus the exchange's copies and sums
+    (``_exchange_bytes``) at ``copy_gbps``. Where the kernels pack a plan with documents or windows, their
+    outputs and dq are written into the sums (Note [Packed steps]: slots): state is charged for the rows two
+    blocks reach; with the sparse exchange dK/dV likewise, plus the fp32 rows that go home."""
     plan = gathered_plan(c.layout, c.vis, ranks, rank, local_len)
     split = split_local(plan, own_rows(c.layout, ranks, rank, local_len))
     pairs, _, rows, keys = _step_costs(plan)[0]
-    calls = (_issued(plan, 0, c.packs, False) + sum(_issued(split, i, c.packs, True) for i in (0, 1))) / 2
+    forward = _issued(plan, 0, c.packs, False) if remote_keys is None else \
+        sum(_issued(split, i, c.packs, False) for i in (0, 1))
+    calls = (forward + sum(_issued(split, i, c.packs, True) for i in (0, 1))) / 2
+    exchange = 0.0 if remote_keys is None else \
+        _exchange_bytes(c, kv_heads, local_len, remote_keys, sent_rows) / (hw.copy_gbps * 1e9)
     own_pairs, _, own_q, own_kv = _step_costs(split)[0]
     if c.packs and plan.documents:  # packed calls (planning/calls.py: step_calls)
         rows = _twice((b.q.start, b.q.stop) for b in plan.blocks[0])
@@ -339,14 +355,15 @@ def _gathered_rank_s(c: Call, ranks: int, rank: int, local_len: int, heads: int,
             keys = remote_keys + _twice((b.kv.start, b.kv.stop) for b in plan.blocks[0])
             own_kv = _twice((b.kv.start, b.kv.stop) for b in split.blocks[0])
     own = _compute_s(own_pairs, _issued(split, 0, c.packs, True), own_q, own_kv, c, heads, kv_heads, hw)
-    return _compute_s(pairs, calls, rows, keys, c, heads, kv_heads, hw), own / 3.5, own * 2.5 / 3.5
+    return _compute_s(pairs, calls, rows, keys, c, heads, kv_heads, hw) + exchange, own / 3.5, own * 2.5 / 3.5
 
 
 def _gathered_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: Hardware):
     row = 2 * c.batch * kv_heads * c.head_dim  # k and v elements of one token
     ex = gathered_exchange(c.layout, c.vis, ranks, local_len)
     per_rank = [_gathered_rank_s(c, ranks, r, local_len, heads, kv_heads, hw,
-                                 None if ex is None else ex.buffer_len(r) - local_len) for r in range(ranks)]
+                                 *(() if ex is None else (ex.buffer_len(r) - local_len, ex.remote_rows(r)[0])))
+                for r in range(ranks)]
     gathers = 1 if gather_keeps(ex, ranks, local_len) else 2  # again in the backward unless the buffer is kept
     if ex is None:  # all-gathers waited before any block, reduce-scatter of dK, dV in fp32
         kv = row * local_len * (ranks - 1)
