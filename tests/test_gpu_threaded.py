@@ -174,11 +174,12 @@ def _nan_rank(rank, w, inputs, index, strategy, backend):
 
 
 @pytest.mark.parametrize("backend", ["fa4", "cudnn", "triton"])
-@pytest.mark.parametrize("where", ["q", "k"])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
 def test_nan_in_nan_out(backend, where):
-    """A NaN in one element of q or k (W = 4, causal zigzag, every strategy): exactly the output elements that
+    """A NaN in one element of q, k or v (W = 4, causal zigzag, every strategy): exactly the output elements that
     depend on it are NaN (decided by the float64 reference run with two finite values there), and every
-    gradient element that depends on it is NaN."""
+    gradient element that depends on it is NaN (a NaN in v leaves the rows' lse finite: their backward is NaN
+    through rowsum(dout * out))."""
     from distcomm_attention.kernels import dispatch
 
     w, hkv = 4, 4
@@ -187,7 +188,7 @@ def test_nan_in_nan_out(backend, where):
     bf = dict(device="cuda", dtype=torch.bfloat16)
     q, k, v, dout = (torch.randn(1, seq, h, D, generator=g, **bf) for h in (HEADS, hkv, hkv, HEADS))
     pos = seq // 2 - 3
-    target = q if where == "q" else k
+    target = {"q": q, "k": k, "v": v}[where]
     index = [da.position_ids(N, "zigzag", ring_size=w, rank=r).clone().cuda() for r in range(w)]
     problem = dispatch.backend_problem(backend, q.device, q.dtype)
     if problem is not None:
