@@ -156,6 +156,35 @@ def _qkv(b=2, s=32, h=4, hkv=2, d=16, dtype=torch.float64, seed=0):
 
 
 # ------------------------------------------------------------------------------------------- 1. merging
+def test_a_nan_row_reported_empty_keeps_its_nan_through_a_merge():
+    """A block kernel may report a row with a NaN score as one that saw no key (lse -inf, flash-attn-4 does)
+    while its output holds the NaN. After ``finalize`` such a row's lse is NaN whether it stayed one block's
+    (lse -inf) or was merged with a finite block (the merge's lse is finite, its output NaN), so the backward
+    never takes it for an empty row; a row whose NaN comes with a finite lse (a NaN value) keeps that lse, and
+    an empty row without a NaN stays -inf."""
+    b, s, h, d = 1, 6, 2, 4
+    g = torch.Generator().manual_seed(3)
+    out_a, out_b = (torch.randn(b, s, h, d, generator=g) for _ in range(2))
+    lse_a, lse_b = (torch.randn(b, h, s, generator=g) for _ in range(2))
+    out_a[0, 1, 0, 2] = float("nan")  # reported empty, merged with block b below: NaN lse expected
+    lse_a[0, 0, 1] = float("-inf")
+    out_a[0, 3, 1, 0] = float("nan")  # reported empty, one block: NaN lse expected
+    lse_a[0, 1, 3] = float("-inf")
+    out_a[0, 4, 0, 1] = float("nan")  # a NaN with a finite lse, one block: kept
+    lse_a[0, 1, 5] = float("-inf")  # empty, no NaN: stays -inf
+    out_a[0, 5, 1] = 0.0
+    state = MergeState(torch.Size((b, s, h, d)), torch.device("cpu"))
+    merge_block(state, out_a, lse_a)
+    merge_block(state, out_b[:, :2], lse_b[:, :, :2], slice(0, 2))
+    out, lse = ExactBlockForward().finalize(state, torch.float32)
+    assert bool(out[0, 1, 0].isnan().any()) and bool(lse[0, 0, 1].isnan())
+    assert bool(lse[0, 1, 3].isnan())
+    assert float(lse[0, 0, 4]) == float(lse_a[0, 0, 4]) and bool(out[0, 4, 0].isnan().any())
+    assert float(lse[0, 1, 5]) == float("-inf")
+    nan_lse = {(hh, r) for hh in range(h) for r in range(s) if bool(lse[0, hh, r].isnan())}
+    assert nan_lse == {(0, 1), (1, 3)}
+
+
 def test_merge_of_key_blocks_equals_one_shot_attention():
     """Blocks of keys merged by logsumexp give the one-shot output and lse (fp64 blocks: to rounding)."""
     q, k, v, _ = _qkv()

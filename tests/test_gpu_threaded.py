@@ -179,7 +179,9 @@ def test_nan_in_nan_out(backend, where):
     """A NaN in one element of q, k or v (W = 4, causal zigzag, every strategy): exactly the output elements that
     depend on it are NaN (decided by the float64 reference run with two finite values there), and every
     gradient element that depends on it is NaN (a NaN in v leaves the rows' lse finite: their backward is NaN
-    through rowsum(dout * out))."""
+    through rowsum(dout * out)). A NaN in v may also reach rows of its tile that do not see it (their masked
+    score's weight 0 times NaN, as in every tiled kernel): for v only the elements that depend on it are
+    checked, as tests/test_numerics.py does on the CPU."""
     from distcomm_attention.kernels import dispatch
 
     w, hkv = 4, 4
@@ -208,5 +210,5 @@ def test_nan_in_nan_out(backend, where):
                 x = res[r][name].double()
                 dep = a != b
                 assert bool(x[dep].isnan().all()), f"{strategy} {name} rank {r}: elements depending on the NaN are finite"
-                if name == "out":
+                if name == "out" and where != "v":  # a tile's masked scores weigh a NaN value by 0: NaN
                     assert not x[~dep].isnan().any(), f"{strategy} out rank {r}: NaN where nothing depends on it"

@@ -588,18 +588,25 @@ def _merge_rows(dst: Tensor, src: Tensor, lse: Tensor, out_b: Tensor, lse_b: Ten
     lse.copy_(new)
 
 
-def _nan_rows(out: Tensor, lse: Tensor) -> Tensor:
-    """``lse`` with NaN on the rows reported as empty (lse -inf) whose output holds a NaN (Note [Merging block
-    outputs]): a kernel may report a row with a NaN score as one that saw no key (flash-attn-4 does) while its
-    output carries the NaN, and the backward must not take it for an empty row (P = 0, zero gradients). A NaN
-    row with a finite lse (a NaN in a value) keeps it: its backward is NaN through rowsum(dout * out). Only the
-    lse and the empty rows' outputs are read."""
+def _nan_rows(out: Tensor, lse: Tensor, merged=((0, None),)) -> Tensor:
+    """``lse`` with NaN on the rows whose output holds a NaN (Note [Merging block outputs]): a kernel may report
+    a row with a NaN score as one that saw no key (lse -inf; flash-attn-4 does) while its output carries the NaN,
+    and the backward must not take it for an empty row (P = 0, zero gradients). A row one block reached keeps
+    that block's lse unless it is -inf (a NaN row with a finite lse, a NaN in a value, is NaN in the backward
+    through rowsum(dout * out)), so only the lse and those rows' outputs are read; the rows of ``merged``
+    (runs [a, z): rows whose lse is a merge, where a block's -inf no longer shows) are read whole."""
     if out.is_cuda and out.stride(-1) == 1:  # (distcomm_attention/kernels/triton_rows.py)
         from distcomm_attention.kernels import triton_rows
 
-        return triton_rows.nan_rows_(out, lse)
-    bad = out.isnan().any(-1).transpose(1, 2) & (lse == float("-inf"))
-    return lse.masked_fill_(bad, float("nan"))  # in place: an adopted kernel lse is returned as it is
+        triton_rows.nan_rows_(out, lse, empty_only=True)
+        for a, z in merged:
+            triton_rows.nan_rows_(out[:, a:z], lse[:, :, a:z])
+        return lse
+    bad = out.isnan().any(-1).transpose(1, 2)
+    check = lse == float("-inf")
+    for a, z in merged:
+        check[:, :, a:z] = True
+    return lse.masked_fill_(bad & check, float("nan"))  # in place: an adopted kernel lse is returned as it is
 
 
 def _split_runs(a: int, b: int, runs: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
@@ -741,7 +748,7 @@ class BlockForward:
 
     def finalize(self, state: MergeState, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """-> out (B, Sq, H, D) in ``dtype``, lse (B, H, Sq) float32 (the blocks' lse dtype); rows that saw no
-        key: out 0, lse -inf; rows reported empty whose output is NaN: lse NaN."""
+        key: out 0, lse -inf; rows whose output is NaN and whose lse is -inf or a merge: lse NaN."""
         state.settle()
         if state.out is None:
             b, sq, h, _ = state.shape
@@ -749,7 +756,7 @@ class BlockForward:
                     torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=state.device))
         _zero_untouched(state.out, state.touched, state.lse)
         out = _rounded(state.out, state.acc, state.in_acc, dtype)
-        return out, _nan_rows(out, state.lse)
+        return out, _nan_rows(out, state.lse, state.in_acc)
 
 
 class BlockBackward:

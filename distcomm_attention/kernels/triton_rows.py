@@ -5,9 +5,10 @@ the all-gather), and the NaN-row check of a block output (Note [Merging block ou
                             each row; on one H100 1.6-1.9x PyTorch's index_select for rows of 256 bytes, on
                             par from 1 KB (``take_rows`` picks), and 1.3-1.5x the permuted copies that pack
                             Ulysses' all-to-alls (docs/bench/row_copies.md)
-    nan_rows_(out, lse)     lse[b, h, s] = NaN where lse[b, h, s] is -inf and out[b, s, h, :] holds a NaN: one
-                            read of lse and of the rows of out it names (none in a call whose every row saw a
-                            key), no temporary (PyTorch: isnan, then an any over the head dimension)
+    nan_rows_(out, lse)     lse[b, h, s] = NaN where out[b, s, h, :] holds a NaN: one read of out, no temporary
+                            (PyTorch: isnan, then an any over the head dimension: a bool tensor of out's size);
+                            ``empty_only``: only where lse[b, h, s] is -inf, reading lse and the rows of out it
+                            names (none in a call whose every row saw a key)
 
 Both run on CUDA tensors; the callers keep a PyTorch path for every other device.
 """
@@ -76,23 +77,27 @@ def gather_rows(x: Tensor, index: Tensor, out: Tensor | None = None, config: tup
 
 @triton.jit
 def _nan_kernel(out, lse, R, H, D, s_ob, s_or, s_oh, s_lb, s_lh, s_lr,
-                BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, EMPTY_ONLY: tl.constexpr):
     # One program: BLOCK_R rows of one (batch element, head).
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     in_r = rows < R
     at = lse + b * s_lb + h * s_lh + rows * s_lr
-    empty = in_r & (tl.load(at, mask=in_r, other=0.0) == float("-inf"))  # only these rows' outputs are read
+    if EMPTY_ONLY:  # only the rows reported empty are read
+        empty = in_r & (tl.load(at, mask=in_r, other=0.0) == float("-inf"))
+    else:
+        empty = in_r
     tile = empty[:, None] & (cols[None, :] < D)
     vals = tl.load(out + b * s_ob + h * s_oh + rows[:, None] * s_or + cols[None, :], mask=tile, other=0.0).to(tl.float32)
     bad = tl.max((vals != vals).to(tl.int32), axis=1) > 0
     tl.store(at, float("nan"), mask=empty & bad)
 
 
-def nan_rows_(out: Tensor, lse: Tensor) -> Tensor:
-    """lse (B, H, S) set to NaN in place where it is -inf and out (B, S, H, D) (head dimension contiguous) holds a
-    NaN: a row reported as one that saw no key while its output carries a NaN (Note [Merging block outputs])."""
+def nan_rows_(out: Tensor, lse: Tensor, empty_only: bool = False) -> Tensor:
+    """lse (B, H, S) set to NaN in place where out (B, S, H, D) (head dimension contiguous) holds a NaN; with
+    ``empty_only`` only on the rows whose lse is -inf (reported as having seen no key; Note [Merging block
+    outputs]), whose outputs alone are read."""
     b, s, h, d = out.shape
     if out.stride(-1) != 1:
         raise ValueError(f"nan_rows_: the head dimension of out must be contiguous (strides {tuple(out.stride())})")
@@ -102,5 +107,5 @@ def nan_rows_(out: Tensor, lse: Tensor) -> Tensor:
     block_r = max(1, 8192 // (block_d * out.element_size()))
     grid = (triton.cdiv(s, block_r), h, b)
     _nan_kernel[grid](out, lse, s, h, d, *out.stride()[:3], *lse.stride(), BLOCK_R=block_r, BLOCK_D=block_d,
-                      num_warps=4)
+                      EMPTY_ONLY=empty_only, num_warps=4)
     return lse
