@@ -95,6 +95,57 @@ def test_row_sum_with_slots_is_the_sum_of_its_terms(batch):
     assert used > (50 if batch == 1 else 20)
 
 
+def _bf16_row_sum(seed: int, batch: int, fused: bool, monkeypatch):
+    """A RowSum in fp32 of random bf16 kernel terms (slots as chosen) and fp32 extra terms (as the all-gather's
+    returned rows), finished by ``triton_rows.sum_rows`` (``fused``, under the Triton interpreter) or by adding
+    the kept terms one run at a time; -> (result in bf16, float64 sum of the terms)."""
+    from distcomm_attention.kernels import triton_rows
+
+    monkeypatch.setattr(triton_rows, "sum_available", lambda device: fused)
+    ran = []
+    monkeypatch.setattr(triton_rows, "sum_rows", lambda *a, real=triton_rows.sum_rows: ran.append(1) or real(*a))
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    n, shape = 40, (batch, 40, 2, 3)
+    calls = [(span or (0, n), runs) for span, runs in _random_calls(rng, n, rng.randint(1, 6))]
+    order = slot_order(calls)
+    sums = RowSum(torch.Size(shape), torch.float32, torch.device("cpu"))
+    sums.slots = Slots(order or ())  # every term not written in place kept for the result
+    want = torch.zeros(shape, dtype=torch.float64)
+    for span, runs in calls:
+        slot = sums.slot(*span, torch.bfloat16)
+        term = _kernel_term(span, runs, shape, torch.bfloat16, gen, into=slot)
+        for a, b in runs:
+            want[:, a:b] += term[:, a - span[0]:b - span[0]].double()
+        sums.add_runs(term, runs, span[0])
+    for _ in range(rng.randint(0, 3)):
+        a = rng.randrange(n)
+        b = rng.randint(a + 1, n)
+        extra = torch.randn((batch, b - a, 2, 3), generator=gen)
+        want[:, a:b] += extra.double()
+        sums.add(a, b, extra)
+    kept = bool(sums.deferred)
+    out = sums.result(torch.bfloat16)
+    assert len(ran) == (fused and kept), "the kernel finishes every sum with kept terms, and only those"
+    return out, want, kept
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_row_sum_finished_by_one_kernel_gives_the_same_bits(batch, monkeypatch):
+    """A RowSum whose terms were kept aside (slots) finishes with ``triton_rows.sum_rows`` on CUDA: here under
+    the Triton interpreter, against the same sums finished one run at a time, over random calls, slots and
+    extra fp32 terms: the same bits (each row's terms added in fp32 in the same order and rounded once), and
+    both within one bf16 rounding of the float64 sum of the terms (rows no term reaches: 0)."""
+    kept = 0
+    for seed in range(24):
+        fused, want, k = _bf16_row_sum(seed, batch, True, monkeypatch)
+        plain, _, _ = _bf16_row_sum(seed, batch, False, monkeypatch)
+        kept += k
+        assert fused.dtype == torch.bfloat16 and fused.shape == want.shape
+        assert torch.equal(fused.view(torch.int16), plain.view(torch.int16)), seed
+        torch.testing.assert_close(fused.double(), want, rtol=2 ** -8, atol=1e-6)
+    assert kept > 12
+
+
 def test_a_slot_is_refused_where_an_earlier_slot_wrote():
     """Slots go to the calls ``choose_slots`` picked, in the order they ask, even where two calls share a span; a
     span holding a row an earlier slot's term was written to gets none whatever it was granted, nor a slot of
@@ -306,3 +357,49 @@ def test_allgather_with_slots_in_bf16():
             assert res["sent"][0] == res["sent"][1]
             assert res["owned"], (r, plans[i])
     assert any(h[0] == "backward" and h[1] for r in range(world) for res in got[r] for h in res["given"])
+
+
+def _fused_sums_rank(rank, world, plans):
+    import distcomm_attention as da
+    from distcomm_attention.kernels import dispatch, triton_rows
+    from distcomm_attention.planning import balance, layouts
+
+    fwd, bwd = _whole_span_kernels([], False)
+    dispatch.select_kernels = lambda backend, q, vis=None, softcap=0.0: ("fa4", fwd, bwd)
+    real, ran = triton_rows.sum_rows, []
+    triton_rows.sum_rows = lambda *a: ran.append(1) or real(*a)
+    out = []
+    for i, (layout, (causal, window, docs)) in enumerate(plans):
+        seq_len = world * 24
+        g = torch.Generator().manual_seed(200 + i)
+        q, k, v = (torch.randn(1, seq_len, h, 8, generator=g) for h in (4, 2, 2))
+        dout = torch.randn(1, seq_len, 4, 8, generator=g)
+        concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
+        pos = layouts.positions(concrete, seq_len, world, rank)
+        kwargs = dict(causal=causal, window_size=window, cu_seqlens=docs, layout=layout, strategy="allgather")
+        grads, counts = {}, {}
+        for fused in (True, False):
+            triton_rows.sum_available = lambda device, fused=fused: fused
+            before = len(ran)
+            local = [t[:, pos].to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+            o = da.context_parallel_attn(*local, **kwargs)
+            o.backward(dout[:, pos].to(torch.bfloat16))
+            grads[fused] = [t.grad.view(torch.int16).clone() for t in local]
+            counts[fused] = len(ran) - before
+        out.append({"same": [torch.equal(a, b) for a, b in zip(grads[True], grads[False])], "ran": counts})
+    return out
+
+
+def test_allgather_sums_finished_by_one_kernel_give_the_same_bits():
+    """The all-gather in bf16 with packed whole-span kernels, documents crossing ranks (the own keys' dK/dV sums
+    and dQ kept for the result): finished by ``triton_rows.sum_rows`` (the Triton interpreter here) or a run at
+    a time, dq, dk and dv have the same bits on every rank, and the kernel ran on some rank."""
+    world = 3
+    plans = [("contiguous", (True, (-1, -1), (0, 5, 13, 30, 31, 50, 72))),
+             ("balanced", (True, (-1, -1), (0, 2, 9, 10, 40, 72)))]
+    got = run_world(_fused_sums_rank, world, plans, timeout=240)
+    for r in range(world):
+        for i, res in enumerate(got[r]):
+            assert all(res["same"]), (r, plans[i], res["same"])
+            assert res["ran"][False] == 0, (r, plans[i])
+    assert sum(res["ran"][True] for r in range(world) for res in got[r]) > 0

@@ -541,13 +541,60 @@ class RowSum:
                 self.add(r0, r1, term[:, r0 - start:r1 - start])
 
     def result(self, dtype: torch.dtype) -> Tensor:
-        """The sum in ``dtype`` (rows no term reached: 0); the summed rows are rounded into the adopted buffer."""
+        """The sum in ``dtype`` (rows no term reached: 0); the summed rows are rounded into the adopted buffer.
+        Terms kept aside with nothing summed yet (the slots' case) are summed by one kernel on CUDA
+        (``_summed``), in the order ``_replay`` would add them: the same bits, without a copy or add per run."""
         self.slots = None  # the terms kept aside now go in, after every term written in place
+        summed = self._summed(dtype)
+        if summed is not None:
+            return summed
         self._replay()
         if self.base is None:
             return torch.zeros(self.shape, dtype=dtype, device=self.device)
         _zero_untouched(self.base, self.touched)
         return _rounded(self.base, self.acc, self.in_acc, dtype)
+
+
+    def _summed(self, dtype: torch.dtype) -> Tensor | None:
+        """The result by ``triton_rows.sum_rows`` (None where it does not apply): each row the sum in fp32 of
+        the rows written in place (``touched``) and then the kept terms reaching it, in order, rounded once to
+        ``dtype`` (into the buffer itself where it has that dtype, whose rows no kept term reaches are then not
+        read again); rows no term reaches 0."""
+        from distcomm_attention.kernels import triton_rows
+
+        if (not self.deferred or self.acc is not None or self.in_acc or self.dtype != torch.float32
+                or not triton_rows.sum_available(self.device)):
+            return None
+        n, trailing = self.shape[1], (self.shape[0],) + tuple(self.shape[2:])
+        sources = [] if self.base is None else [(a, z, self.base, 0) for a, z in self.touched]
+        sources += [(r0, r1, term, start) for term, runs, start in self.deferred for r0, r1 in runs]
+        terms: list[Tensor] = []
+        index: dict[int, int] = {}
+        for _, _, term, _ in sources:
+            if id(term) not in index:
+                if (term.shape[0],) + tuple(term.shape[2:]) != trailing or not triton_rows.summable(term):
+                    return None
+                index[id(term)] = len(terms)
+                terms.append(term)
+        out = self.base if self.base is not None and self.base.dtype == dtype and self.base.is_contiguous() else \
+            torch.empty(self.shape, dtype=dtype, device=self.device)
+        if not triton_rows.summable(out):
+            return None
+        cuts = sorted({0, n} | {x for r0, r1, _, _ in sources for x in (r0, r1)})
+        segments: list[tuple[int, int, list]] = []
+        for a, z in zip(cuts, cuts[1:]):
+            parts = [(index[id(term)], -start) for r0, r1, term, start in sources if r0 <= a and z <= r1]
+            if len(parts) > triton_rows.SUM_TERMS:
+                return None
+            if out is self.base and parts == [(index.get(id(out)), 0)]:  # written in place, nothing to add
+                continue
+            if segments and segments[-1][1] == a and segments[-1][2] == parts:
+                segments[-1] = (segments[-1][0], z, parts)
+            else:
+                segments.append((a, z, parts))
+        triton_rows.sum_rows(out, segments, terms)
+        self.deferred = []
+        return out
 
 
 def _zero_untouched(out: Tensor, touched, lse: Tensor | None = None) -> None:

@@ -10,7 +10,12 @@ the all-gather), and the NaN-row check of a block output (Note [Merging block ou
                             ``empty_only``: only where lse[b, h, s] is -inf, reading lse and the rows of out it
                             names (none in a call whose every row saw a key)
 
-Both run on CUDA tensors; the callers keep a PyTorch path for every other device.
+    sum_rows(out, segments, terms)
+                            out's rows as sums of rows of other tensors, each row's terms added in fp32 in a
+                            given order and rounded once: one read of each term, one write (a ``RowSum``'s
+                            terms kept aside until its result, instead of a copy or add per run of rows)
+
+They run on CUDA tensors; the callers keep a PyTorch path for every other device.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["gather_rows", "take_rows", "nan_rows_"]
+__all__ = ["gather_rows", "take_rows", "nan_rows_", "sum_available", "sum_rows", "summable", "SUM_TERMS"]
 
 
 @triton.jit
@@ -109,3 +114,105 @@ def nan_rows_(out: Tensor, lse: Tensor, empty_only: bool = False) -> Tensor:
     _nan_kernel[grid](out, lse, s, h, d, *out.stride()[:3], *lse.stride(), BLOCK_R=block_r, BLOCK_D=block_d,
                       EMPTY_ONLY=empty_only, num_warps=4)
     return lse
+
+
+SUM_TERMS = 8  # the most terms one row of ``sum_rows`` adds
+_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_SEGMENT_FIELDS = 4 + 2 * SUM_TERMS  # first program, first row, rows, terms, (term, row offset) x SUM_TERMS
+
+
+@triton.jit
+def _sum_kernel(out, table, terms, segments, C, s_ob, s_or,
+                K: tl.constexpr, W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                OUT_BF16: tl.constexpr):
+    # One program: BLOCK_R rows of one segment (rows with the same terms), BLOCK_C columns, one batch element.
+    p, b = tl.program_id(0).to(tl.int64), tl.program_id(2).to(tl.int64)
+    seg = p * 0
+    for i in range(segments):  # the last segment whose first program is at most p
+        seg = tl.where(tl.load(table + i * W) <= p, i, seg)
+    at = table + seg * W
+    first, row0, nrows, nterms = tl.load(at), tl.load(at + 1), tl.load(at + 2), tl.load(at + 3)
+    rows = (p - first) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    cols = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    tile = (rows < nrows)[:, None] & (cols < C)[None, :]
+    rows = row0 + rows
+    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+    for j in tl.static_range(K):
+        if j < nterms:
+            t, off = tl.load(at + 4 + 2 * j), tl.load(at + 5 + 2 * j)
+            ptr, s_b, s_r, code = tl.load(terms + 4 * t), tl.load(terms + 4 * t + 1), tl.load(terms + 4 * t + 2), \
+                tl.load(terms + 4 * t + 3)
+            idx = b * s_b + (rows + off)[:, None] * s_r + cols[None, :]
+            if code == 0:
+                x = tl.load(ptr.to(tl.pointer_type(tl.float32)) + idx, mask=tile, other=0.0)
+            elif code == 1:
+                x = tl.load(ptr.to(tl.pointer_type(tl.bfloat16)) + idx, mask=tile, other=0.0).to(tl.float32)
+            else:
+                x = tl.load(ptr.to(tl.pointer_type(tl.float16)) + idx, mask=tile, other=0.0).to(tl.float32)
+            if j == 0:
+                acc = x  # the first term as it is (a sum from 0 would turn -0 into +0)
+            else:
+                acc = acc + x
+    at_out = out + b * s_ob + rows[:, None] * s_or + cols[None, :]
+    if OUT_BF16:  # rounded to nearest even by integer steps (``out`` as int16), as on every device alike
+        bits = acc.to(tl.uint32, bitcast=True)
+        bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+        tl.store(at_out, tl.where(acc != acc, 0x7FC0, (bits >> 16).to(tl.int16)), mask=tile)
+    else:
+        tl.store(at_out, acc.to(out.dtype.element_ty), mask=tile)
+
+
+def sum_available(device: torch.device) -> bool:
+    """Whether a ``RowSum`` on ``device`` finishes with ``sum_rows``: on CUDA (the tests run it on the CPU
+    under the Triton interpreter)."""
+    return device.type == "cuda"
+
+
+def summable(t: Tensor) -> bool:
+    """Whether ``t`` (B, m, ...) can be a term or the output of ``sum_rows``: a dtype it reads (fp32, bf16, fp16)
+    and rows whose trailing dimensions are contiguous."""
+    if t.dtype not in _CODES or t.dim() < 2:
+        return False
+    step = 1
+    for size, stride in zip(reversed(t.shape[2:]), reversed(t.stride()[2:])):
+        if size != 1 and stride != step:
+            return False
+        step *= size
+    return True
+
+
+def sum_rows(out: Tensor, segments, terms) -> Tensor:
+    """Rows of ``out`` (B, n, ...) as sums: ``segments`` is a list of (first row, stop, [(term, offset), ...]),
+    sorted and disjoint, each row r of a segment the sum in fp32 of ``terms[term][:, r + offset]`` in the order
+    given (at most ``SUM_TERMS``; no term: 0), rounded once to out's dtype; rows in no segment are not written.
+    ``terms``: tensors (B, m, ...) with out's trailing shape (``summable``). On the device of ``out``; the
+    table of addresses goes there by one copy from pinned memory, without waiting for the GPU."""
+    b, n = out.shape[0], out.shape[1]
+    c = out[0, 0].numel() if n else 0
+    if not segments or b == 0 or c == 0:
+        return out
+    block_c = min(triton.next_power_of_2(c), 256)
+    block_r = max(1, 4096 // block_c)
+    k = max(1, max(len(s[2]) for s in segments))
+    if k > SUM_TERMS:
+        raise ValueError(f"sum_rows: a row adds at most {SUM_TERMS} terms, got {k}")
+    table, first = [], 0
+    for r0, r1, parts in segments:
+        row = [first, r0, r1 - r0, len(parts)]
+        for t, off in parts:
+            row += [t, off]
+        table += row + [0] * (_SEGMENT_FIELDS - len(row))
+        first += triton.cdiv(r1 - r0, block_r)
+    for t in terms:
+        table += [t.data_ptr(), t.stride(0), t.stride(1), _CODES[t.dtype]]
+    host = torch.tensor(table, dtype=torch.int64)
+    if out.is_cuda:
+        host = host.pin_memory()
+    table_dev = host.to(out.device, non_blocking=True)
+    start = len(segments) * _SEGMENT_FIELDS
+    grid = (first, triton.cdiv(c, block_c), b)
+    bf16 = out.dtype == torch.bfloat16
+    _sum_kernel[grid](out.view(torch.int16) if bf16 else out, table_dev, table_dev[start:], len(segments), c,
+                      out.stride(0), out.stride(1), K=k, W=_SEGMENT_FIELDS, BLOCK_R=block_r, BLOCK_C=block_c,
+                      OUT_BF16=bf16, num_warps=4)
+    return out

@@ -350,8 +350,9 @@ class AllGatherKV:
             if by_runs:
                 acc = (RowSum(k.shape, acc_dtype, k.device), RowSum(v.shape, acc_dtype, v.device))
                 order = None if in_shard is None or spans[1] is None else self._own_slots(in_shard, spans[1])
+                # every term not written in place is kept for the result, which sums them at once (``RowSum``)
+                acc[0].slots, acc[1].slots = Slots(order or ()), Slots(order or ())
                 if order is not None:  # the kernels write into the sums' rows
-                    acc[0].slots, acc[1].slots = Slots(order), Slots(order)
 
                     def into(lo, hi):
                         dk_b, dv_b = (a.slot(lo, hi, x.dtype) for a, x in zip(acc, (k, v)))
