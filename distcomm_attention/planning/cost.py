@@ -91,6 +91,13 @@ Note [Cost model]
     slots (the all-gather slower there), its packed rows are under-predicted more: emulated_run5.json one
     row +11% -> -19%, emulated_run4.json 4 -> 2 of 6 rows within 15%, the W = 16 packs on the mesh 15 -> 14
     of 16; every pick unchanged.
+
+    The sparse all-gather's forward runs the split plan's two steps (own keys first), and its calls are counted
+    so; the exchange's own copies and sums (the own rows placed into the buffer, step 1's terms converted into
+    the fp32 rows that go home, the rows coming back summed and rounded: ``_exchange_bytes``) are charged at
+    ``copy_gbps``. On the recorded run 15 rows (docs/bench/emulated.md) 24 of 25 predictions within 15% (worst
+    -16%, was -18%), the every-rank pack rows -5% / -14% (were -11% / -20%); on run 16's rows (the own sums
+    summed by one kernel) -3% / -4% (heavy-tailed) and -12% / -12% (log-normal), picks the fastest.
 """
 
 from __future__ import annotations
