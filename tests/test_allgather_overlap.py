@@ -141,22 +141,6 @@ class _RecordingBackward:
         return self._inner.packed_step(dout, q, k, *args, **kwargs)
 
 
-class _RecordingForward:
-    """Wraps a block forward and notes, per call, whether its keys are the shard's own tensor (its storage) or
-    a buffer's: ("fwd", "shard") or ("fwd", "buffer")."""
-
-    def __init__(self, inner, shard, log):
-        self._inner, self._shard, self._log = inner, shard, log
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def step(self, state, q, k, *args, **kwargs):
-        same = k.untyped_storage().data_ptr() == self._shard.untyped_storage().data_ptr()
-        self._log.append(("fwd", "shard" if same else "buffer"))
-        return self._inner.step(state, q, k, *args, **kwargs)
-
-
 def _overlap_rank(rank, world, layout, causal, window, docs, masked, sparse, runs=True, pieces=True):
     from distcomm_attention import transport
     from distcomm_attention.kernels.torch_exact import TorchBackward, TorchForward
@@ -192,14 +176,12 @@ def _overlap_rank(rank, world, layout, causal, window, docs, masked, sparse, run
     bwd = _RecordingBackward(TorchBackward(), local[1].detach(), log)
     with transport.using(lambda group: _RecordingTransport(TorchTransport(group), log)):
         key_mask = None if mask is None else mask[:, pos]
-        fwd = _RecordingForward(TorchForward(), local[1], log)
         out = allgather_attention(*local, None, layout=concrete, plan=plan, key_mask=key_mask, softcap=0.0,
-                                  scale=d ** -0.5, fwd=fwd, bwd=bwd, exchange=ex)
+                                  scale=d ** -0.5, fwd=TorchForward(), bwd=bwd, exchange=ex)
         log.append(("backward", None))
         out.backward(dout[:, pos])
     errors = reference_errors(q, k, v, dout, pos, out, local, causal=causal, window=window, docs=docs, mask=mask)
-    cut = log.index(("backward", None))
-    return {"errors": errors, "log": log[cut + 1:], "forward": log[:cut]}
+    return {"errors": errors, "log": log[log.index(("backward", None)) + 1:]}
 
 
 OVERLAP = [  # (layout, causal, window, documents, key padding, world, sparse exchange, own rows by runs,
@@ -242,26 +224,6 @@ def test_dkv_reduction_is_posted_before_the_own_key_blocks(layout, causal, windo
     # (a block across a rank boundary reads both and runs before the post: a rank may have no own-key block)
     assert any(e == ("bwd", "own") for g in got for e in g["log"])
     assert any(e == ("bwd", "others") for g in got for e in g["log"])  # some rank's dK/dV had to travel
-
-
-@pytest.mark.parametrize("layout, causal, window, docs, masked, world, sparse, runs, pieces", OVERLAP)
-def test_forward_blocks_on_own_keys_read_the_shard_while_keys_arrive(layout, causal, window, docs, masked, world,
-                                                                     sparse, runs, pieces):
-    """With the sparse exchange and own rows by runs, the forward's blocks on this rank's own keys read the shard
-    itself (no own row placed in the buffer first) and run before the exchange is waited for; every later block
-    reads the buffer. Without them, every block reads a buffer. Out stays exact (errors: the backward test)."""
-    got = run_world(_overlap_rank, world, layout, causal, window, docs, masked, sparse, runs, pieces, timeout=90)
-    for r, g in enumerate(got):
-        calls = [(i, e[1]) for i, e in enumerate(g["forward"]) if e[0] == "fwd"]
-        waits = [i for i, e in enumerate(g["forward"]) if e[0] == "wait"]
-        shard = [i for i, where in calls if where == "shard"]
-        if sparse and runs:
-            assert all(i < waits[0] for i in shard), (r, g["forward"])
-            assert all(where == "buffer" for i, where in calls if i > waits[0]), (r, g["forward"])
-        else:
-            assert not shard, (r, g["forward"])
-    if sparse and runs:
-        assert any(e == ("fwd", "shard") for g in got for e in g["forward"])
 
 
 def test_cost_model_charges_state_for_rows_reached_twice():

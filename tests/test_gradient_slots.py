@@ -393,12 +393,10 @@ def _fused_sums_rank(rank, world, plans):
 def test_allgather_sums_finished_by_one_kernel_give_the_same_bits():
     """The all-gather in bf16 with packed whole-span kernels, documents crossing ranks (the own keys' dK/dV sums
     and dQ kept for the result): finished by ``triton_rows.sum_rows`` (the Triton interpreter here) or a run at
-    a time, dq, dk and dv have the same bits on every rank, and the kernel ran on some rank. A document over
-    every rank: the keys of rank 0 come back from two ranks, two terms of each row."""
+    a time, dq, dk and dv have the same bits on every rank, and the kernel ran on some rank."""
     world = 3
     plans = [("contiguous", (True, (-1, -1), (0, 5, 13, 30, 31, 50, 72))),
-             ("balanced", (True, (-1, -1), (0, 2, 9, 10, 40, 72))),
-             ("contiguous", (True, (-1, -1), (0, 3, 70, 72)))]
+             ("balanced", (True, (-1, -1), (0, 2, 9, 10, 40, 72)))]
     got = run_world(_fused_sums_rank, world, plans, timeout=240)
     for r in range(world):
         for i, res in enumerate(got[r]):

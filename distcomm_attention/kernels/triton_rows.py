@@ -116,7 +116,7 @@ def nan_rows_(out: Tensor, lse: Tensor, empty_only: bool = False) -> Tensor:
     return lse
 
 
-SUM_TERMS = 16  # the most terms one row of ``sum_rows`` adds
+SUM_TERMS = 8  # the most terms one row of ``sum_rows`` adds
 _CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _SEGMENT_FIELDS = 4 + 2 * SUM_TERMS  # first program, first row, rows, terms, (term, row offset) x SUM_TERMS
 

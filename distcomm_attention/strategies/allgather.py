@@ -187,13 +187,13 @@ class AllGatherKV:
         return self.plan.cached("own rows before", lambda: torch.cat(
             [torch.zeros(1, dtype=torch.int64), self._own().to(torch.int64).cumsum(0)]))
 
-    def _spans(self, plan: RingPlan, i: int, km, q, nk: int, backward: bool = True):
-        """``call_spans`` of step i's packed calls over ``nk`` keys, or None where the step runs a call per block."""
+    def _spans(self, plan: RingPlan, i: int, km, q, keys, backward: bool = True):
+        """``call_spans`` of step i's packed calls, or None where the step runs a call per block."""
         kernel = self.bwd if backward else self.fwd
         calls = packed(plan, i, kernel, km, q.device, backward)
         if calls is None:
             return None
-        b, n = q.shape[0], q.shape[1]
+        b, n, nk = q.shape[0], q.shape[1], keys.shape[1]
         return plan.cached(("call spans", i, backward, b, n, nk), lambda: call_spans(calls, b, n, nk))
 
     @staticmethod
@@ -225,21 +225,6 @@ class AllGatherKV:
             return RingPlan((0,), (tuple(blocks),), self.plan.documents)
 
         return self.plan.cached("own keys in shard rows", make)
-
-    def shard_first(self) -> RingPlan | None:
-        """The forward's two steps with the first over the shard's rows (``own_keys_in_shard``), the second over
-        the buffer (``own_keys_first``'s), or None where the own rows are not by runs: the first step then
-        needs no own row placed in the buffer, and the placing runs beside it (``SparseGather.post``)."""
-        if self.sparse.own_runs is None:
-            return None
-
-        def make():
-            in_shard = self.own_keys_in_shard()
-            if in_shard is None:
-                return None
-            return RingPlan((0, 1), (in_shard.blocks[0], self.own_keys_first().blocks[1]), self.plan.documents)
-
-        return self.plan.cached("own keys in shard, then the rest", make)
 
     @staticmethod
     def _own_slots(plan: RingPlan, spans) -> tuple | None:
@@ -314,22 +299,16 @@ class AllGatherKV:
             k_all, v_all, km_all = self._gather(k, v, key_mask)
             if self.keep_gathered:
                 self._kept = (k_all, v_all, km_all)
-            slots = self._row_slots(self.plan, (self._spans(self.plan, 0, km_all, q, k_all.shape[1], backward=False),))
+            slots = self._row_slots(self.plan, (self._spans(self.plan, 0, km_all, q, k_all, backward=False),))
             return ring_forward(q, k_all, v_all, km_all, self.one, self.plan, self.softcap, self.scale, self.fwd,
                                 slots)
-        # the blocks on own keys run while the other ranks' keys arrive (Note [Sparse gather]): over the shard's
-        # rows where they can, the own rows placed into the buffer meanwhile (``SparseGather.post``)
-        shard_first = self.shard_first()
+        # the blocks on own keys run while the other ranks' keys arrive (Note [Sparse gather])
         with torch.no_grad():
-            arrival = self.sparse.post(k, v, key_mask, beside=shard_first is not None)
-        if shard_first is not None:
-            plan, k_own, v_own, km_own = shard_first, k, v, key_mask
-        else:
-            plan = self.own_keys_first()
-            k_own, v_own, km_own = arrival.local()
-            km_own = None if km_own is None else km_own.view(torch.bool)
-        nk = (k_own.shape[1], self.sparse.buffer_len)
-        slots = self._row_slots(plan, tuple(self._spans(plan, i, km_own, q, nk[i], backward=False) for i in (0, 1)))
+            arrival = self.sparse.post(k, v, key_mask)
+        k_own, v_own, km_own = arrival.local()
+        plan = self.own_keys_first()
+        km_own = None if km_own is None else km_own.view(torch.bool)
+        slots = self._row_slots(plan, tuple(self._spans(plan, i, km_own, q, k_own, backward=False) for i in (0, 1)))
         out, lse = ring_forward(q, k_own, v_own, km_own, _Arriving(arrival), plan, self.softcap, self.scale, self.fwd,
                                 slots)
         if self.sparse.keep:
@@ -349,7 +328,7 @@ class AllGatherKV:
         # step 0 (own keys): over the shard's rows where it can, else the buffer's
         own = (k.contiguous(), v.contiguous(), key_mask, in_shard) if in_shard is not None else \
             (k_all, v_all, km_all, plan)
-        spans = (self._spans(plan, 1, km_all, q, k_all.shape[1]), self._spans(own[3], 0, own[2], q, own[0].shape[1]))
+        spans = (self._spans(plan, 1, km_all, q, k_all), self._spans(own[3], 0, own[2], q, own[0]))
         if isinstance(dq, RowSum):
             dq.slots = self._row_slots(plan, spans)
         step = (dout, q, k_all, v_all, out, lse, delta, km_all, dq, plan)

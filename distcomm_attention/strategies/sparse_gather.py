@@ -10,9 +10,6 @@ Note [Sparse gather]
                  ... blocks that read own rows only run here (``plans.split_local``) ...
                  buffer[remote] = what arrived                    (wait)
 
-    With own rows by runs, the forward's blocks on own rows read the shard itself (``AllGatherKV.shard_first``)
-    and the own rows are placed on a side stream beside them (``post(beside=True)``; ``wait()`` waits for it).
-
     The backward is the adjoint: the buffer's dK/dV rows go back to their owners (all-to-all-v with the
     splits exchanged), and each owner adds every rank's contribution to its rows (``index_add_``, in fp32).
     It is posted and waited apart (``post_scatter_add``): the remote rows leave at the post, the own rows are
@@ -57,15 +54,6 @@ __all__ = ["SparseGather"]
 
 
 MAX_RUNS = 16  # own rows forming at most this many runs are moved by slice copies (Note [Sparse gather])
-_PLACING: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _placing_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream that places a rank's own rows into the key buffer while the forward's first step runs
-    (one per device, made once)."""
-    if device not in _PLACING:
-        _PLACING[device] = torch.cuda.Stream(device)
-    return _PLACING[device]
 MAX_PIECES = 64  # direct transfers per rank and tensor (sent and received), else an all-to-all-v (same Note)
 
 
@@ -100,26 +88,16 @@ def _index(ranges) -> torch.Tensor:
 
 
 class _Arrival:
-    """Buffers with this rank's own rows placed (or being placed on a side stream: ``placed``, an event);
-    ``wait()`` places the rest and returns them (B, m, ...) (a bool tensor as uint8: the ring loop's convention
-    for a key mask in flight)."""
+    """Buffers with this rank's own rows placed; ``wait()`` places the rest and returns them (B, m, ...) (a
+    bool tensor as uint8: the ring loop's convention for a key mask in flight)."""
 
-    def __init__(self, buffers, handles, place, bools, placed=None):
+    def __init__(self, buffers, handles, place, bools):
         self._buffers, self._handles, self._place, self._bools = buffers, handles, place, bools
-        self._placed = placed
-
-    def _own_rows_placed(self) -> None:
-        if self._placed is not None:
-            event, device = self._placed
-            torch.cuda.current_stream(device).wait_event(event)
-            self._placed = None
 
     def local(self) -> tuple[torch.Tensor | None, ...]:
-        self._own_rows_placed()
         return tuple(None if b is None else b.transpose(0, 1) for b in self._buffers)
 
     def wait(self) -> tuple[torch.Tensor | None, ...]:
-        self._own_rows_placed()
         for i, handle in enumerate(self._handles):
             if handle is None:
                 continue
@@ -170,15 +148,10 @@ class SparseGather:
         own[self.place_own] = True
         return own
 
-    def post(self, *tensors: torch.Tensor | None, beside: bool = False) -> _Arrival:
-        """Start gathering (B, n, ...) local tensors into (B, m, ...) buffers of the needed keys. ``beside``: the
-        own rows, by runs, are placed on a side stream (CUDA), which ``local()`` and ``wait()`` wait for, so
-        that work reading the shard itself runs meanwhile."""
+    def post(self, *tensors: torch.Tensor | None) -> _Arrival:
+        """Start gathering (B, n, ...) local tensors into (B, m, ...) buffers of the needed keys."""
         present = [t for t in tensors if t is not None]
         device = present[0].device
-        side = _placing_stream(device) if beside and self.own_runs is not None and device.type == "cuda" else None
-        if side is not None:
-            side.wait_stream(torch.cuda.current_stream(device))
         buffers, handles, bools = [], [], []
         for t in tensors:
             if t is None:
@@ -187,13 +160,7 @@ class SparseGather:
             rows = t.view(torch.uint8) if t.dtype == torch.bool else t
             rows = rows.transpose(0, 1)
             buffer = rows.new_empty((self.buffer_len,) + tuple(rows.shape[1:]))
-            if side is not None:  # read and written there: neither to be reused before it is done
-                with torch.cuda.stream(side):
-                    for a, at, length in self.own_runs:
-                        buffer[at:at + length] = rows[a:a + length]
-                buffer.record_stream(side)
-                rows.record_stream(side)
-            elif self.own_runs is not None:
+            if self.own_runs is not None:
                 for a, at, length in self.own_runs:
                     buffer[at:at + length] = rows[a:a + length]
             else:
@@ -213,11 +180,7 @@ class SparseGather:
             place = self.place_runs
         else:
             place = self._index("place", device)
-        placed = None
-        if side is not None:
-            placed = (torch.cuda.Event(), device)
-            placed[0].record(side)
-        return _Arrival(buffers, handles, place, bools, placed)
+        return _Arrival(buffers, handles, place, bools)
 
     def gather(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         """(B, n, ...) local tensors -> (B, m, ...) buffers of the needed keys (None stays None)."""
@@ -285,15 +248,12 @@ class _Returning:
 
     def add_returned(self, acc) -> None:
         """Wait and add what the other ranks sent back for this rank's keys into ``acc`` (a ``RowSum`` over the
-        shard's rows), one term per piece that came back (with ``acc``'s terms kept for its result, summed there
-        with the others at once; else the pieces several ranks return for the same rows summed first, in one
-        reduction) or per run of ``back_runs``; the buffer's own rows are not read."""
+        shard's rows), one term per run of rows (the pieces several ranks return for the same rows summed
+        first, in one reduction) or per run of ``back_runs``; the buffer's own rows are not read."""
         if self._handle is not None and self._sparse.pieces is not None:
             self._handle.wait()
-            kept = acc.slots is not None  # added at the result, by one kernel where it runs
             for (a, length, which), group in zip(self._sparse.back_groups, self._handle.groups):
-                for term in (group.unbind(0) if kept else (group[0] if len(which) == 1 else group.sum(0),)):
-                    acc.add(a, a + length, term.transpose(0, 1))
+                acc.add(a, a + length, (group[0] if len(which) == 1 else group.sum(0)).transpose(0, 1))
         elif self._handle is not None:
             (back,) = self._handle.wait()
             back = back.transpose(0, 1)
