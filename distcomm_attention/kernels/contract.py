@@ -563,8 +563,9 @@ class RowSum:
         from distcomm_attention.kernels import triton_rows
 
         if (not self.deferred or self.acc is not None or self.in_acc or self.dtype != torch.float32
-                or not triton_rows.sum_available(self.device)):
-            return None
+                or not triton_rows.sum_available(self.device)
+                or self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return None  # (a graph being captured would keep a table of this call's addresses)
         n, trailing = self.shape[1], (self.shape[0],) + tuple(self.shape[2:])
         sources = [] if self.base is None else [(a, z, self.base, 0) for a, z in self.touched]
         sources += [(r0, r1, term, start) for term, runs, start in self.deferred for r0, r1 in runs]

@@ -25,6 +25,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from distcomm_attention._device import to_device
+
 __all__ = ["gather_rows", "take_rows", "nan_rows_", "sum_available", "sum_rows", "summable", "SUM_TERMS"]
 
 
@@ -186,7 +188,8 @@ def sum_rows(out: Tensor, segments, terms) -> Tensor:
     sorted and disjoint, each row r of a segment the sum in fp32 of ``terms[term][:, r + offset]`` in the order
     given (at most ``SUM_TERMS``; no term: 0), rounded once to out's dtype; rows in no segment are not written.
     ``terms``: tensors (B, m, ...) with out's trailing shape (``summable``). On the device of ``out``; the
-    table of addresses goes there by one copy from pinned memory, without waiting for the GPU."""
+    table of addresses goes there by one copy from pinned memory, without waiting for the GPU (not while a CUDA
+    graph is captured: the table is made for this call's tensors)."""
     b, n = out.shape[0], out.shape[1]
     c = out[0, 0].numel() if n else 0
     if not segments or b == 0 or c == 0:
@@ -205,10 +208,7 @@ def sum_rows(out: Tensor, segments, terms) -> Tensor:
         first += triton.cdiv(r1 - r0, block_r)
     for t in terms:
         table += [t.data_ptr(), t.stride(0), t.stride(1), _CODES[t.dtype]]
-    host = torch.tensor(table, dtype=torch.int64)
-    if out.is_cuda:
-        host = host.pin_memory()
-    table_dev = host.to(out.device, non_blocking=True)
+    table_dev = to_device(torch.tensor(table, dtype=torch.int64), out.device)  # through pinned memory
     start = len(segments) * _SEGMENT_FIELDS
     grid = (first, triton.cdiv(c, block_c), b)
     bf16 = out.dtype == torch.bfloat16
