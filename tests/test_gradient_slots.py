@@ -126,7 +126,11 @@ def _bf16_row_sum(seed: int, batch: int, fused: bool, monkeypatch):
     kept = bool(sums.deferred)
     out = sums.result(torch.bfloat16)
     assert len(ran) == (fused and kept), "the kernel finishes every sum with kept terms, and only those"
-    return out, want, kept
+    first = out.clone()
+    again = sums.result(torch.bfloat16)  # the sum stays whole: a second result is the first, which it leaves
+    assert torch.equal(again.view(torch.int16), first.view(torch.int16))
+    assert torch.equal(out.view(torch.int16), first.view(torch.int16))
+    return first, want, kept
 
 
 @pytest.mark.parametrize("batch", [1, 2])

@@ -78,6 +78,38 @@ def test_nan_rows_marks_exactly_the_rows_holding_a_nan(device, dtype, empty_only
     torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=0, equal_nan=True, check_dtype=False)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("batch, trailing", [(1, (3, 5)), (3, (300,)), (2, (2, 130))])
+def test_sum_rows_adds_each_rows_terms_in_order_and_rounds_once(device, out_dtype, batch, trailing):
+    """``sum_rows``: each row of a segment is the sum in fp32 of its terms' rows in the order given (terms of
+    every dtype it reads, views with batch strides and row offsets), rounded once to out's dtype: bit for bit
+    the same as adding them in that order in fp32 and rounding with PyTorch; rows in no segment are left as
+    they were; a segment without terms is 0; more terms a row than SUM_TERMS are refused."""
+    g = torch.Generator().manual_seed(batch)
+    n = 23
+    big = torch.randn(40, batch, *trailing, generator=g)  # row-major (rows, batch, ...): strided terms
+    terms = [torch.randn(batch, 30, *trailing, generator=g).to(torch.bfloat16),
+             big.transpose(0, 1)[:, 5:35],
+             torch.randn(batch, n, *trailing, generator=g).to(torch.float16)]
+    segments = [(0, 4, [(0, 0)]), (4, 9, [(1, 2), (0, -1), (2, 0)]), (11, 15, []), (15, 23, [(2, 0), (1, -10)])]
+    out = torch.full((batch, n, *trailing), 7.0, dtype=out_dtype)
+    want = out.clone()
+    for r0, r1, parts in segments:
+        for r in range(r0, r1):
+            acc = None
+            for t, off in parts:
+                x = terms[t][:, r + off].float()
+                acc = x if acc is None else acc + x
+            want[:, r] = 0 if acc is None else acc.to(out_dtype)
+    got = triton_rows.sum_rows(out.to(device), segments, [t.to(device) for t in terms]).cpu()
+    bits = torch.int16 if out_dtype != torch.float32 else torch.int32
+    assert torch.equal(got.view(bits), want.view(bits))
+    assert bool((got[:, 9:11] == 7).all()), "rows in no segment are left as they were"
+    with pytest.raises(ValueError, match="a row adds at most"):
+        triton_rows.sum_rows(out.to(device), [(0, 1, [(0, 0)] * (triton_rows.SUM_TERMS + 1))], terms[:1])
+
+
 class _Mirror:
     """A transport whose all-to-all hands back what was sent: the packs and places are what is compared."""
 

@@ -543,7 +543,7 @@ class RowSum:
     def result(self, dtype: torch.dtype) -> Tensor:
         """The sum in ``dtype`` (rows no term reached: 0); the summed rows are rounded into the adopted buffer.
         Terms kept aside with nothing summed yet (the slots' case) are summed by one kernel on CUDA
-        (``_summed``), in the order ``_replay`` would add them: the same bits, without a copy or add per run."""
+        (``_summed``), in the order ``_replay`` would add them: the same values, without a copy or add per run."""
         self.slots = None  # the terms kept aside now go in, after every term written in place
         summed = self._summed(dtype)
         if summed is not None:
@@ -554,12 +554,12 @@ class RowSum:
         _zero_untouched(self.base, self.touched)
         return _rounded(self.base, self.acc, self.in_acc, dtype)
 
-
     def _summed(self, dtype: torch.dtype) -> Tensor | None:
         """The result by ``triton_rows.sum_rows`` (None where it does not apply): each row the sum in fp32 of
         the rows written in place (``touched``) and then the kept terms reaching it, in order, rounded once to
         ``dtype`` (into the buffer itself where it has that dtype, whose rows no kept term reaches are then not
-        read again); rows no term reaches 0."""
+        read again); rows no term reaches 0. The values of ``_replay`` and ``_rounded`` (a NaN's bits aside).
+        The result is then the sum's buffer, every row of it set, as after a result by the replay."""
         from distcomm_attention.kernels import triton_rows
 
         if (not self.deferred or self.acc is not None or self.in_acc or self.dtype != torch.float32
@@ -594,7 +594,7 @@ class RowSum:
             else:
                 segments.append((a, z, parts))
         triton_rows.sum_rows(out, segments, terms)
-        self.deferred = []
+        self.deferred, self.base, self.touched = [], out, [(0, n)]
         return out
 
 

@@ -12,8 +12,9 @@ the all-gather), and the NaN-row check of a block output (Note [Merging block ou
 
     sum_rows(out, segments, terms)
                             out's rows as sums of rows of other tensors, each row's terms added in fp32 in a
-                            given order and rounded once: one read of each term, one write (a ``RowSum``'s
-                            terms kept aside until its result, instead of a copy or add per run of rows)
+                            given order and rounded once (to nearest even; a NaN as one bit pattern): one
+                            read of each term, one write (a ``RowSum``'s terms kept aside until its result,
+                            instead of a copy or add per run of rows)
 
 They run on CUDA tensors; the callers keep a PyTorch path for every other device.
 """
@@ -156,7 +157,8 @@ def _sum_kernel(out, table, terms, segments, C, s_ob, s_or,
             else:
                 acc = acc + x
     at_out = out + b * s_ob + rows[:, None] * s_or + cols[None, :]
-    if OUT_BF16:  # rounded to nearest even by integer steps (``out`` as int16), as on every device alike
+    if OUT_BF16:  # rounded to nearest even by integer steps (``out`` as int16: the interpreter's own conversion
+        # truncates); a NaN written as 0x7FC0, whatever its payload
         bits = acc.to(tl.uint32, bitcast=True)
         bits = bits + (((bits >> 16) & 1) + 0x7FFF)
         tl.store(at_out, tl.where(acc != acc, 0x7FC0, (bits >> 16).to(tl.int16)), mask=tile)

@@ -94,10 +94,10 @@ Note [Cost model]
 
     The sparse all-gather's forward runs the split plan's two steps (own keys first), and its calls are counted
     so; the exchange's own copies and sums (the own rows placed into the buffer, step 1's terms converted into
-    the fp32 rows that go home, the rows coming back summed and rounded: ``_exchange_bytes``) are charged at
-    ``copy_gbps``. On the recorded run 15 rows (docs/bench/emulated.md) 24 of 25 predictions within 15% (worst
-    -16%, was -18%), the every-rank pack rows -5% / -14% (were -11% / -20%); on run 16's rows (the own sums
-    summed by one kernel) -3% / -4% (heavy-tailed) and -12% / -12% (log-normal), picks the fastest.
+    the fp32 rows that go home, the pieces coming back read, the own keys' sums written: ``_exchange_bytes``)
+    are charged at ``copy_gbps``. On the recorded run 15 rows (docs/bench/emulated.md) 24 of 25 predictions within 15% (worst
+    -16%, was -18%), the every-rank pack rows -6% / -15% (were -11% / -20%); on run 16's rows (the own sums
+    summed by one kernel) -5% / -5% (heavy-tailed) and -12% / -12% (log-normal), picks the fastest.
 """
 
 from __future__ import annotations
@@ -326,24 +326,25 @@ def _twice(spans) -> int:
     return sum(b - a for a, b in spans) - covered
 
 
-def _exchange_bytes(c: Call, kv_heads: int, local_len: int, remote_keys: int, sent_rows: int) -> int:
+def _exchange_bytes(c: Call, kv_heads: int, local_len: int, remote_keys: int, sent_rows: int, gathers: int = 1) -> int:
     """Bytes the sparse exchange's own copies and sums read and write on one rank (Note [Sparse gather]), for k
-    and v each: its own rows placed into the buffer (read and written in the input dtype), step 1's terms on
-    the other ranks' rows (``remote_keys``) converted into the fp32 rows that go home, and what comes back for
-    its keys (``sent_rows``: the rows the others read, once per reader) summed into the own keys' fp32 sums
-    (the piece read, a sum read and written) and rounded into the input dtype."""
+    and v each: its own rows placed into the buffer at each gather (read and written in the input dtype), step
+    1's terms on the other ranks' rows (``remote_keys``) converted into the fp32 rows that go home, the fp32
+    pieces coming back for its keys (``sent_rows``: the rows the others read, once per reader) read, and summed
+    first where several ranks return the same rows, and the own keys' sums (one kernel over the kept terms:
+    ``RowSum``) writing its rows in the input dtype, read where a kernel wrote them in place."""
     i = c.itemsize
-    per_row = 2 * i * local_len + (i + 4) * remote_keys + (16 + i) * sent_rows
+    per_row = 2 * i * local_len * gathers + (i + 4) * remote_keys + 8 * sent_rows + 2 * i * local_len
     return 2 * c.batch * kv_heads * c.head_dim * per_row
 
 
 def _gathered_rank_s(c: Call, ranks: int, rank: int, local_len: int, heads: int, kv_heads: int, hw: Hardware,
-                     remote_keys: int | None = None, sent_rows: int = 0):
+                     remote_keys: int | None = None, sent_rows: int = 0, gathers: int = 1):
     """(compute, forward of the blocks on own keys only, backward of them) seconds of one rank's gathered plan:
     the backward's calls those of its two steps (Note [All-gather KV]), the forward's those of the one step, or
     with the sparse exchange (``remote_keys``: this rank's buffer rows of other ranks; ``sent_rows``: its rows
-    the others read) of the two it runs there, own keys first, plus the exchange's copies and sums
-    (``_exchange_bytes``) at ``copy_gbps``. Where the kernels pack a plan with documents or windows, their
+    the others read; ``gathers``: 2 where the backward gathers again) of the two it runs there, own keys first,
+    plus the exchange's copies and sums (``_exchange_bytes``) at ``copy_gbps``. Where the kernels pack a plan with documents or windows, their
     outputs and dq are written into the sums (Note [Packed steps]: slots): state is charged for the rows two
     blocks reach; with the sparse exchange dK/dV likewise, plus the fp32 rows that go home."""
     plan = gathered_plan(c.layout, c.vis, ranks, rank, local_len)
@@ -353,7 +354,7 @@ def _gathered_rank_s(c: Call, ranks: int, rank: int, local_len: int, heads: int,
         sum(_issued(split, i, c.packs, False) for i in (0, 1))
     calls = (forward + sum(_issued(split, i, c.packs, True) for i in (0, 1))) / 2
     exchange = 0.0 if remote_keys is None else \
-        _exchange_bytes(c, kv_heads, local_len, remote_keys, sent_rows) / (hw.copy_gbps * 1e9)
+        _exchange_bytes(c, kv_heads, local_len, remote_keys, sent_rows, gathers) / (hw.copy_gbps * 1e9)
     own_pairs, _, own_q, own_kv = _step_costs(split)[0]
     if c.packs and plan.documents:  # packed calls (planning/calls.py: step_calls)
         rows = _twice((b.q.start, b.q.stop) for b in plan.blocks[0])
@@ -368,10 +369,10 @@ def _gathered_rank_s(c: Call, ranks: int, rank: int, local_len: int, heads: int,
 def _gathered_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: Hardware):
     row = 2 * c.batch * kv_heads * c.head_dim  # k and v elements of one token
     ex = gathered_exchange(c.layout, c.vis, ranks, local_len)
-    per_rank = [_gathered_rank_s(c, ranks, r, local_len, heads, kv_heads, hw,
-                                 *(() if ex is None else (ex.buffer_len(r) - local_len, ex.remote_rows(r)[0])))
-                for r in range(ranks)]
     gathers = 1 if gather_keeps(ex, ranks, local_len) else 2  # again in the backward unless the buffer is kept
+    per_rank = [_gathered_rank_s(c, ranks, r, local_len, heads, kv_heads, hw,
+                                 *(() if ex is None else (ex.buffer_len(r) - local_len, ex.remote_rows(r)[0], gathers)))
+                for r in range(ranks)]
     if ex is None:  # all-gathers waited before any block, reduce-scatter of dK, dV in fp32
         kv = row * local_len * (ranks - 1)
         gather = [gathers * _transfer_s(kv * c.itemsize, hw.allgather_gbps, hw)] * ranks
