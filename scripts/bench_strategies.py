@@ -207,12 +207,7 @@ def planned_rank_s(strategy: str, concrete, vis: Visibility, world: int, local_l
     busiest are the model's, whose call counts can set a rank apart where its pairs do not."""
     call = cost.Call(1, local_len, heads, kv_heads, head_dim, 2, concrete, vis, world, packs=packs)
     if strategy != "ring":
-        ex = cost.gathered_exchange(concrete, vis, world, local_len)
-        gathers = 1 if cost.gather_keeps(ex, world, local_len) else 2
-        return [cost._gathered_rank_s(call, world, r, local_len, heads, kv_heads, hw,
-                                      *(() if ex is None else
-                                        (ex.buffer_len(r) - local_len, ex.remote_rows(r)[0], gathers)))[0]
-                for r in range(world)]
+        return [s for s, _, _ in cost._gathered_ranks_s(call, world, local_len, heads, kv_heads, hw)[2]]
     return [sum(cost._compute_s(*c, call, heads, kv_heads, hw)
                 for c in cost._step_costs(ring_plan(concrete, vis, world, r, local_len), packs))
             for r in range(world)]

@@ -55,13 +55,6 @@ def host_seconds(step, iters: int) -> float:
     return (t1 - t0) / iters
 
 
-def positions(concrete, seq: int, world: int, rank: int) -> torch.Tensor:
-    """Global positions of ``rank``'s rows under a layout name or an ``Assignment``."""
-    if isinstance(concrete, str):
-        return layouts.positions(concrete, seq, world, rank)
-    return concrete.positions(rank)
-
-
 def query_runs(pos: torch.Tensor, docs: list[int]) -> list[tuple[int, int, int]]:
     """(first position, end position, document start) of each maximal run of consecutive positions of one
     document among ``pos`` (increasing)."""
@@ -124,7 +117,7 @@ def profile_case(seq, world, heads, kv_heads, mix, layout, strategy, args, fwd, 
         wall = B._timed(step, args.iters, args.warmup)
         gpu = U.gpu_seconds(step, args.iters, ahead_s=2 * wall + 1e-3)
         host = host_seconds(step, args.iters)
-        runs = query_runs(positions(concrete, seq, world, rank), docs)
+        runs = query_runs(layouts.positions(concrete, seq, world, rank), docs)
         raw = B._timed(raw_step(runs, heads, kv_heads, d, lambda *s: rnd(*s)), args.iters, args.warmup)
 
         def ahead_step(first=[True]):  # noqa: B006 - one GPU sleep ahead of the profiled iterations

@@ -366,13 +366,20 @@ def _gathered_rank_s(c: Call, ranks: int, rank: int, local_len: int, heads: int,
     return _compute_s(pairs, calls, rows, keys, c, heads, kv_heads, hw) + exchange, own / 3.5, own * 2.5 / 3.5
 
 
-def _gathered_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: Hardware):
-    row = 2 * c.batch * kv_heads * c.head_dim  # k and v elements of one token
+def _gathered_ranks_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: Hardware):
+    """(exchange plan or None, gathers per call, ``_gathered_rank_s`` of every rank): the all-gather's ranks,
+    with the sparse exchange's rows of each where it runs."""
     ex = gathered_exchange(c.layout, c.vis, ranks, local_len)
     gathers = 1 if gather_keeps(ex, ranks, local_len) else 2  # again in the backward unless the buffer is kept
     per_rank = [_gathered_rank_s(c, ranks, r, local_len, heads, kv_heads, hw,
                                  *(() if ex is None else (ex.buffer_len(r) - local_len, ex.remote_rows(r)[0], gathers)))
                 for r in range(ranks)]
+    return ex, gathers, per_rank
+
+
+def _gathered_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: Hardware):
+    row = 2 * c.batch * kv_heads * c.head_dim  # k and v elements of one token
+    ex, gathers, per_rank = _gathered_ranks_s(c, ranks, local_len, heads, kv_heads, hw)
     if ex is None:  # all-gathers waited before any block, reduce-scatter of dK, dV in fp32
         kv = row * local_len * (ranks - 1)
         gather = [gathers * _transfer_s(kv * c.itemsize, hw.allgather_gbps, hw)] * ranks
