@@ -24,6 +24,8 @@ Document mixes (cu_seqlens over S tokens, seed 0):
     "one_long"   one document of S / 2, then documents of 1k
     "pareto"     heavy-tailed: lengths int(256 * paretovariate(1.1)) (random.Random(seed)), at least 1, the
                  last document cut at S (S = 128k: 95 documents, the longest 26k; 512k: 250, the longest 224k)
+    "short"      hundreds of short documents: log-normal lengths of mean ~500 tokens (sigma 0.8, clipped to
+                 [16, 9k]; S = 128k: 262 documents, 90% under 1k; 512k: 1015)
     "one"        a single document, cu_seqlens = [0, S]: plain causal attention through the varlen path
 
 Layouts of the document rows (--layouts): the static "contiguous", "zigzag", "striped", and the data-dependent
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
@@ -113,7 +116,8 @@ def _peak(fn) -> int:
     return torch.cuda.max_memory_allocated() - base
 
 
-MIXES = ("lognormal", "one_long", "pareto", "one")
+MIXES = ("lognormal", "one_long", "pareto", "short", "one")
+SHORT_MEAN, SHORT_SIGMA = 500, 0.8  # the "short" mix: log-normal lengths of mean ~500 tokens
 STRATEGIES = ("ring", "allgather", "ulysses")
 
 
@@ -129,11 +133,14 @@ def documents(kind: str, seq: int, seed: int = 0) -> list[int]:
         while cu[-1] < seq:
             cu.append(min(seq, cu[-1] + max(1, int(256 * rng.paretovariate(1.1)))))
         return cu
-    if kind != "lognormal":
+    if kind not in ("lognormal", "short"):
         raise ValueError(f"unknown document mix {kind!r}; one of {', '.join(MIXES)}")
+    # "short": mean exp(mu + sigma^2 / 2) = SHORT_MEAN
+    mu, sigma, least = (7.6, 0.8, 64) if kind == "lognormal" else (math.log(SHORT_MEAN) - SHORT_SIGMA ** 2 / 2,
+                                                                   SHORT_SIGMA, 16)
     g = torch.Generator().manual_seed(seed)
     while cu[-1] < seq:
-        length = int(min(9216, max(64, float(torch.empty(1).log_normal_(7.6, 0.8, generator=g)))))
+        length = int(min(9216, max(least, float(torch.empty(1).log_normal_(mu, sigma, generator=g)))))
         cu.append(min(seq, cu[-1] + length))
     return cu
 

@@ -21,8 +21,8 @@ line:
     python scripts/profile_sparse_ring_host.py --device cuda --backend fa4 --top 25
     python scripts/profile_sparse_ring_host.py --docs pareto                    # bench_strategies' mixes too
 
-Document mixes: "short" (log-normal lengths with mean ~500 tokens, clipped to [16, 9216]: hundreds of documents
-at S = 128k) and bench_strategies.py's ("lognormal": median 2k; "pareto": heavy-tailed; "one_long").
+Document mixes: bench_strategies.py's ("short": hundreds of documents of mean ~500 tokens at S = 128k;
+"lognormal": median 2k; "pareto": heavy-tailed; "one_long").
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import collections
 import cProfile
 import io
 import json
-import math
 import pstats
 import statistics
 import sys
@@ -56,21 +55,6 @@ from distcomm_attention.planning.visibility import Visibility  # noqa: E402
 from distcomm_attention.strategies.sparse_ring import sparse_ring_backward, sparse_ring_forward  # noqa: E402
 from distcomm_attention.transport import CountingTransport  # noqa: E402
 from distcomm_attention.transport.emulated import InstantLink  # noqa: E402
-
-SHORT_MEAN = 500  # tokens, the "short" mix's mean document length
-SHORT_SIGMA = 0.8
-
-
-def short_documents(seq: int, seed: int = 0) -> list[int]:
-    """cu_seqlens of log-normal documents with mean ~SHORT_MEAN tokens over ``seq`` tokens (last one cut)."""
-    mu = math.log(SHORT_MEAN) - SHORT_SIGMA ** 2 / 2  # mean of a log-normal: exp(mu + sigma^2 / 2)
-    g = torch.Generator().manual_seed(seed)
-    cu = [0]
-    while cu[-1] < seq:
-        length = int(min(9216, max(16, float(torch.empty(1).log_normal_(mu, SHORT_SIGMA, generator=g)))))
-        cu.append(min(seq, cu[-1] + length))
-    return cu
-
 
 class StubForward(BlockForward):
     """Packing block kernels (flash-attn-4's contract, Note [Packed steps]) that return zeros at once."""
@@ -135,7 +119,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, default=131072)
     p.add_argument("--world", type=int, default=8)
-    p.add_argument("--docs", default="short", help=f"short or one of {', '.join(bs.MIXES)}")
+    p.add_argument("--docs", default="short", help=f"one of {', '.join(bs.MIXES)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layout", default="balanced",
                    help="balanced: docs/bench/profile.md's; auto takes contiguous for the short mix (2 steps)")
@@ -159,7 +143,7 @@ def main():
     dev, dt = torch.device(args.device), getattr(torch, args.dtype)
     if args.device == "cpu" and args.heads == "32/8" and args.backend == "stub":
         heads, kv_heads, d = 1, 1, 8  # the host work does not depend on the sizes; small ones keep CPU arithmetic cheap
-    docs = short_documents(seq, args.seed) if args.docs == "short" else bs.documents(args.docs, seq, args.seed)
+    docs = bs.documents(args.docs, seq, args.seed)
     vis = Visibility(True, cu_seqlens=tuple(docs))
     n = seq // world
     concrete = balance.resolve(args.layout, seq, world, vis.cu_seqlens)

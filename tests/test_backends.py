@@ -504,6 +504,57 @@ def test_window_calls_keep_each_piece_exact_on_arbitrary_intervals():
                                    _dense_pieces([p], nq, nk)), (call, p)
 
 
+def _shared_window(group):
+    """The window rule written out: pieces share a window side iff their finite bounds on it agree, and that
+    bound is at least each unbounded piece's extent minus one (so it clips none of them)."""
+    out = []
+    for bound_of, extent_of in ((lambda p: p.left, lambda p: p.k1 - p.k0), (lambda p: p.right, lambda p: p.q1 - p.q0)):
+        finite = [bound_of(p) for p in group if bound_of(p) is not None]
+        if len(set(finite)) > 1:
+            return False, None
+        bound = finite[0] if finite else None
+        if bound is not None and any(bound < extent_of(p) - 1 for p in group if bound_of(p) is None):
+            return False, None
+        out.append(bound)
+    return True, tuple(out)
+
+
+def test_fits_follows_the_window_rule_on_random_groups():
+    """``fits`` (grown one piece at a time) agrees with the rule written out, on random groups of pieces."""
+    from distcomm_attention.planning.calls import fits
+    from distcomm_attention.planning.visibility import Piece
+
+    rng = random.Random(3)
+    agreed = {True: 0, False: 0}
+    for _ in range(3000):
+        group = []
+        for _ in range(rng.randint(1, 6)):
+            q0, k0 = rng.randint(0, 20), rng.randint(0, 20)
+            group.append(Piece(q0, q0 + rng.randint(1, 9), k0, k0 + rng.randint(1, 9),
+                               rng.choice([None, None, 0, 3, 8]), rng.choice([None, 0, 0, 2, 8])))
+        ok, window = _shared_window(group)
+        got_ok, got_window = fits(group)
+        assert got_ok == ok, group
+        if ok:
+            assert got_window == window, group
+        agreed[ok] += 1
+    assert min(agreed.values()) > 300  # both answers exercised
+
+
+def test_window_calls_are_grouped_once_per_pieces():
+    """Grouping a block's pieces is cached: the same pieces give the same calls object (hundreds of documents'
+    pieces are grouped once, not on every call of a layer)."""
+    from distcomm_attention.kernels.contract import window_calls
+    from distcomm_attention.planning.visibility import pieces_of, ring_plan
+
+    cu = tuple(range(0, 4096, 16)) + (4096,)
+    plan = ring_plan("contiguous", Visibility(True, cu_seqlens=cu), 1, 0, 4096)
+    pieces = pieces_of(plan.mask(0, 0, torch.device("cpu")))
+    first = window_calls(pieces)
+    assert window_calls(tuple(pieces)) is first
+    assert sum(len(c.cu_q or (0, 0)) - 1 for c in first) == len(pieces)
+
+
 def test_packed_documents_are_one_varlen_call_per_block():
     """A diagonal block of packed documents is one packed call (varlen over the documents), and a causal window
     on the contiguous layout one plain window call per block."""

@@ -85,7 +85,7 @@ import torch
 from torch import Tensor
 
 from distcomm_attention._device import on_device
-from distcomm_attention.planning.calls import PackedCall, fits, packed_calls
+from distcomm_attention.planning.calls import Fit, PackedCall, fits, packed_calls
 from distcomm_attention.planning.visibility import BlockMask, Piece, Visibility, pieces_of
 
 __all__ = ["BlockForward", "BlockBackward", "MergeState", "RowSum", "merge_block", "call_features",
@@ -310,20 +310,21 @@ def call_spans(calls: tuple[PackedCall, ...], batch: int, n: int, nk: int):
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=256)
 def window_calls(pieces: tuple[Piece, ...]) -> tuple[WindowCall, ...]:
     """Group band pieces into kernel calls (Note [Window calls]); cached: a plan's block asks again on every
     call (the one-block backward of a ring of one, Ulysses' inner), and grouping hundreds of documents' pieces
     takes milliseconds of host time."""
-    calls: list[list[Piece]] = []
+    calls: list[tuple[list[Piece], Fit]] = []
     for p in pieces:
-        group = calls[-1] if calls else None
-        if group is not None and p.q0 == group[-1].q1 and p.k0 == group[-1].k1 and fits(group + [p])[0]:
-            group.append(p)
+        if calls and p.q0 == calls[-1][0][-1].q1 and p.k0 == calls[-1][0][-1].k1 and (grown := calls[-1][1].add(p)).ok:
+            calls[-1][0].append(p)
+            calls[-1] = (calls[-1][0], grown)
         else:
-            calls.append([p])
+            calls.append(([p], Fit().add(p)))
     out = []
-    for group in calls:
-        _, window = fits(group)
+    for group, fit in calls:
+        window = fit.window
         first, last = group[0], group[-1]
         if len(group) == 1:
             out.append(WindowCall(first.q0, first.q1, first.k0, first.k1, window))

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 from distcomm_attention.planning.visibility import Piece, pieces_of
 
-__all__ = ["PackedCall", "fits", "packed_calls", "step_calls", "step_pieces"]
+__all__ = ["Fit", "PackedCall", "fits", "packed_calls", "step_calls", "step_pieces"]
 
 
 class PackedCall(NamedTuple):
@@ -37,18 +37,19 @@ def step_pieces(blocks, masks) -> list[Piece]:
 
 def packed_calls(blocks, masks, disjoint_keys: bool) -> tuple[PackedCall, ...]:
     """Group a step's pieces into varlen calls (Note [Packed steps]); ``disjoint_keys`` for the backward."""
-    groups: list[list[Piece]] = []
+    groups: list[tuple[list[Piece], Fit]] = []
     for p in sorted(step_pieces(blocks, masks), key=lambda p: (p.q0, p.k0)):
         if p.q1 <= p.q0 or p.k1 <= p.k0:
             continue
-        for g in groups:
+        for i, (g, fit) in enumerate(groups):
             last = g[-1]
-            if p.q0 >= last.q1 and p.k0 >= (last.k1 if disjoint_keys else last.k0) and fits(g + [p])[0]:
+            if p.q0 >= last.q1 and p.k0 >= (last.k1 if disjoint_keys else last.k0) and (grown := fit.add(p)).ok:
                 g.append(p)
+                groups[i] = (g, grown)
                 break
         else:
-            groups.append([p])
-    return tuple(PackedCall(tuple(g), fits(g)[1]) for g in groups)
+            groups.append(([p], Fit().add(p)))
+    return tuple(PackedCall(tuple(g), fit.window) for g, fit in groups)
 
 
 def step_calls(plan, i: int, device, backward: bool) -> tuple[PackedCall, ...] | None:
@@ -66,20 +67,48 @@ def step_calls(plan, i: int, device, backward: bool) -> tuple[PackedCall, ...] |
     return plan.cached(("packed", i, backward, str(device)), make)
 
 
-def _joint_bound(bounds: list[tuple[int | None, int]]) -> tuple[bool, int | None]:
-    """One window side for several pieces: each gives (bound or None, the least value that clips nothing
-    for it). -> (possible, bound)."""
-    finite = {b for b, _ in bounds if b is not None}
-    if not finite:
-        return True, None
-    if len(finite) > 1:
-        return False, None
-    (bound,) = finite
-    return all(b is not None or bound >= least for b, least in bounds), bound
+class _Side(NamedTuple):
+    """One window side shared by pieces so far: the finite bound some piece gives (None: none yet), whether two
+    pieces gave different ones, and the least bound that clips nothing for the pieces that give none."""
+
+    bound: int | None = None
+    clash: bool = False
+    least: int = -1
+
+    def add(self, bound: int | None, least: int) -> _Side:
+        if bound is None:
+            return self._replace(least=max(self.least, least))
+        if self.bound is None:
+            return self._replace(bound=bound)
+        return self if bound == self.bound else self._replace(clash=True)
+
+    @property
+    def ok(self) -> bool:
+        return not self.clash and (self.bound is None or self.bound >= self.least)
+
+
+class Fit(NamedTuple):
+    """Whether the pieces added so far can share one window, and that window (left, right): grown one piece
+    at a time in constant time, so grouping n pieces costs O(n)."""
+
+    left: _Side = _Side()
+    right: _Side = _Side()
+
+    def add(self, p: Piece) -> Fit:
+        return Fit(self.left.add(p.left, p.k1 - p.k0 - 1), self.right.add(p.right, p.q1 - p.q0 - 1))
+
+    @property
+    def ok(self) -> bool:
+        return self.left.ok and self.right.ok
+
+    @property
+    def window(self) -> tuple[int | None, int | None]:
+        return self.left.bound, self.right.bound
 
 
 def fits(group: list[Piece]) -> tuple[bool, tuple[int | None, int | None]]:
     """Whether pieces can share one window, and that window."""
-    ok_l, left = _joint_bound([(p.left, p.k1 - p.k0 - 1) for p in group])
-    ok_r, right = _joint_bound([(p.right, p.q1 - p.q0 - 1) for p in group])
-    return ok_l and ok_r, (left, right)
+    fit = Fit()
+    for p in group:
+        fit = fit.add(p)
+    return fit.ok, fit.window
