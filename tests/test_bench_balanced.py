@@ -17,7 +17,7 @@ def _bench_module():
 
 
 @pytest.mark.parametrize("seq", [131072, 524288])
-@pytest.mark.parametrize("mix", ["lognormal", "one_long", "pareto", "one"])
+@pytest.mark.parametrize("mix", ["lognormal", "one_long", "pareto", "short", "one"])
 def test_document_mixes_are_valid_cu_seqlens(mix, seq):
     b = _bench_module()
     cu = b.documents(mix, seq)
@@ -29,6 +29,10 @@ def test_document_mixes_are_valid_cu_seqlens(mix, seq):
     if mix == "pareto":  # heavy-tailed: many documents, the longest far above the median
         lengths = sorted(y - x for x, y in zip(cu, cu[1:]))
         assert len(lengths) > 50 and lengths[-1] > 20 * lengths[len(lengths) // 2]
+    if mix == "short":  # hundreds of documents, most under 1k tokens, mean ~500
+        lengths = [y - x for x, y in zip(cu, cu[1:])]
+        assert len(lengths) > seq // 1024 and sum(n < 1024 for n in lengths) > 0.8 * len(lengths)
+        assert 400 < sum(lengths[:-1]) / (len(lengths) - 1) < 600
     with pytest.raises(ValueError):
         b.documents("uniform", seq)
 
@@ -48,7 +52,7 @@ def test_balanced_with_one_document_is_zigzag_and_balanced():
     assert b.planner_imbalance("contiguous", seq, world, docs) == pytest.approx(2 - 1 / world, rel=1e-3)
 
 
-@pytest.mark.parametrize("mix", ["lognormal", "one_long", "pareto"])
+@pytest.mark.parametrize("mix", ["lognormal", "one_long", "pareto", "short"])
 def test_planner_imbalance_and_planning(mix):
     b = _bench_module()
     seq, world = 131072, 8
@@ -148,3 +152,19 @@ def test_one_row_on_cpu(monkeypatch):
     r = b.bench_case(seq, world, 4, 2, True, "contiguous", args, fwd, bwd, docs, "pareto")
     assert r["timed_ranks"] == {"ring": list(range(world))} and r["imbalance"]["ring"] >= 1.0
     assert set(r["rank_s"]) == {"ring"}
+
+
+def test_kernel_law_work_counts():
+    """scripts/bench_kernel_law.py's work counts of causal documents against counting every pair: the visible
+    pairs, the 128 x 128 tiles holding at least one of them (times 128 x 128), the 128-row query tiles."""
+    law = import_script("bench_kernel_law")
+    lengths = [1, 64, 127, 128, 129, 300, 513]
+    pairs, tiles, q_tiles = 0, set(), 0
+    for d, n in enumerate(lengths):
+        for i in range(n):
+            for j in range(i + 1):
+                pairs += 1
+                tiles.add((d, i // 128, j // 128))
+        q_tiles += -(-n // 128)
+    assert law.work(lengths) == dict(pairs=pairs, tile_pairs=len(tiles) * 128 * 128, q_tiles=q_tiles,
+                                     documents=len(lengths))
