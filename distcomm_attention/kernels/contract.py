@@ -338,9 +338,10 @@ def window_calls(pieces: tuple[Piece, ...]) -> tuple[WindowCall, ...]:
     takes milliseconds of host time."""
     calls: list[tuple[list[Piece], Fit]] = []
     for p in pieces:
-        if calls and p.q0 == calls[-1][0][-1].q1 and p.k0 == calls[-1][0][-1].k1 and (grown := calls[-1][1].add(p)).ok:
-            calls[-1][0].append(p)
-            calls[-1] = (calls[-1][0], grown)
+        group, fit = calls[-1] if calls else (None, None)
+        if group is not None and p.q0 == group[-1].q1 and p.k0 == group[-1].k1 and (grown := fit.add(p)).ok:
+            group.append(p)
+            calls[-1] = (group, grown)
         else:
             calls.append(([p], Fit().add(p)))
     out = []
