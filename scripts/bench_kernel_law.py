@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
 
@@ -34,22 +33,6 @@ def work(lengths: list[int]) -> dict:
     q_tiles = sum(math.ceil(n / TILE) for n in lengths)
     tiles = sum(math.ceil(min(n, (i + 1) * TILE) / TILE) for n in lengths for i in range(math.ceil(n / TILE)))
     return dict(pairs=pairs, tile_pairs=tiles * TILE * TILE, q_tiles=q_tiles, documents=len(lengths))
-
-
-def gpu_seconds(fn, iters: int, warmup: int) -> float:
-    """Median GPU seconds per call of ``fn``, each on its own CUDA events, with a GPU sleep queued first so
-    that the host has issued every call before the GPU reaches it (small calls are not timed as host gaps)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    torch.cuda._sleep(int(2e8))  # ~0.1 s: longer than the host needs to issue the calls
-    for start, stop in events:
-        start.record()
-        fn()
-        stop.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(stop) for start, stop in events) / 1e3
 
 
 def main() -> int:
@@ -73,7 +56,7 @@ def main() -> int:
             for hq, hkv in (tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")):
                 g = torch.Generator(device=dev).manual_seed(0)
                 q, k, v = (torch.randn(1, seq, h, d, device=dev, dtype=dt, generator=g) for h in (hq, hkv, hkv))
-                ms = gpu_seconds(bs._fa4_single(q, k, v, True, docs), args.iters, args.warmup) * 1e3
+                ms = bs._timed(bs._fa4_single(q, k, v, True, docs), args.iters, args.warmup, host_ahead=True) * 1e3
                 row = dict(seq=seq, length=length, heads=hq, kv_heads=hkv, ms=ms, **work(lengths))
                 rows.append(row)
                 print(json.dumps(row), flush=True)

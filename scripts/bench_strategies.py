@@ -90,14 +90,18 @@ class SimComm:
         return _Handle(tensors)
 
 
-def _timed(fn, iters: int, warmup: int) -> float:
+def _timed(fn, iters: int, warmup: int, host_ahead: bool = False) -> float:
     """Seconds per call of ``fn``: the median over ``iters`` calls, each timed by its own CUDA events (issued
     back to back, no synchronisation between calls), after ``warmup`` calls. The median keeps a rare stall of
-    the shared machine (a single call seen at 2x its neighbours) out of a per-rank time."""
+    the shared machine (a single call seen at 2x its neighbours) out of a per-rank time. ``host_ahead``: a GPU
+    sleep (~0.1 s) is queued first, so that the host has issued every call before the GPU reaches it (the GPU
+    time of calls too small to hide their host time)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    if host_ahead:
+        torch.cuda._sleep(int(2e8))
     for start, stop in events:
         start.record()
         fn()
