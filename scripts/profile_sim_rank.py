@@ -126,7 +126,10 @@ def profile_case(seq, world, heads, kv_heads, mix, layout, strategy, args, fwd, 
                 first[0] = False
             step()
 
-        trace = None if args.trace_dir is None else args.trace_dir / f"trace_{mix}_{strategy}_rank{rank}.json.gz"
+        trace = None
+        if args.trace_dir is not None:
+            args.trace_dir.mkdir(parents=True, exist_ok=True)
+            trace = args.trace_dir / f"trace_{mix}_{layout}_{strategy}_rank{rank}.json.gz"
         prof = profile_window(lambda: ahead_step(), iters=args.iters, warmup=0, device=dev, trace_path=trace)
         if args.cprofile:
             import cProfile

@@ -531,7 +531,7 @@ def test_fits_follows_the_window_rule_on_random_groups():
         for _ in range(rng.randint(1, 6)):
             q0, k0 = rng.randint(0, 20), rng.randint(0, 20)
             group.append(Piece(q0, q0 + rng.randint(1, 9), k0, k0 + rng.randint(1, 9),
-                               rng.choice([None, None, 0, 3, 8]), rng.choice([None, 0, 0, 2, 8])))
+                               rng.choice([None, None, -2, 0, 3, 8]), rng.choice([None, 0, 0, -3, 2, 8])))
         ok, window = _shared_window(group)
         got_ok, got_window = fits(group)
         assert got_ok == ok, group

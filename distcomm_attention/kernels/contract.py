@@ -85,7 +85,7 @@ import torch
 from torch import Tensor
 
 from distcomm_attention._device import on_device
-from distcomm_attention.planning.calls import Fit, PackedCall, fits, packed_calls
+from distcomm_attention.planning.calls import Fit, PackedCall, packed_calls
 from distcomm_attention.planning.visibility import BlockMask, Piece, Visibility, pieces_of
 
 __all__ = ["BlockForward", "BlockBackward", "MergeState", "RowSum", "merge_block", "call_features",
@@ -222,12 +222,10 @@ class _Packed(NamedTuple):
     varlen: Varlen
     rows: tuple[tuple[int, int], ...]  # the row runs the call writes
     keys: tuple[tuple[int, int], ...]  # the key runs
-    row_span: tuple[int, int]  # the rows handed to the kernel (the pieces' span for one batch element, else all) ...
+    row_span: tuple[int, int]  # the rows handed to the kernel (the pieces' span for one batch element, else all)
     key_span: tuple[int, int]  # the keys handed to the kernel: a slice of the step's keys ...
     key_index: Tensor | None  # ... or, when the key runs are sparse in it, only the runs, gathered
     key_at: tuple[int, ...]  # where each key run starts among the keys handed to the kernel
-    row_index: Tensor | None = None  # ... or, when the row runs are sparse in their span, only the runs, gathered
-    row_at: tuple[int, ...] = ()  # where each row run starts among the rows handed to the kernel
 
     def call_keys(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """The keys and values handed to the kernel, from the step's (B, nk, Hkv, D)."""
@@ -235,17 +233,6 @@ class _Packed(NamedTuple):
             return k.index_select(1, self.key_index), v.index_select(1, self.key_index)
         lo, hi = self.key_span
         return k[:, lo:hi], v[:, lo:hi]
-
-    def call_rows(self, x: Tensor, dim: int = 1) -> Tensor:
-        """The rows of ``x`` (rows along ``dim``) handed to the kernel."""
-        if self.row_index is not None:
-            return x.index_select(dim, self.row_index)
-        return x.narrow(dim, self.row_span[0], self.row_span[1] - self.row_span[0])
-
-    @property
-    def width(self) -> int:
-        """How many rows the kernel is handed (per batch element)."""
-        return int(self.row_index.numel()) if self.row_index is not None else self.row_span[1] - self.row_span[0]
 
 
 def _on(x: Tensor | None, device: torch.device) -> Tensor | None:
@@ -265,8 +252,7 @@ def _packed_varlen(call: PackedCall, batch: int, n: int, nk: int, device: torch.
     packed = _packed_host(call, batch, n, nk)
     if device.type == "cpu":
         return packed
-    return packed._replace(varlen=_varlen_on(packed.varlen, device), key_index=_on(packed.key_index, device),
-                           row_index=_on(packed.row_index, device))
+    return packed._replace(varlen=_varlen_on(packed.varlen, device), key_index=_on(packed.key_index, device))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -278,56 +264,49 @@ def _packed_host(call: PackedCall, batch: int, n: int, nk: int) -> _Packed:
     The kernel gets only the rows between the first and last piece's and the keys between the first and the
     last key run (for one batch element; with several, every row and key: a slice of each would be a copy);
     its row- and key-sized work outside the segments (zero fills, rowsum(dout * out), the dQ/dK/dV
-    conversions) shrinks with them. Runs spread over less than a third of their span are gathered into one
-    buffer instead: copying the visible keys is cheaper than the kernel's per-key work over the span
-    (documents of one rank scattered over a gathered sequence), and copying the rows cheaper than its per-row
-    work (the all-gather's blocks on other ranks' keys: the few documents crossing the shard's boundaries,
-    at both ends of its runs of positions).
+    conversions) shrinks with them. Key runs spread over less than a third of their span (documents of one
+    rank scattered over a gathered sequence) are gathered into one buffer instead: copying the visible keys
+    is cheaper than the kernel's per-key work over the span.
     """
     ps = call.pieces
     rows, keys = _runs((p.q0, p.q1) for p in ps), _runs((p.k0, p.k1) for p in ps)
+    covered = sum(b - a for a, b in keys)
     if batch == 1:
         (r_lo, r_hi), (lo, hi) = (rows[0][0], rows[-1][1]), (keys[0][0], keys[-1][1])
     else:
         (r_lo, r_hi), (lo, hi) = (0, n), (0, nk)
-    row_index, row_at, height = _gathered(rows, r_lo, r_hi) if batch == 1 else (None, tuple(a for a, _ in rows), n)
-    index, key_at, width = _gathered(keys, lo, hi)
+    index = None
+    if 3 * covered < hi - lo:
+        index = torch.cat([torch.arange(a, b) for a, b in keys])
+        key_at = tuple(itertools.accumulate((b - a for a, b in keys[:-1]), initial=0))
+        width = covered
+    else:
+        key_at = tuple(a - lo for a, _ in keys)
+        width = hi - lo
 
-    def pos(x: int, runs, at) -> int:  # a piece's first row (key) among those handed to the kernel
-        j = max(i for i, (a, _) in enumerate(runs) if a <= x)
-        return at[j] + x - runs[j][0]
+    def key_pos(x: int) -> int:  # a piece's first key among the keys handed to the kernel
+        j = max(i for i, (a, _) in enumerate(keys) if a <= x)
+        return key_at[j] + x - keys[j][0]
 
-    cu_q = [e * height + pos(p.q0, rows, row_at) for e in range(batch) for p in ps] + [batch * height]
-    cu_k = [e * width + pos(p.k0, keys, key_at) for e in range(batch) for p in ps] + [batch * width]
+    cu_q = [e * n + p.q0 - r_lo for e in range(batch) for p in ps] + [batch * (r_hi - r_lo)]
+    cu_k = [e * width + key_pos(p.k0) for e in range(batch) for p in ps] + [batch * width]
     used_q = [p.q1 - p.q0 for _ in range(batch) for p in ps]
     used_k = [p.k1 - p.k0 for _ in range(batch) for p in ps]
     i32 = dict(dtype=torch.int32)
     varlen = Varlen(torch.tensor(cu_q, **i32), torch.tensor(cu_k, **i32), max(used_q), max(used_k),
                     torch.tensor(used_q, **i32), torch.tensor(used_k, **i32))
-    return _Packed(varlen, rows, keys, (r_lo, r_hi), (lo, hi), index, key_at, row_index, row_at)
-
-
-def _gathered(runs, lo: int, hi: int) -> tuple[Tensor | None, tuple[int, ...], int]:
-    """(index or None, where each run starts among what the kernel is handed, how many it is handed) of runs
-    within [lo, hi): gathered where they cover less than a third of it, else the slice [lo, hi)."""
-    covered = sum(b - a for a, b in runs)
-    if 3 * covered < hi - lo:
-        return (torch.cat([torch.arange(a, b) for a, b in runs]),
-                tuple(itertools.accumulate((b - a for a, b in runs[:-1]), initial=0)), covered)
-    return None, tuple(a - lo for a, _ in runs), hi - lo
+    return _Packed(varlen, rows, keys, (r_lo, r_hi), (lo, hi), index, key_at)
 
 
 @functools.lru_cache(maxsize=256)
 def call_spans(calls: tuple[PackedCall, ...], batch: int, n: int, nk: int):
     """(row span, row runs, key span or None, key runs) of each packed call over ``batch`` batch elements, n rows
-    and nk keys: the rows and keys its kernel writes (its spans) and those its segments cover (its runs). A
-    span is None where the call's rows (keys) are gathered (``_Packed.row_index``, ``key_index``): its
-    output, dq (dK/dV) are not a slice."""
+    and nk keys: the rows and keys its kernel writes (its spans) and those its segments cover (its runs). The
+    key span is None where the call's keys are gathered (``_Packed.key_index``): its dK/dV are not a slice."""
     out = []
     for call in calls:
         p = _packed_host(call, batch, n, nk)
-        out.append((None if p.row_index is not None else p.row_span, p.rows,
-                    None if p.key_index is not None else p.key_span, p.keys))
+        out.append((p.row_span, p.rows, None if p.key_index is not None else p.key_span, p.keys))
     return tuple(out)
 
 
@@ -800,21 +779,21 @@ class BlockForward:
         for call in calls:
             packed = _packed_varlen(call, b, n, k.shape[1], q.device)
             r_lo, r_hi = packed.row_span
-            rows, m = packed.call_rows(q), packed.width
+            rows = q[:, r_lo:r_hi]
             kk, vv = packed.call_keys(k, v)
             lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-            slot = None if packed.row_index is not None else state.slot(r_lo, r_hi, q.dtype, lse_dtype)
+            slot = state.slot(r_lo, r_hi, q.dtype, lse_dtype)
             out, lse = self.block(_pack(rows), _pack(kk), _pack(vv), causal=False, scale=scale, softcap=softcap,
                                   window=call.window, varlen=packed.varlen,
                                   **({} if slot is None else {"out": _pack(slot)}))
-            out, lse = out.view(rows.shape), lse.view(h, b, m).transpose(0, 1)
-            if state.out is None and state.slots is None and m == n and packed.rows:
+            out, lse = out.view(rows.shape), lse.view(h, b, r_hi - r_lo).transpose(0, 1)
+            if state.out is None and state.slots is None and (r_lo, r_hi) == (0, n) and packed.rows:
                 # adopted (its gaps unset); not while slots are open: a slot may be granted these rows
                 state.out, state.lse, state.touched = out, lse, list(_runs(packed.rows))
                 continue
-            for (r0, r1), a in zip(packed.rows, packed.row_at):  # rows no segment covers hold whatever the kernel left
-                whole = a == 0 and r1 - r0 == m
-                z = a + r1 - r0
+            for r0, r1 in packed.rows:  # rows no segment covers hold whatever the kernel left there
+                whole = r0 == r_lo and r1 == r_hi
+                a, z = r0 - r_lo, r1 - r_lo
                 merge_block(state, out if whole else out[:, a:z], lse if whole else lse[:, :, a:z], slice(r0, r1))
 
     def finalize(self, state: MergeState, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -896,27 +875,23 @@ class BlockBackward:
         for call in calls:
             packed = _packed_varlen(call, b, n, nk, q.device)
             r_lo, r_hi = packed.row_span
-            qq, (kk, vv) = packed.call_rows(q), packed.call_keys(k, v)
-            lse_rows = packed.call_rows(lse, 2).transpose(0, 1).reshape(h, b * packed.width)
+            rows = slice(r_lo, r_hi)
+            qq, (kk, vv) = q[:, rows], packed.call_keys(k, v)
+            lse_rows = lse[:, :, rows].transpose(0, 1).reshape(h, b * (r_hi - r_lo))
             into = {}
-            if (isinstance(dq_acc, RowSum) and packed.row_index is None
-                    and (slot := dq_acc.slot(r_lo, r_hi, q.dtype)) is not None):
+            if isinstance(dq_acc, RowSum) and (slot := dq_acc.slot(r_lo, r_hi, q.dtype)) is not None:
                 into["dq"] = _pack(slot)
             if dkv_into is not None and packed.key_index is None and (dkv := dkv_into(*packed.key_span)) is not None:
                 into["dk"], into["dv"] = _pack(dkv[0]), _pack(dkv[1])
-            dq, dk, dv = self.block(_pack(packed.call_rows(dout)), _pack(qq), _pack(kk), _pack(vv),
-                                    _pack(packed.call_rows(out)), lse_rows, causal=False, scale=scale,
-                                    softcap=softcap, window=call.window, varlen=packed.varlen, **into)
+            dq, dk, dv = self.block(_pack(dout[:, rows]), _pack(qq), _pack(kk), _pack(vv), _pack(out[:, rows]),
+                                    lse_rows, causal=False, scale=scale, softcap=softcap, window=call.window,
+                                    varlen=packed.varlen, **into)
             dq, dk, dv = dq.view(qq.shape), dk.view(kk.shape), dv.view(vv.shape)
-            # rows and keys no segment covers hold whatever the kernel left there
-            if packed.row_index is None and isinstance(dq_acc, RowSum):
+            if isinstance(dq_acc, RowSum):  # rows and keys no segment covers hold whatever the kernel left there
                 dq_acc.add_runs(dq, packed.rows, r_lo)
             else:
-                for (r0, r1), a in zip(packed.rows, packed.row_at):
-                    if isinstance(dq_acc, RowSum):
-                        dq_acc.add_runs(dq[:, a:a + r1 - r0], ((r0, r1),), r0)
-                    else:
-                        dq_acc[:, r0:r1] += dq[:, a:a + r1 - r0]
+                for r0, r1 in packed.rows:
+                    dq_acc[:, r0:r1] += dq[:, r0 - r_lo:r1 - r_lo]
             for (k0, k1), at in zip(packed.keys, packed.key_at):
                 keys = slice(at, at + k1 - k0)
                 grads.append((slice(k0, k1), dk[:, keys], dv[:, keys]))

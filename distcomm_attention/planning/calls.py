@@ -73,18 +73,18 @@ class _Side(NamedTuple):
 
     bound: int | None = None
     clash: bool = False
-    least: int = -1
+    least: int | None = None  # None: no piece without a bound yet
 
     def add(self, bound: int | None, least: int) -> _Side:
         if bound is None:
-            return self._replace(least=max(self.least, least))
+            return self._replace(least=least if self.least is None else max(self.least, least))
         if self.bound is None:
             return self._replace(bound=bound)
         return self if bound == self.bound else self._replace(clash=True)
 
     @property
     def ok(self) -> bool:
-        return not self.clash and (self.bound is None or self.bound >= self.least)
+        return not self.clash and (self.bound is None or self.least is None or self.bound >= self.least)
 
 
 class Fit(NamedTuple):
