@@ -219,7 +219,7 @@ def planned_rank_s(strategy: str, concrete, vis: Visibility, world: int, local_l
     call = cost.Call(1, local_len, heads, kv_heads, head_dim, 2, concrete, vis, world, packs=packs)
     if strategy != "ring":
         return [s for s, _, _ in cost._gathered_ranks_s(call, world, local_len, heads, kv_heads, hw)[2]]
-    return [sum(cost._compute_s(*c, call, heads, kv_heads, hw)
+    return [sum(cost._compute_s(c, call, heads, kv_heads, hw)
                 for c in cost._step_costs(ring_plan(concrete, vis, world, r, local_len), packs))
             for r in range(world)]
 

@@ -8,8 +8,10 @@ Note [Cost model]
                   (where the backend packs a step's pieces into varlen calls, flash-attn-4, those calls,
                   forward and backward averaged, by the rules the ring loop runs them with (Note [Packed
                   steps]); else one per block)
-                      3.5 * 4 * B * heads * D * visible_pairs / tflops          (the kernel's work)
-                    + call_overhead                                           (launch, small-block losses)
+                      B * heads * (3.5 * 4 * D * 128^2 * tiles / tflops         (the kernel's work: whole 128 x 128
+                                   + query_tiles * query_tile_s * D / 128)     tiles, and a fixed cost per
+                                                                                128-row query tile)
+                    + call_overhead                                           (launches)
                     + 4 B D (rows * heads + 2 keys * kv_heads) / state_gbps    (fp32 out / lse / dQ / dK /
                                                                                 dV state the call touches)
                   (heads: H for the ring and all-gather, H / U for Ulysses' degree U; 3.5 = fwd + bwd)
@@ -39,7 +41,22 @@ Note [Cost model]
                   accumulators; all-gather S x Hkv x D keys and values (+ fp32 dK/dV in the backward);
                   Ulysses the head-sharded q, k, v, out of the whole sequence
 
-    The defaults are measured. Compute: fitted (least squares, 3 parameters) to 112 per-rank times of the
+    tiles: the 128 x 128 tiles of each piece the kernel runs (its rows and keys tiled from the piece's first)
+    that hold a visible pair; query_tiles: its 128-row tiles that see a key. Per head, flash-attn-4's forward +
+    backward over a pack of equal documents follows T = 4.34e-8 s * tiles + 2.25e-7 s * query_tiles within
+    10% on average (worst 32%) from 64-token to 128k-token documents (least squares over 40 calls, one H200,
+    docs/bench/run17/kernel_law_h200.json, scripts/bench_kernel_law.py): 676 TFLOP/s over whole tiles, and a
+    fixed cost per query tile that makes a document under 1k tokens cost 2-4x its FLOPs. The defaults keep
+    the law's form and were chosen, with the per-call cost and the state term, by a grid (tflops 615-676,
+    query_tile_s 0.18-0.225 us, call_overhead 0.03-0.12 ms, state 618-3000 GB/s) against the recorded
+    emulated-link rows of runs 5, 8 and 15-17 (docs/bench/emulated.md; the GPU-only time where recorded, 72
+    predictions): 645 TFLOP/s, 0.2 us a query tile, 0.03 ms a call, 1500 GB/s. 70 of 72 within 15% (the
+    two outside: run 8's, measured on a tree since changed, -20% / -21%), every pick within 5% of the
+    fastest; before, 60 of 72 (the all-gather on a pack of short documents -21% to -28%, the ring on an
+    H200 +16% / +20%, a W = 16 mesh row -16%) (docs/bench/cost_check_run17.txt). Against the kernel alone
+    these defaults are within 11% on average, 36% at worst (documents of 64-128 tokens at 4 heads). The
+    figures below describe the model before this law (visible pairs at 615 TFLOP/s, 0.30 ms a call, 618 GB/s).
+    Before: fitted (least squares, 3 parameters) to 112 per-rank times of the
     ring, all-gather and Ulysses plans with flash-attn-4 blocks on one H100 (bf16, d 128, heads 32/32 and
     32/8, 4k-16k tokens per rank; scripts/bench_strategies.py, docs/bench/strategies.md): 615 TFLOP/s,
     0.30 ms per block call, 618 GB/s of fp32 state; mean error 3%, worst 18%. Links: NVLink on 2 H200s (ring
@@ -115,7 +132,7 @@ from distcomm_attention.planning.exchange import gather_keeps, gathered_exchange
 from distcomm_attention.planning import layouts
 from distcomm_attention.planning.plans import (gathered_plan, half_plans, local_plan, natural_order, own_rows,
                                                split_local)
-from distcomm_attention.planning.visibility import RingPlan, Visibility, ring_plan
+from distcomm_attention.planning.visibility import LazyPieces, Piece, RingPlan, Visibility, ring_plan
 
 __all__ = ["Hardware", "Prediction", "StrategyChoice", "Call", "predict", "choose", "choose_among", "links_across",
            "lower_bound", "check_hardware"]
@@ -129,8 +146,11 @@ class Hardware:
     """Throughputs the model divides by (defaults: one H100 / H200 node, NVLink).
 
     Attributes:
-        tflops: attention kernel forward + backward throughput on large blocks, TFLOP/s.
-        call_overhead_s: fixed cost of one block's forward + backward calls (launches, small-block losses).
+        tflops: attention kernel forward + backward throughput on the kernel's 128 x 128 tiles that hold
+            visible pairs, TFLOP/s (counted over whole tiles).
+        query_tile_s: the kernel's fixed cost of one 128-row query tile of one head (forward + backward; at
+            head_dim 128, scaled with it): what makes short documents cost more than their FLOPs.
+        call_overhead_s: fixed cost of one block's forward + backward calls (launches).
         state_gbps: rate at which a block call's fp32 state (out, dQ, dK, dV accumulators) is touched.
         copy_gbps: rate of a row copy on the GPU (bytes read + written per second): Ulysses' packs and
             places around its all-to-alls and its reorders between the shards' order and natural order.
@@ -141,9 +161,10 @@ class Hardware:
             fields are read. None: the same links.
     """
 
-    tflops: float = 615.0
-    call_overhead_s: float = 0.30e-3
-    state_gbps: float = 618.0
+    tflops: float = 645.0
+    query_tile_s: float = 0.2e-6
+    call_overhead_s: float = 0.03e-3
+    state_gbps: float = 1500.0
     copy_gbps: float = 3500.0
     p2p_gbps: float = 360.0
     a2a_gbps: float = 250.0
@@ -157,7 +178,7 @@ class Hardware:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"Hardware: `{name}` must be a positive finite number, got {value!r}")
-        for name in ("call_overhead_s", "latency_s"):
+        for name in ("call_overhead_s", "latency_s", "query_tile_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ValueError(f"Hardware: `{name}` must be a finite number >= 0, got {value!r}")
@@ -238,30 +259,73 @@ def _calls(plan: RingPlan, i: int, packs: bool) -> float:
     return (len(calls[0]) + len(calls[1])) / 2
 
 
-def _step_costs(plan: RingPlan, packs: bool = False) -> tuple[tuple[int, float, int, int], ...]:
-    """(visible pairs, kernel calls, query rows, key rows) of each step of a plan."""
+TILE = 128  # the kernel's tile: 128 query rows x 128 keys (flash-attn-4 on Hopper)
+
+
+def _piece_tiles(p: Piece) -> tuple[int, int]:
+    """(tiles holding a visible pair, query tiles that see a key) of one band piece: its rows in tiles of TILE
+    from its first, each seeing the key tiles (from its first key) between its first row's left edge and its
+    last row's right edge (FlashAttention's bottom-right window rule)."""
+    nq, nk = p.q1 - p.q0, p.k1 - p.k0
+    tiles = q_tiles = 0
+    for i in range(0, nq, TILE):
+        lo = 0 if p.left is None else max(0, i + nk - nq - p.left)
+        hi = nk if p.right is None else min(nk, min(i + TILE, nq) - 1 + nk - nq + p.right + 1)
+        if hi > lo:
+            tiles += -(-hi // TILE) - lo // TILE
+            q_tiles += 1
+    return tiles, q_tiles
+
+
+def _tiles(block) -> tuple[int, int]:
+    """(tiles holding a visible pair, query tiles that see a key) of one block."""
+    nq, nk = block.q.stop - block.q.start, block.kv.stop - block.kv.start
+    if block.mode == "full":
+        return -(-nq // TILE) * -(-nk // TILE), -(-nq // TILE)
+    if block.mode == "causal":
+        return _piece_tiles(Piece(0, nq, 0, nk, None, 0))
+    out = [_piece_tiles(p) for p in LazyPieces(*block.intervals[:2]).pieces]
+    return sum(t for t, _ in out), sum(q for _, q in out)
+
+
+class _Work(NamedTuple):
+    """One step's kernel work and state: tiles holding visible pairs, query tiles, kernel calls (forward and
+    backward averaged), query rows and key rows of its blocks."""
+
+    tiles: int
+    q_tiles: int
+    calls: float
+    rows: int
+    keys: int
+
+
+def _step_costs(plan: RingPlan, packs: bool = False) -> tuple[_Work, ...]:
+    """The ``_Work`` of each step of a plan."""
     out = []
     for i, blocks in enumerate(plan.blocks):
-        out.append((sum(_pairs(b) for b in blocks), _calls(plan, i, packs), sum(b.q.stop - b.q.start for b in blocks),
-                    sum(b.kv.stop - b.kv.start for b in blocks)))
+        tiles = [_tiles(b) for b in blocks]
+        out.append(_Work(sum(t for t, _ in tiles), sum(q for _, q in tiles), _calls(plan, i, packs),
+                         sum(b.q.stop - b.q.start for b in blocks), sum(b.kv.stop - b.kv.start for b in blocks)))
     return tuple(out)
 
 
-def _flops_s(pairs: int, c: Call, heads: int, hw: Hardware) -> float:
-    return 3.5 * 4 * c.batch * heads * c.head_dim * pairs / (hw.tflops * 1e12)
+def _kernel_s(tiles: float, q_tiles: int, c: Call, heads: int, hw: Hardware) -> float:
+    """The kernel law (Note [Cost model]): whole tiles at ``tflops``, plus a fixed cost per query tile."""
+    flops = 3.5 * 4 * c.head_dim * TILE * TILE * tiles / (hw.tflops * 1e12)
+    return c.batch * heads * (flops + q_tiles * hw.query_tile_s * c.head_dim / 128)
 
 
-def _compute_s(pairs: int, calls: int, rows: int, keys: int, c: Call, heads: int, kv_heads: int,
-               hw: Hardware) -> float:
-    state = 4 * c.batch * c.head_dim * (rows * heads + 2 * keys * kv_heads)
-    return _flops_s(pairs, c, heads, hw) + calls * hw.call_overhead_s + state / (hw.state_gbps * 1e9)
+def _compute_s(w: _Work, c: Call, heads: int, kv_heads: int, hw: Hardware) -> float:
+    state = 4 * c.batch * c.head_dim * (w.rows * heads + 2 * w.keys * kv_heads)
+    return _kernel_s(w.tiles, w.q_tiles, c, heads, hw) + w.calls * hw.call_overhead_s + state / (hw.state_gbps * 1e9)
 
 
 def lower_bound(c: Call, busiest_pairs: int, hw: Hardware = Hardware()) -> float:
     """A lower bound on ``predict(c, "ring")`` and ``predict(c, "allgather")`` seconds: the kernel work of the
-    rank with the most visible (query, key) pairs (``busiest_pairs``), with no call overhead, state traffic
-    or communication. Cheap (no plan): what layout="auto" uses to skip a candidate that cannot win."""
-    return _flops_s(busiest_pairs, c, c.heads, hw)
+    rank with the most visible (query, key) pairs (``busiest_pairs``: they fill at least that many tiles' worth
+    of pairs), with no query-tile cost, call overhead, state traffic or communication. Cheap (no plan): what
+    layout="auto" uses to skip a candidate that cannot win."""
+    return _kernel_s(busiest_pairs / (TILE * TILE), 0, c, c.heads, hw)
 
 
 def _transfer_s(nbytes: float, gbps: float, hw: Hardware) -> float:
@@ -290,7 +354,7 @@ def _ring_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: 
         compute = total = 0.0
         hops = len(plan.steps) > 1
         for i, costs in enumerate(_step_costs(plan, c.packs)):
-            step = _compute_s(*costs, c, heads, kv_heads, hw)
+            step = _compute_s(costs, c, heads, kv_heads, hw)
             compute += step
             if not hops:
                 total += step
@@ -349,21 +413,25 @@ def _gathered_rank_s(c: Call, ranks: int, rank: int, local_len: int, heads: int,
     blocks reach; with the sparse exchange dK/dV likewise, plus the fp32 rows that go home."""
     plan = gathered_plan(c.layout, c.vis, ranks, rank, local_len)
     split = split_local(plan, own_rows(c.layout, ranks, rank, local_len))
-    pairs, _, rows, keys = _step_costs(plan)[0]
+    work = _step_costs(plan)[0]
+    rows, keys = work.rows, work.keys
     forward = _issued(plan, 0, c.packs, False) if remote_keys is None else \
         sum(_issued(split, i, c.packs, False) for i in (0, 1))
     calls = (forward + sum(_issued(split, i, c.packs, True) for i in (0, 1))) / 2
     exchange = 0.0 if remote_keys is None else \
         _exchange_bytes(c, kv_heads, local_len, remote_keys, sent_rows, gathers) / (hw.copy_gbps * 1e9)
-    own_pairs, _, own_q, own_kv = _step_costs(split)[0]
+    own_work = _step_costs(split)[0]
+    own_q, own_kv = own_work.rows, own_work.keys
     if c.packs and plan.documents:  # packed calls (planning/calls.py: step_calls)
         rows = _twice((b.q.start, b.q.stop) for b in plan.blocks[0])
         own_q = _twice((b.q.start, b.q.stop) for b in split.blocks[0])
         if remote_keys is not None:
             keys = remote_keys + _twice((b.kv.start, b.kv.stop) for b in plan.blocks[0])
             own_kv = _twice((b.kv.start, b.kv.stop) for b in split.blocks[0])
-    own = _compute_s(own_pairs, _issued(split, 0, c.packs, True), own_q, own_kv, c, heads, kv_heads, hw)
-    return _compute_s(pairs, calls, rows, keys, c, heads, kv_heads, hw) + exchange, own / 3.5, own * 2.5 / 3.5
+    own = _compute_s(own_work._replace(calls=_issued(split, 0, c.packs, True), rows=own_q, keys=own_kv), c, heads,
+                     kv_heads, hw)
+    return (_compute_s(work._replace(calls=calls, rows=rows, keys=keys), c, heads, kv_heads, hw) + exchange,
+            own / 3.5, own * 2.5 / 3.5)
 
 
 def _gathered_ranks_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: Hardware):
@@ -464,9 +532,9 @@ def predict(c: Call, strategy: str, hw: Hardware = Hardware()) -> Prediction | N
         if strategy == "ulysses":
             halves = half_plans(c.vis, s, s // 2) if u > 1 and c.ulysses_halves else None
             if halves is None:
-                compute = _compute_s(*_step_costs(local_plan(c.vis, s), c.packs)[0], c, heads, kv_heads, hw)
+                compute = _compute_s(_step_costs(local_plan(c.vis, s), c.packs)[0], c, heads, kv_heads, hw)
             else:  # Note [Ulysses halves]
-                parts = tuple(_compute_s(*_step_costs(p, c.packs)[0], c, heads, kv_heads, hw) for p in halves)
+                parts = tuple(_compute_s(_step_costs(p, c.packs)[0], c, heads, kv_heads, hw) for p in halves)
                 compute, comm = sum(parts), _ulysses_halves_s(c, u, c.heads, kv_sent, parts, hw)
             compute += _copies_s(c, heads, kv_heads, halves is not None, hw)
             mem = b * s * d * item * (2 * heads + 2 * kv_heads)
