@@ -277,14 +277,15 @@ def _piece_tiles(p: Piece) -> tuple[int, int]:
     return tiles, q_tiles
 
 
-def _tiles(block) -> tuple[int, int]:
-    """(tiles holding a visible pair, query tiles that see a key) of one block."""
+def _tiles(block, pieces=None) -> tuple[int, int]:
+    """(tiles holding a visible pair, query tiles that see a key) of one block (``pieces``: an interval
+    block's band pieces where the caller has them, e.g. its plan's, shared with the kernels' masks)."""
     nq, nk = block.q.stop - block.q.start, block.kv.stop - block.kv.start
     if block.mode == "full":
         return -(-nq // TILE) * -(-nk // TILE), -(-nq // TILE)
     if block.mode == "causal":
         return _piece_tiles(Piece(0, nq, 0, nk, None, 0))
-    out = [_piece_tiles(p) for p in LazyPieces(*block.intervals[:2]).pieces]
+    out = [_piece_tiles(p) for p in (LazyPieces(*block.intervals[:2]) if pieces is None else pieces).pieces]
     return sum(t for t, _ in out), sum(q for _, q in out)
 
 
@@ -303,7 +304,8 @@ def _step_costs(plan: RingPlan, packs: bool = False) -> tuple[_Work, ...]:
     """The ``_Work`` of each step of a plan."""
     out = []
     for i, blocks in enumerate(plan.blocks):
-        tiles = [_tiles(b) for b in blocks]
+        tiles = plan.cached(("tiles", i), lambda: [_tiles(b, plan._pieces(i, j) if b.mode == "interval" else None)
+                                                   for j, b in enumerate(blocks)])
         out.append(_Work(sum(t for t, _ in tiles), sum(q for _, q in tiles), _calls(plan, i, packs),
                          sum(b.q.stop - b.q.start for b in blocks), sum(b.kv.stop - b.kv.start for b in blocks)))
     return tuple(out)
