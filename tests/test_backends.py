@@ -469,6 +469,31 @@ def test_band_pieces_partition_every_interval_block():
     assert checked > 300
 
 
+def test_band_pieces_by_whole_arrays_equal_the_row_by_row_pass():
+    """``band_pieces`` (whole-array splitting rounds) gives the pieces of the row-by-row pass on random row
+    intervals (jumps, shrinking rows, empty rows, both ends moving), and where the runs need more splitting
+    rounds than it takes (an end alternating between moving and stopping) it is that pass."""
+    from distcomm_attention.planning import visibility
+
+    rng = random.Random(5)
+    for _ in range(5000):
+        nq, nk = rng.randint(1, 40), rng.randint(1, 40)
+        lo, hi, a, b = [], [], rng.randint(0, nk), rng.randint(0, nk)
+        for _ in range(nq):
+            if rng.random() < 0.25:
+                a, b = rng.randint(0, nk), rng.randint(0, nk)
+            else:
+                a, b = (min(nk, max(0, x + rng.choice([-1, 0, 0, 1, 1, 2]))) for x in (a, b))
+            lo.append(a)
+            hi.append(max(a, b) if rng.random() < 0.9 else a)
+        lo_t, hi_t = torch.tensor(lo, dtype=torch.int32), torch.tensor(hi, dtype=torch.int32)
+        assert visibility.band_pieces(lo_t, hi_t) == visibility._band_pieces_by_rows(lo_t, hi_t), (lo, hi)
+    lo_t = torch.arange(200) // 2  # a split every other row: more rounds than _BAND_ROUNDS
+    hi_t = torch.arange(200) + 50
+    pieces = visibility.band_pieces(lo_t, hi_t)
+    assert pieces == visibility._band_pieces_by_rows(lo_t, hi_t) and len(pieces) > visibility._BAND_ROUNDS
+
+
 def test_window_calls_keep_each_piece_exact_on_arbitrary_intervals():
     """Any row intervals (not only the planner's: jumps, shrinking rows, empty rows): the band pieces cover the
     visible pairs once with windows that are never negative, and each segment of every grouped window call,

@@ -51,9 +51,9 @@ Note [Cost model]
     query_tile_s 0.18-0.225 us, call_overhead 0.03-0.12 ms, state 618-3000 GB/s) against the recorded
     emulated-link rows of runs 5, 8 and 15-17 (docs/bench/emulated.md; the GPU-only time where recorded, 72
     predictions): 645 TFLOP/s, 0.2 us a query tile, 0.03 ms a call, 1500 GB/s. 70 of 72 within 15% (the
-    two outside: run 8's, measured on a tree since changed, -20% / -21%), every pick within 5% of the
-    fastest; before, 60 of 72 (the all-gather on a pack of short documents -21% to -28%, the ring on an
-    H200 +16% / +20%, a W = 16 mesh row -16%) (docs/bench/cost_check_run17.txt). Against the kernel alone
+    two outside: run 8's, measured on a tree since changed, -19% / -21%), every pick within 5% of the
+    fastest; before, 60 of 72 (outside: the all-gather on a pack of short documents -21% to -28%, the ring
+    on an H200 +16% / +20%, a W = 16 mesh row -16%, and five of run 8's) (docs/bench/cost_check_run17.txt). Against the kernel alone
     these defaults are within 11% on average, 36% at worst (documents of 64-128 tokens at 4 heads). The
     figures below describe the model before this law (visible pairs at 615 TFLOP/s, 0.30 ms a call, 618 GB/s).
     Before: fitted (least squares, 3 parameters) to 112 per-rank times of the
@@ -148,8 +148,6 @@ class Hardware:
     Attributes:
         tflops: attention kernel forward + backward throughput on the kernel's 128 x 128 tiles that hold
             visible pairs, TFLOP/s (counted over whole tiles).
-        query_tile_s: the kernel's fixed cost of one 128-row query tile of one head (forward + backward; at
-            head_dim 128, scaled with it): what makes short documents cost more than their FLOPs.
         call_overhead_s: fixed cost of one block's forward + backward calls (launches).
         state_gbps: rate at which a block call's fp32 state (out, dQ, dK, dV accumulators) is touched.
         copy_gbps: rate of a row copy on the GPU (bytes read + written per second): Ulysses' packs and
@@ -159,10 +157,11 @@ class Hardware:
         across: the links of the hybrids' "ring" dimension where they differ from these (a mesh whose
             "ulysses" dimension stays inside a node and whose "ring" dimension crosses nodes); only its link
             fields are read. None: the same links.
+        query_tile_s: the kernel's fixed cost of one 128-row query tile of one head (forward + backward; at
+            head_dim 128, scaled with it): what makes short documents cost more than their FLOPs.
     """
 
     tflops: float = 645.0
-    query_tile_s: float = 0.2e-6
     call_overhead_s: float = 0.03e-3
     state_gbps: float = 1500.0
     copy_gbps: float = 3500.0
@@ -172,6 +171,7 @@ class Hardware:
     reduce_scatter_gbps: float = 272.0
     latency_s: float = 20e-6
     across: Hardware | None = None
+    query_tile_s: float = 0.2e-6  # last: the fields before it keep their positions
 
     def __post_init__(self):
         for name in ("tflops", "state_gbps", "copy_gbps", "p2p_gbps", "a2a_gbps", "allgather_gbps", "reduce_scatter_gbps"):

@@ -320,9 +320,61 @@ def ring_plan(layout: str, vis: Visibility, ring_size: int, rank: int, local_len
     return RingPlan(steps, tuple(blocks), vis.documents)
 
 
+_BAND_ROUNDS = 32  # splitting rounds of ``band_pieces`` before it takes the row-by-row pass
+
+
 def band_pieces(row_lo: torch.Tensor, row_hi: torch.Tensor) -> tuple[Piece, ...]:
     """The visible pairs of an interval block as band pieces (see Note [Band pieces]); rows that see no key
-    are in no piece. ``row_lo``/``row_hi``: the block's (Sq,) int arrays (any device). One pass on the host."""
+    are in no piece. ``row_lo``/``row_hi``: the block's (Sq,) int arrays (any device). On the host, by whole-array
+    operations: a row continues its predecessor's run where both ends move by 0 or 1 and the band overlaps;
+    then, round by round, each run is split at its first row where the first end stops after moving or the
+    second end moves after stopping (what the row-by-row pass, ``_band_pieces_by_rows``, decides)."""
+    lo, hi = row_lo.cpu().to(torch.int64), row_hi.cpu().to(torch.int64)
+    n = lo.numel()
+    if n == 0:
+        return ()
+    full = hi > lo
+    dlo, dhi = torch.zeros_like(lo), torch.zeros_like(hi)
+    dlo[1:], dhi[1:] = lo[1:] - lo[:-1], hi[1:] - hi[:-1]
+    cont = torch.zeros(n, dtype=torch.bool)  # row i joins the run of row i - 1 by the local rules
+    cont[1:] = (full[1:] & full[:-1] & ((dlo[1:] == 0) | (dlo[1:] == 1)) & ((dhi[1:] == 0) | (dhi[1:] == 1))
+                & (lo[1:] < hi[:-1]))
+    start = full & ~cont
+    for _ in range(_BAND_ROUNDS):
+        up, flat = (dlo == 1) & cont & ~start, (dhi == 0) & cont & ~start  # transitions inside runs
+        seg = torch.cumsum(start.to(torch.int64), 0)  # each row's run (1-based where a run has begun)
+        firsts = torch.nonzero(start).flatten()
+        c_up, c_flat = torch.cumsum(up.to(torch.int64), 0), torch.cumsum(flat.to(torch.int64), 0)
+        at_up, at_flat = torch.zeros(firsts.numel() + 1, dtype=torch.int64), torch.zeros(firsts.numel() + 1,
+                                                                                           dtype=torch.int64)
+        at_up[1:], at_flat[1:] = c_up[firsts], c_flat[firsts]
+        before_up, before_flat = c_up - up.to(torch.int64), c_flat - flat.to(torch.int64)  # up to row i - 1
+        moving, clipped = before_up > at_up[seg], before_flat > at_flat[seg]
+        bad = torch.nonzero(cont & ~start & ((moving & (dlo == 0)) | (clipped & (dhi == 1)))).flatten()
+        if bad.numel() == 0:
+            break
+        first_bad = torch.ones(bad.numel(), dtype=torch.bool)  # the first of each run: the rest may be fine
+        first_bad[1:] = seg[bad[1:]] != seg[bad[:-1]]
+        start[bad[first_bad]] = True
+    else:
+        return _band_pieces_by_rows(row_lo, row_hi)
+    s = torch.nonzero(start).flatten()
+    empty = torch.nonzero(~full).flatten()
+    to_empty = empty[torch.searchsorted(empty, s).clamp(max=empty.numel() - 1)] if empty.numel() else None
+    e = torch.cat([s[1:], torch.tensor([n])])
+    if to_empty is not None:
+        e = torch.minimum(e, torch.where(to_empty > s, to_empty, torch.full_like(s, n)))
+    k0, k1 = lo[s], hi[e - 1]
+    nq, nk = e - s, k1 - k0
+    last_lo, first_hi = lo[e - 1] - k0, hi[s] - k0
+    left, right = (nk - nq) - (last_lo - (nq - 1)), first_hi - 1 - (nk - nq)
+    return tuple(Piece(a, z, b, c, None if ll == 0 else lf, None if fh == w else rt)
+                 for a, z, b, c, ll, lf, fh, rt, w in zip(*(t.tolist() for t in (s, e, k0, k1, last_lo, left,
+                                                                               first_hi, right, nk))))
+
+
+def _band_pieces_by_rows(row_lo: torch.Tensor, row_hi: torch.Tensor) -> tuple[Piece, ...]:
+    """``band_pieces`` by one pass over the rows (where the runs need more than ``_BAND_ROUNDS`` splits)."""
     lo, hi = row_lo.cpu().tolist(), row_hi.cpu().tolist()
     pieces = []
 
