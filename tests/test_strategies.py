@@ -571,7 +571,7 @@ def _tiles_by_pairs(piece, tile=128):
 def test_cost_counts_the_kernel_tiles_of_every_block():
     """The model's kernel work (Note [Cost model]): per block, the 128 x 128 tiles holding a visible pair and
     the query tiles that see a key, as counted from the visible pairs of each piece the kernels run (full,
-    causal and interval blocks of rings with documents and windows)."""
+    causal and interval blocks of the ring's, the all-gather's and its split plans, with documents and windows)."""
     from distcomm_attention.planning.visibility import LazyPieces, Piece
 
     checked = 0
@@ -579,10 +579,12 @@ def test_cost_counts_the_kernel_tiles_of_every_block():
                 Visibility(causal=True, cu_seqlens=(0, 100, 420, 421, 900, 1024)),
                 Visibility(causal=True, window=(150, 0), cu_seqlens=(0, 700, 1024)),
                 Visibility(causal=False, window=(130, 40))):
-        for layout, world in (("contiguous", 2), ("zigzag", 2), ("contiguous", 4)):
+        for layout, world in (("contiguous", 2), ("zigzag", 2), ("contiguous", 4), ("striped", 4)):
             for r in range(world):
-                plan = ring_plan(layout, vis, world, r, 1024 // world)
-                for blocks in plan.blocks:
+                n = 1024 // world
+                ring, gathered = ring_plan(layout, vis, world, r, n), gathered_plan(layout, vis, world, r, n)
+                split = split_local(gathered, own_rows(layout, world, r, n))
+                for blocks in ring.blocks + gathered.blocks + split.blocks:
                     for b in blocks:
                         nq, nk = b.q.stop - b.q.start, b.kv.stop - b.kv.start
                         if b.mode == "interval":
