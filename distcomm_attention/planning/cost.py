@@ -53,8 +53,12 @@ Note [Cost model]
     predictions): 645 TFLOP/s, 0.2 us a query tile, 0.03 ms a call, 1500 GB/s. 70 of 72 within 15% (the
     two outside: run 8's, measured on a tree since changed, -19% / -21%), every pick within 5% of the
     fastest; before, 60 of 72 (outside: the all-gather on a pack of short documents -21% to -28%, the ring
-    on an H200 +16% / +20%, a W = 16 mesh row -16%, and five of run 8's) (docs/bench/cost_check_run17.txt). Against the kernel alone
-    these defaults are within 11% on average, 36% at worst (documents of 64-128 tokens at 4 heads). The
+    on an H200 +16% / +20%, a W = 16 mesh row -16%, and five of run 8's) (docs/bench/cost_check_run17.txt).
+    Against the kernel alone these defaults are within 11% on average, 36% at worst (documents of 64-128
+    tokens at 4 heads). On the compute-only records of scripts/bench_strategies.py (blocks alone, no link,
+    no exchange copies; docs/bench/strategies.json and balanced_median_w8.json, 394 per-rank times on one
+    H100; scripts/fit_cost_model.py) they are within 9.1% on average, worst -28%; a fit to those alone would
+    take 618 TFLOP/s, 0.11 us a query tile, 0.05 ms a call and 490 GB/s (4.9% on average). The
     figures below describe the model before this law (visible pairs at 615 TFLOP/s, 0.30 ms a call, 618 GB/s).
     Before: fitted (least squares, 3 parameters) to 112 per-rank times of the
     ring, all-gather and Ulysses plans with flash-attn-4 blocks on one H100 (bf16, d 128, heads 32/32 and
