@@ -518,7 +518,8 @@ def _auto_hardware_rank(rank, world):
         named = []  # the pick, named: the operations it posts
         with using(lambda group: named.append(CountingTransport(TorchTransport(group))) or named[-1]):
             context_parallel_attn(*[shard(x) for x in (q, k, v)], strategy=pick, causal=True, layout="zigzag")
-        out[name] = {"pick": pick, "ops": ops, "named_ops": sorted({op for c in named for op, n in c.calls.items() if n}),
+        named_ops = sorted({op for c in named for op, n in c.calls.items() if n})
+        out[name] = {"pick": pick, "ops": ops, "named_ops": named_ops,
                      "error": float((y.detach() - da.shard_sequence(ref, "zigzag")).abs().max())}
     errors = {}
     try:
