@@ -469,6 +469,21 @@ def test_band_pieces_partition_every_interval_block():
     assert checked > 300
 
 
+def _random_intervals(rng, most: int, jump: float, steps, empty: float = 0.0):
+    """(nq, nk, row_lo, row_hi) of up to ``most`` rows and keys: each row's interval jumps anywhere with
+    probability ``jump``, else both ends step by one of ``steps``; with probability ``empty`` a row sees no key."""
+    nq, nk = rng.randint(1, most), rng.randint(1, most)
+    lo, hi, a, b = [], [], rng.randint(0, nk), rng.randint(0, nk)
+    for _ in range(nq):
+        if rng.random() < jump:
+            a, b = rng.randint(0, nk), rng.randint(0, nk)
+        else:
+            a, b = (min(nk, max(0, x + rng.choice(steps))) for x in (a, b))
+        lo.append(a)
+        hi.append(a if empty and rng.random() >= 1 - empty else max(a, b))
+    return nq, nk, lo, hi
+
+
 def test_band_pieces_by_whole_arrays_equal_the_row_by_row_pass():
     """``band_pieces`` (whole-array splitting rounds) gives the pieces of the row-by-row pass on random row
     intervals (jumps, shrinking rows, empty rows, both ends moving), and where the runs need more splitting
@@ -477,15 +492,7 @@ def test_band_pieces_by_whole_arrays_equal_the_row_by_row_pass():
 
     rng = random.Random(5)
     for _ in range(5000):
-        nq, nk = rng.randint(1, 40), rng.randint(1, 40)
-        lo, hi, a, b = [], [], rng.randint(0, nk), rng.randint(0, nk)
-        for _ in range(nq):
-            if rng.random() < 0.25:
-                a, b = rng.randint(0, nk), rng.randint(0, nk)
-            else:
-                a, b = (min(nk, max(0, x + rng.choice([-1, 0, 0, 1, 1, 2]))) for x in (a, b))
-            lo.append(a)
-            hi.append(max(a, b) if rng.random() < 0.9 else a)
+        _, _, lo, hi = _random_intervals(rng, 40, 0.25, [-1, 0, 0, 1, 1, 2], empty=0.1)
         lo_t, hi_t = torch.tensor(lo, dtype=torch.int32), torch.tensor(hi, dtype=torch.int32)
         assert visibility.band_pieces(lo_t, hi_t) == visibility._band_pieces_by_rows(lo_t, hi_t), (lo, hi)
     lo_t = torch.arange(200) // 2  # a split every other row: more rounds than _BAND_ROUNDS
@@ -503,15 +510,7 @@ def test_window_calls_keep_each_piece_exact_on_arbitrary_intervals():
 
     rng = random.Random(1)
     for _ in range(2000):
-        nq, nk = rng.randint(1, 12), rng.randint(1, 12)
-        lo, hi, a, b = [], [], rng.randint(0, nk), rng.randint(0, nk)
-        for _ in range(nq):
-            if rng.random() < 0.5:
-                a, b = rng.randint(0, nk), rng.randint(0, nk)
-            else:
-                a, b = (min(nk, max(0, x + rng.choice([-1, 0, 1, 1, 2]))) for x in (a, b))
-            lo.append(a)
-            hi.append(max(a, b))
+        nq, nk, lo, hi = _random_intervals(rng, 12, 0.5, [-1, 0, 1, 1, 2])
         lo_t, hi_t = torch.tensor(lo), torch.tensor(hi)
         keys = torch.arange(nk)[None, :]
         pieces = band_pieces(lo_t, hi_t)

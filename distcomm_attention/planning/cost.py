@@ -418,7 +418,8 @@ def _gathered_rank_s(c: Call, ranks: int, rank: int, local_len: int, heads: int,
     outputs and dq are written into the sums (Note [Packed steps]: slots): state is charged for the rows two
     blocks reach; with the sparse exchange dK/dV likewise, plus the fp32 rows that go home."""
     plan = gathered_plan(c.layout, c.vis, ranks, rank, local_len)
-    split = split_local(plan, own_rows(c.layout, ranks, rank, local_len))
+    # one split per plan (its tiles and pieces then counted once): own_rows follows from the plan's arguments
+    split = plan.cached("own keys first", lambda: split_local(plan, own_rows(c.layout, ranks, rank, local_len)))
     work = _step_costs(plan)[0]
     rows, keys = work.rows, work.keys
     forward = _issued(plan, 0, c.packs, False) if remote_keys is None else \
