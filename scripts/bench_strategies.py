@@ -202,6 +202,14 @@ def planner_work(layout, seq: int, world: int, docs=None, causal: bool = True) -
     return balance.rank_work([layouts.positions(concrete, seq, world, r) for r in range(world)], cu, seq)
 
 
+def planner_cost(layout, seq: int, world: int, docs=None) -> list[float]:
+    """The kernel's time of each rank's causal queries in tiles of work, what ``layout="balanced"`` balances
+    (``balance.rank_cost`` over ``layouts.positions``)."""
+    cu = None if docs is None else tuple(docs)
+    concrete = balance.resolve(layout, seq, world, cu)
+    return balance.rank_cost([layouts.positions(concrete, seq, world, r) for r in range(world)], cu, seq)
+
+
 def planner_imbalance(layout, seq: int, world: int, docs=None, causal: bool = True) -> float:
     """max / mean of ``planner_work`` (1.0 = every rank the same number of visible pairs)."""
     work = planner_work(layout, seq, world, docs, causal)
@@ -299,6 +307,9 @@ def bench_case(seq, world, heads, kv_heads, causal, layout, args, fwd, bwd, docs
     res = {"seq": seq, "world": world, "heads": heads, "kv_heads": kv_heads, "causal": causal, "layout": layout,
            "documents": mix, "num_documents": None if docs is None else len(docs) - 1, **planned,
            "rank_work": work, "work_imbalance": max(work) / (sum(work) / len(work)) if sum(work) else 1.0}
+    if causal:  # the kernel's time as the balance counts it (``planner_cost``)
+        costs = planner_cost(concrete, seq, world, docs)
+        res["cost_imbalance"] = max(costs) / (sum(costs) / len(costs))
     key = (seq, heads, kv_heads, causal, mix)
     row_key = ("row", world, concrete, k, tuple(strategies)) + key
     if row_key in _MEASURED:  # "auto" chose a layout this run has measured: its timings, not measured again
@@ -404,7 +415,9 @@ def _line(r) -> str:
     partial = {s: t for s, t in r["timed_ranks"].items() if s != "ulysses" and len(t) < world}
     timed = (" | timed ranks " + " ".join(f"{s} {t}" for s, t in partial.items())) if partial else ""
     return (f"S={seq} W={world} {r['heads']}/{r['kv_heads']} {what}: max/mean {imb} | "
-            f"work max/mean {r['work_imbalance']:.3f} | plan {r['plan_s'] * 1e3:.0f} ms | "
+            f"work max/mean {r['work_imbalance']:.3f}"
+            + (f" (kernel {r['cost_imbalance']:.3f})" if "cost_imbalance" in r else "")
+            + f" | plan {r['plan_s'] * 1e3:.0f} ms | "
             f"single {r['single_s'] * 1e3:.2f} ms | compute-only eff {eff}"
             + ("" if nv is None else " | nvlink modelled "
                + " ".join(f"{s} {m['modelled_efficiency']:.2f}" for s, m in nv["model"].items())

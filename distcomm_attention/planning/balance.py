@@ -6,10 +6,20 @@ Note [Balanced layout]
     work. ``layout="balanced"`` assigns tokens from ``cu_seqlens`` (and the window) instead:
 
         tokens     every rank holds exactly S / W tokens (the rest of the model is per-token work)
-        work       the visible (query, key) pairs per rank, balanced: within a few percent of the mean
+        work       the kernel's time per rank (``piece_cost``), balanced: within a few percent of the mean
         traffic    a document stays whole on one rank where it fits; a longer one is split over few ranks
 
-    Work model: under a causal mask a query at offset i of its document sees min(i, left) + 1 keys (left:
+    Work model. The kernels tile each run of a document's queries on a rank (a piece) into 128-row query tiles,
+    and a piece costs what flash-attn-4's law (Note [Cost model]) says: its 128 x 128 tiles holding a visible
+    pair, plus ``QUERY_TILE`` tiles' worth for each query tile, whatever its length (``piece_cost``, in tiles;
+    without a window the tiles are counted exactly, keys tiled from the document's first; with one, its visible
+    pairs over a tile's plus half a tile a query tile). Balancing visible pairs alone put hundreds of tiny
+    documents on one rank (each costing a query tile, up to 128 times its pairs): on a pack of 262 documents of
+    mean ~500 tokens, W = 8, the busiest rank (87 pieces) was 10% above the mean by the law, and its own
+    flash-attn-4 call the slowest (docs/bench/emulated.md, runs 17, 18); balanced by the law it is 1% above.
+    The law does not count everything: the raw calls still spread 1.45-1.68 ms (one H200), falling with the
+    ranks' visible pairs. The pieces' shapes below are chosen by visible pairs:
+    under a causal mask a query at offset i of its document sees min(i, left) + 1 keys (left:
     the window's left edge, unbounded without one), so the work per token never falls along a document. A
     document split over k ranks gives each rank a nested share: a piece from the head of the part not yet
     placed and one from its tail. Without a window the two pieces are equal (half of the share each, the
@@ -21,19 +31,24 @@ Note [Balanced layout]
     balances it too.
 
     Greedy, densest document first (deterministic: ties by document index, then rank), rank by rank, each
-    rank's target the work not yet placed over the ranks left:
+    rank's target the cost not yet placed (each document's unplaced rest counted as one piece) over the ranks
+    left:
 
         heavy   from the dense end: shares as large as the rank's free tokens allow while its projected
                 work (its work + its remaining free tokens filled at the density of the lightest unplaced
                 documents) stays within ``TOLERANCE`` of the target; the document that does not fit is
-                split: the largest share keeping the projection within the target (binary search)
+                split: without a window in whole query tiles (a partial tile costs a whole one, so between
+                whole tiles the projection is a sawtooth), the head piece taking the odd tile, the share of
+                the two around the target whose projection is nearer to it; with a window the largest share
+                keeping the projection within the target (binary search)
         light   then the rank's free tokens are filled from the light end: whole documents, the last one
                 split (a nested share) to fill the rank exactly
 
     Ranks then hold their pieces in increasing global order (what the planner requires; adjacent pieces
     merged). The result depends only on (cu_seqlens, W, window), so every rank computes the same; it is
-    cached. One document without a window reproduces zigzag exactly. The planner turns any assignment into blocks (Note [Ring
-    plan]): pairs of ranks sharing no document are skipped, and a ring step no rank needs is not taken.
+    cached. One document without a window reproduces zigzag exactly. The planner turns any assignment into
+    blocks (Note [Ring plan]): pairs of ranks sharing no document are skipped, and a ring step no rank needs
+    is not taken.
 """
 
 from __future__ import annotations
@@ -44,13 +59,19 @@ import functools
 from distcomm_attention.planning import layouts
 from distcomm_attention.planning.layouts import Assignment
 
-__all__ = ["balanced", "work", "rank_work", "resolve", "choose_layout", "TOLERANCE", "AUTO_CANDIDATES"]
+__all__ = ["balanced", "work", "piece_cost", "rank_work", "rank_cost", "resolve", "choose_layout", "TOLERANCE",
+           "AUTO_CANDIDATES", "QUERY_TILE"]
 
 # what layout="auto" compares with packed documents; striped is not among them: its blocks break into a kernel
 # call per document and ring step (measured 0.03-0.36 of one varlen call, docs/bench/balanced.md)
 AUTO_CANDIDATES = ("balanced", "zigzag", "contiguous")
 
 TOLERANCE = 0.01  # a whole placement may leave a rank this far above its target work
+
+TILE = 128  # the kernels' tile (``cost.TILE``)
+# a query tile's fixed cost in 128 x 128 tiles of work: the cost model's defaults (query_tile_s at 645 TFLOP/s;
+# both scale with the head dim), 4.39
+QUERY_TILE = 0.2e-6 * 645e12 / (3.5 * 4 * TILE ** 3)
 
 
 def _prefix(x: int, left: int | None) -> int:
@@ -63,6 +84,21 @@ def _prefix(x: int, left: int | None) -> int:
 def work(a: int, b: int, left: int | None) -> int:
     """Visible keys of the queries at document offsets [a, b)."""
     return _prefix(b, left) - _prefix(a, left)
+
+
+def piece_cost(a: int, b: int, left: int | None) -> float:
+    """The kernel's time for the queries at document offsets [a, b), one piece, in 128 x 128 tiles of work
+    (Note [Balanced layout]): the tiles holding a visible pair (rows tiled from a, keys from the document's
+    first; with a window, the visible pairs over a tile's plus half a tile a query tile) plus ``QUERY_TILE`` per
+    query tile."""
+    if b <= a:
+        return 0.0
+    q_tiles = -(-(b - a) // TILE)
+    if left is None:  # query tile i < q_tiles - 1 sees a + TILE (i + 1) keys; the last sees b
+        tiles = (q_tiles - 1) * -(-a // TILE) + (q_tiles - 1) * q_tiles // 2 + -(-b // TILE)
+    else:
+        tiles = work(a, b, left) / TILE ** 2 + q_tiles / 2
+    return tiles + QUERY_TILE * q_tiles
 
 
 @functools.lru_cache(maxsize=64)
@@ -86,7 +122,7 @@ def balanced(cu_seqlens: tuple[int, ...] | None, seq_len: int, ring_size: int,
     # documents by density (work per token), heaviest first; ties by index
     docs = [d for d in range(len(cu) - 1) if cu[d + 1] > cu[d]]
     length = {d: cu[d + 1] - cu[d] for d in docs}
-    whole = {d: work(0, length[d], left) for d in docs}
+    whole = {d: piece_cost(0, length[d], left) for d in docs}
     docs.sort(key=lambda d: (-whole[d] / length[d], d))
     head = {d: 0 for d in docs}  # offsets [head, tail) of each document not placed yet
     tail = dict(length)
@@ -101,14 +137,23 @@ def balanced(cu_seqlens: tuple[int, ...] | None, seq_len: int, ring_size: int,
     rest_work = sum(whole.values())
 
     def share_work(d: int, x: int, h: int) -> int:
+        """Visible pairs of document d's share of x tokens, h of them from the head."""
         return work(head[d], head[d] + h, left) + work(tail[d] - (x - h), tail[d], left)
 
-    def share(d: int, x: int) -> tuple[int, int]:
-        """Document d's next nested share of x tokens: (head tokens, work), the share's work per token that of
-        the document's unplaced rest (Note [Balanced layout])."""
-        if left is None:  # half from each end: every nested share has the document's density
-            h = (x + 1) // 2
-            return h, share_work(d, x, h)
+    def share(d: int, x: int, tiled: bool = False) -> tuple[int, float]:
+        """Document d's next nested share of x tokens: (head tokens, its cost), the share's visible pairs per
+        token those of the document's unplaced rest (Note [Balanced layout]); ``tiled``: x whole query tiles,
+        the head taking the odd one."""
+        if x == tail[d] - head[d]:  # the whole rest: one piece
+            return x, piece_cost(head[d], tail[d], left)
+        if tiled:
+            h = TILE * -(-x // (2 * TILE))
+        else:
+            h = (x + 1) // 2 if left is None else pairs_share(d, x)
+        return h, piece_cost(head[d], head[d] + h, left) + piece_cost(tail[d] - (x - h), tail[d], left)
+
+    def pairs_share(d: int, x: int) -> int:
+        """With a window: the head tokens of a share of x whose visible pairs per token are the rest's."""
         rest = tail[d] - head[d]
         goal = x * work(head[d], tail[d], left) / rest
         lo, hi = 0, x  # share_work falls as h grows (head tokens see fewer keys): the last h above the goal
@@ -118,16 +163,18 @@ def balanced(cu_seqlens: tuple[int, ...] | None, seq_len: int, ring_size: int,
                 lo = mid
             else:
                 hi = mid - 1
-        h = min((lo, min(lo + 1, x)), key=lambda c: abs(share_work(d, x, c) - goal))
-        return h, share_work(d, x, h)
+        return min((lo, min(lo + 1, x)), key=lambda c: abs(share_work(d, x, c) - goal))
 
-    def take(r: int, d: int, x: int) -> None:
-        h, w = share(d, x)
+    def take(r: int, d: int, x: int, tiled: bool = False) -> None:
+        h, w = share(d, x, tiled)
         for a, b in ((head[d], head[d] + h), (tail[d] - (x - h), tail[d])):
             if b > a:
                 pieces[r].append((cu[d] + a, cu[d] + b))
+        nonlocal rest_work
+        rest_work -= piece_cost(head[d], tail[d], left)
         head[d] += h
         tail[d] -= x - h
+        rest_work += piece_cost(head[d], tail[d], left)  # (the rest's cost, as one piece)
         loads[r] += w
 
     def light_work(m: int, lo: int) -> float:
@@ -146,7 +193,7 @@ def balanced(cu_seqlens: tuple[int, ...] | None, seq_len: int, ring_size: int,
         return w
 
     for r in range(ring_size):
-        target = rest_work / (ring_size - r)  # the rest, spread over the ranks left
+        target = rest_work / (ring_size - r)  # the rest, spread over the ranks left (unplaced cost, not loads)
         free = n
         # heavy shares from the front while the projected load (filled with light work) stays under target
         while free and front <= back:
@@ -154,24 +201,32 @@ def balanced(cu_seqlens: tuple[int, ...] | None, seq_len: int, ring_size: int,
             rest = tail[d] - head[d]
             most = min(free, rest)
 
-            def projected(x: int) -> float:
-                return loads[r] + share(d, x)[1] + light_work(free - x, front if x == rest else front - 1)
+            def projected(x: int, tiled: bool = False) -> float:
+                return loads[r] + share(d, x, tiled)[1] + light_work(free - x, front if x == rest else front - 1)
 
+            tiled = False
             if front == back or projected(most) <= target * (1 + TOLERANCE):
                 x = most
             elif projected(0) >= target * (1 - TOLERANCE):
                 x = 0
             else:
-                lo, hi = 0, most  # the largest share keeping the projection within the target
+                # the share in whole query tiles without a window (a partial tile costs a whole one: between
+                # them the projection is a sawtooth), the nearer of the two around the target
+                unit = TILE if left is None and most >= TILE else 1
+                tiled = unit > 1
+                lo, hi = 0, most // unit  # the largest share keeping the projection within the target
                 while lo < hi:
                     mid = (lo + hi + 1) // 2
-                    if projected(mid) <= target:
+                    if projected(mid * unit, tiled) <= target:
                         lo = mid
                     else:
                         hi = mid - 1
-                x = lo
+                x = lo * unit
+                if tiled and x + unit <= most and \
+                        abs(projected(x + unit, tiled) - target) < abs(projected(x, tiled) - target):
+                    x += unit
             if x:
-                take(r, d, x)
+                take(r, d, x, tiled)
                 free -= x
             if tail[d] == head[d]:
                 front += 1
@@ -185,7 +240,6 @@ def balanced(cu_seqlens: tuple[int, ...] | None, seq_len: int, ring_size: int,
             free -= x
             if tail[d] == head[d]:
                 back -= 1
-        rest_work -= loads[r]
 
     ranges = []
     for r in range(ring_size):
@@ -201,8 +255,8 @@ def balanced(cu_seqlens: tuple[int, ...] | None, seq_len: int, ring_size: int,
 
 def rank_work(assignment_or_positions, cu_seqlens: tuple[int, ...] | None, seq_len: int,
               window: tuple[int, int] = (-1, -1)) -> list[int]:
-    """Visible (query, key) pairs of each rank's queries under a causal mask (the balance metric), from an
-    ``Assignment`` or a list of per-rank position tensors."""
+    """Visible (query, key) pairs of each rank's queries under a causal mask (``rank_cost`` is the balance
+    metric), from an ``Assignment`` or a list of per-rank position tensors."""
     import torch
 
     cu = torch.tensor((0, seq_len) if cu_seqlens is None else cu_seqlens, dtype=torch.int64)
@@ -216,6 +270,33 @@ def rank_work(assignment_or_positions, cu_seqlens: tuple[int, ...] | None, seq_l
         offset = pos - cu[torch.searchsorted(cu, pos, right=True) - 1]
         keys = offset + 1 if left is None else offset.clamp(max=left) + 1
         out.append(int(keys.sum()))
+    return out
+
+
+def rank_cost(assignment_or_positions, cu_seqlens: tuple[int, ...] | None, seq_len: int,
+              window: tuple[int, int] = (-1, -1)) -> list[float]:
+    """The kernel's time of each rank's queries in tiles of work (the balance metric, ``piece_cost`` summed over
+    the rank's pieces: runs of consecutive positions in one document), from an ``Assignment`` or a list of
+    per-rank position tensors."""
+    import torch
+
+    cu = torch.tensor((0, seq_len) if cu_seqlens is None else cu_seqlens, dtype=torch.int64)
+    left = None if window[0] < 0 else window[0]
+    if isinstance(assignment_or_positions, Assignment):
+        per_rank = [assignment_or_positions.positions(r) for r in range(assignment_or_positions.ring_size)]
+    else:
+        per_rank = list(assignment_or_positions)
+    out = []
+    for pos in per_rank:
+        doc = torch.searchsorted(cu, pos, right=True) - 1
+        starts = torch.ones(pos.numel(), dtype=torch.bool)
+        starts[1:] = (pos[1:] != pos[:-1] + 1) | (doc[1:] != doc[:-1])
+        first = starts.nonzero().flatten().tolist()
+        total = 0.0
+        for i, j in zip(first, first[1:] + [pos.numel()]):
+            base = int(cu[doc[i]])
+            total += piece_cost(int(pos[i]) - base, int(pos[j - 1]) + 1 - base, left)
+        out.append(total)
     return out
 
 
