@@ -253,18 +253,24 @@ def balanced(cu_seqlens: tuple[int, ...] | None, seq_len: int, ring_size: int,
     return Assignment("balanced", tuple(ranges), seq_len)
 
 
+def _per_rank(assignment_or_positions, cu_seqlens, seq_len: int, window: tuple[int, int]):
+    """(document boundaries as an int64 tensor, the window's left edge or None, each rank's positions)."""
+    import torch
+
+    cu = torch.tensor((0, seq_len) if cu_seqlens is None else cu_seqlens, dtype=torch.int64)
+    left = None if window[0] < 0 else window[0]
+    if isinstance(assignment_or_positions, Assignment):
+        return cu, left, [assignment_or_positions.positions(r) for r in range(assignment_or_positions.ring_size)]
+    return cu, left, list(assignment_or_positions)
+
+
 def rank_work(assignment_or_positions, cu_seqlens: tuple[int, ...] | None, seq_len: int,
               window: tuple[int, int] = (-1, -1)) -> list[int]:
     """Visible (query, key) pairs of each rank's queries under a causal mask (``rank_cost`` is the balance
     metric), from an ``Assignment`` or a list of per-rank position tensors."""
     import torch
 
-    cu = torch.tensor((0, seq_len) if cu_seqlens is None else cu_seqlens, dtype=torch.int64)
-    left = None if window[0] < 0 else window[0]
-    if isinstance(assignment_or_positions, Assignment):
-        per_rank = [assignment_or_positions.positions(r) for r in range(assignment_or_positions.ring_size)]
-    else:
-        per_rank = list(assignment_or_positions)
+    cu, left, per_rank = _per_rank(assignment_or_positions, cu_seqlens, seq_len, window)
     out = []
     for pos in per_rank:
         offset = pos - cu[torch.searchsorted(cu, pos, right=True) - 1]
@@ -280,12 +286,7 @@ def rank_cost(assignment_or_positions, cu_seqlens: tuple[int, ...] | None, seq_l
     per-rank position tensors."""
     import torch
 
-    cu = torch.tensor((0, seq_len) if cu_seqlens is None else cu_seqlens, dtype=torch.int64)
-    left = None if window[0] < 0 else window[0]
-    if isinstance(assignment_or_positions, Assignment):
-        per_rank = [assignment_or_positions.positions(r) for r in range(assignment_or_positions.ring_size)]
-    else:
-        per_rank = list(assignment_or_positions)
+    cu, left, per_rank = _per_rank(assignment_or_positions, cu_seqlens, seq_len, window)
     out = []
     for pos in per_rank:
         doc = torch.searchsorted(cu, pos, right=True) - 1
