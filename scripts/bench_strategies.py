@@ -34,7 +34,8 @@ Layouts of the document rows (--layouts): the static "contiguous", "zigzag", "st
 the planning time on cold caches (``plan_resolve_s``: resolve alone; ``plan_first_rank_s``: resolve + one
 rank's ring plan, what each rank of a real group pays; ``plan_s``: resolve + the ring plans of all W ranks)
 and the planner's work imbalance: max / mean over ranks of the causal visible (query, key) pairs
-(``balance.rank_work``).
+(``balance.rank_work``), and of the kernel's time as the balanced layout counts it (``cost_imbalance``,
+``balance.rank_cost``).
 
 Ranks timed (--ranks): "all", or k: the k ranks with the most planned compute (the cost model's per-rank
 compute of the strategy's own plan) plus rank 0, per strategy (``timed_ranks``); the efficiency then uses

@@ -12,27 +12,29 @@ Note [Balanced layout]
     Work model. The kernels tile each run of a document's queries on a rank (a piece) into 128-row query tiles,
     and a piece costs what flash-attn-4's law (Note [Cost model]) says: its 128 x 128 tiles holding a visible
     pair, plus ``QUERY_TILE`` tiles' worth for each query tile, whatever its length (``piece_cost``, in tiles;
-    without a window the tiles are counted exactly, keys tiled from the document's first; with one, its visible
-    pairs over a tile's plus half a tile a query tile). Balancing visible pairs alone put hundreds of tiny
-    documents on one rank (each costing a query tile, up to 128 times its pairs): on a pack of 262 documents of
-    mean ~500 tokens, W = 8, the busiest rank (87 pieces) was 10% above the mean by the law, and its own
-    flash-attn-4 call the slowest (docs/bench/emulated.md, runs 17, 18); balanced by the law it is 1% above.
-    The law does not count everything: the raw calls still spread 1.45-1.68 ms (one H200), falling with the
-    ranks' visible pairs. The pieces' shapes below are chosen by visible pairs:
-    under a causal mask a query at offset i of its document sees min(i, left) + 1 keys (left:
-    the window's left edge, unbounded without one), so the work per token never falls along a document. A
-    document split over k ranks gives each rank a nested share: a piece from the head of the part not yet
-    placed and one from its tail. Without a window the two pieces are equal (half of the share each, the
-    zigzag layout per document) and every share has the document's work per token, (L + 1) / 2 for L
-    tokens. With a window the cheap tokens are only the first ``left`` of each document, so halves would give
-    the head's rank too little: the head piece is sized (binary search) so that the share's work per token is
-    again that of the unplaced rest, which keeps every share of a document at its density. Bidirectional
-    attention has L visible keys per token, an affine function of the same density, so the same assignment
-    balances it too.
+    without a window the tiles are counted exactly, keys tiled from the document's first; with one, its
+    visible pairs over a tile's plus half a tile a query tile, which is low against the exact count, by 6-12%
+    on average and up to 45%: tokens past the window are under-weighted). Balancing visible pairs alone put
+    hundreds of tiny documents on one rank (each costing a query tile, up to 128 times its pairs): on a pack
+    of 262 documents of mean ~500 tokens, W = 8, the busiest rank (87 pieces) was 10% above the mean by the
+    law, and its own flash-attn-4 call the slowest (docs/bench/emulated.md, runs 17, 18); balanced by the law
+    it is 1% above. The law does not count everything: the raw calls still spread 1.45-1.68 ms (one H200),
+    falling with the ranks' visible pairs. The pieces' shapes below are chosen by visible pairs: under a
+    causal mask a query at offset i of its document sees min(i, left) + 1 keys (left: the window's left edge,
+    unbounded without one), so the work per token never falls along a document. A document split over k
+    ranks gives each rank a nested share: a piece from the head of the part not yet placed and one from its
+    tail. Without a window the two pieces are equal (half of the share each, the zigzag layout per document)
+    and every share has the document's work per token, (L + 1) / 2 for L tokens; a share the heavy phase
+    sizes in whole query tiles (below) gives the head the odd tile. With a window the cheap tokens are only
+    the first ``left`` of each document, so halves would give the head's rank too little: the head piece is
+    sized (binary search) so that the share's work per token is again that of the unplaced rest, which keeps
+    every share of a document at its density. Bidirectional attention has L visible keys per token, an affine
+    function of the same density, so the same assignment balances it too.
 
-    Greedy, densest document first (deterministic: ties by document index, then rank), rank by rank, each
-    rank's target the cost not yet placed (each document's unplaced rest counted as one piece) over the ranks
-    left:
+    Greedy, densest document first (cost per token: long documents, and documents under a query tile, whose
+    tile costs the same whatever their length; deterministic: ties by document index, then rank), rank by
+    rank, each rank's target the cost not yet placed (each document's unplaced rest counted as one piece)
+    over the ranks left:
 
         heavy   from the dense end: shares as large as the rank's free tokens allow while its projected
                 work (its work + its remaining free tokens filled at the density of the lightest unplaced
@@ -143,7 +145,7 @@ def balanced(cu_seqlens: tuple[int, ...] | None, seq_len: int, ring_size: int,
     def share(d: int, x: int, tiled: bool = False) -> tuple[int, float]:
         """Document d's next nested share of x tokens: (head tokens, its cost), the share's visible pairs per
         token those of the document's unplaced rest (Note [Balanced layout]); ``tiled``: x whole query tiles,
-        the head taking the odd one."""
+        the head taking the odd one (its pairs per token then a little below the rest's)."""
         if x == tail[d] - head[d]:  # the whole rest: one piece
             return x, piece_cost(head[d], tail[d], left)
         if tiled:
