@@ -253,19 +253,22 @@ def parse_ranks(text: str):
     return k
 
 
-def _fa4_single(q, k, v, causal, docs=None):
+def _fa4_single(q, k, v, causal, docs=None, key_docs=None):
+    """One flash-attn-4 forward + backward as a step function: dense, or varlen over documents ``docs`` (the
+    queries' boundaries; ``key_docs`` the keys' where they differ: bottom-right causal)."""
     from distcomm_attention.kernels import fa4
 
     iface = fa4._interface()
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     dout = torch.randn_like(q)
     if docs is not None:
-        cu = torch.tensor(docs, dtype=torch.int32, device=q.device)
-        longest = max(b - a for a, b in zip(docs, docs[1:]))
+        key_docs = docs if key_docs is None else key_docs
+        cu, cu_k = (torch.tensor(x, dtype=torch.int32, device=q.device) for x in (docs, key_docs))
+        longest, longest_k = (max(b - a for a, b in zip(x, x[1:])) for x in (docs, key_docs))
 
         def step():
-            out = iface.flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu,
-                                               max_seqlen_q=longest, max_seqlen_k=longest, causal=causal)
+            out = iface.flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu_k,
+                                               max_seqlen_q=longest, max_seqlen_k=longest_k, causal=causal)
             out = out[0] if isinstance(out, tuple) else out
             torch.autograd.grad(out, (q, k, v), dout[0])
 

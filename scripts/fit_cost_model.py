@@ -5,6 +5,7 @@ balanced*.json packed mixes: one H100, flash-attn-4 blocks, bf16, d = 128, heads
 timed rank's plan (ring, all-gather, Ulysses), and compares the measured seconds with
 
     compute = work / tflops + calls * call_overhead + state / state_gbps [+ query tiles * query_tile_s]
+              (the shipped defaults also + key tiles * key_tile_s; the fits here leave key tiles out)
 
 where ``work`` is either the visible pairs or the pairs of the kernel's 128 x 128 tiles that hold a visible
 pair, per piece the kernel runs (the model as shipped, with a cost per 128-row query tile and head: Note [Cost
@@ -37,21 +38,23 @@ from distcomm_attention.planning.visibility import Visibility, ring_plan  # noqa
 TILE = 128
 
 
-def block_features(block) -> tuple[int, int, int]:
-    """(visible pairs, tile pairs, query tiles) of one block: the kernel's 128 x 128 tiles that hold a visible
-    pair, times their pairs, and its 128-row query tiles that see a key (``cost._tiles``, the model's count)."""
-    tiles, q_tiles = cost._tiles(block)
-    return cost._pairs(block), tiles * TILE * TILE, q_tiles
+def block_features(block) -> tuple[int, int, int, int]:
+    """(visible pairs, tile pairs, query tiles, key tiles) of one block: the kernel's 128 x 128 tiles that hold
+    a visible pair, times their pairs, its 128-row query tiles that see a key and its 128-key tiles a query sees
+    (``cost._tiles``, the model's count)."""
+    tiles, q_tiles, k_tiles = cost._tiles(block)
+    return cost._pairs(block), tiles * TILE * TILE, q_tiles, k_tiles
 
 
 def plan_features(plan, heads: int, kv_heads: int, d: int) -> dict:
-    f = {"pairs": 0, "tiles": 0, "q_tiles": 0, "calls": 0, "state": 0}
+    f = {"pairs": 0, "tiles": 0, "q_tiles": 0, "k_tiles": 0, "calls": 0, "state": 0}
     for blocks in plan.blocks:
         for b in blocks:
-            pairs, tiles, q_tiles = block_features(b)
+            pairs, tiles, q_tiles, k_tiles = block_features(b)
             f["pairs"] += pairs
             f["tiles"] += tiles
             f["q_tiles"] += q_tiles * heads * d / 128  # per head, scaled with head_dim as the model does
+            f["k_tiles"] += k_tiles * heads * d / 128
             f["calls"] += 1
             f["state"] += 4 * d * ((b.q.stop - b.q.start) * heads + 2 * (b.kv.stop - b.kv.start) * kv_heads)
     f["flop_per_pair"] = 3.5 * 4 * heads * d
@@ -88,9 +91,11 @@ def samples(paths: list[str]) -> list[dict]:
     return out
 
 
-def predict(s: dict, tflops: float, call: float, state_gbps: float, q_tile: float, tiles: bool) -> float:
+def predict(s: dict, tflops: float, call: float, state_gbps: float, q_tile: float, tiles: bool,
+            k_tile: float = 0.0) -> float:
     work = (s["tiles"] if tiles else s["pairs"]) * s["flop_per_pair"]
-    return work / (tflops * 1e12) + s["calls"] * call + s["state"] / (state_gbps * 1e9) + s["q_tiles"] * q_tile
+    return (work / (tflops * 1e12) + s["calls"] * call + s["state"] / (state_gbps * 1e9) + s["q_tiles"] * q_tile
+            + s["k_tiles"] * k_tile)
 
 
 def fit(rows: list[dict], tiles: bool, q_tiles: bool) -> tuple[float, float, float, float]:
@@ -105,16 +110,16 @@ def fit(rows: list[dict], tiles: bool, q_tiles: bool) -> tuple[float, float, flo
     return 1 / c[0], c[1], 1 / c[2], c[3]
 
 
-def report(rows, params, tiles, label):
+def report(rows, params, tiles, label, k_tile: float = 0.0):
     errs = {}
     for r in rows:
-        e = predict(r, *params, tiles=tiles) / r["seconds"] - 1
+        e = predict(r, *params, tiles=tiles, k_tile=k_tile) / r["seconds"] - 1
         errs.setdefault(r["strategy"], []).append(e)
         errs.setdefault("all", []).append(e)
     parts = [f"{k} mean |err| {sum(map(abs, v)) / len(v):.1%} worst {max(v, key=abs):+.0%} (n={len(v)})"
              for k, v in errs.items()]
     print(f"{label}: tflops {params[0]:.0f}, call {params[1] * 1e3:.3f} ms, state {params[2]:.0f} GB/s, "
-          f"query tile {params[3] * 1e6:.3f} us\n  " + "\n  ".join(parts))
+          f"query tile {params[3] * 1e6:.3f} us, key tile {k_tile * 1e6:.3f} us\n  " + "\n  ".join(parts))
     return errs
 
 
@@ -127,7 +132,7 @@ def main():
     hw = cost.Hardware()
     shipped = (hw.tflops, hw.call_overhead_s, hw.state_gbps, hw.query_tile_s)
     result = {"samples": len(rows), "fits": {}}
-    report(rows, shipped, True, "shipped defaults (tile pairs + per query tile)")
+    report(rows, shipped, True, "shipped defaults (tile pairs + per query tile + per key tile)", hw.key_tile_s)
     for tiles in (False, True):
         for q_tiles in (False, True):
             params = fit(rows, tiles, q_tiles)

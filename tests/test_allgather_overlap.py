@@ -69,7 +69,8 @@ def test_cost_model_hides_the_reduction_behind_the_own_keys_backward():
     kv = 2 * c.batch * c.local_len * c.kv_heads * c.head_dim * (c.world - 1)  # k and v elements leaving a rank
     link = dict(allgather_gbps=100.0, reduce_scatter_gbps=100.0, latency_s=0.0)
     gathers, reduce = 2 * kv * c.itemsize / 100e9, kv * 4 / 100e9
-    fast = cost.Hardware(tflops=1e9, query_tile_s=0.0, call_overhead_s=0.0, state_gbps=1e9, **link)
+    fast = cost.Hardware(tflops=1e9, query_tile_s=0.0, key_tile_s=0.0, call_overhead_s=0.0, state_gbps=1e9,
+                         **link)
     assert cost.predict(c, "allgather", fast).comm_s == pytest.approx(gathers + reduce)
     slow = cost.Hardware(tflops=1e-3, **link)
     assert cost.predict(c, "allgather", slow).comm_s == pytest.approx(gathers)

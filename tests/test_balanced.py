@@ -7,14 +7,14 @@ Layer 1 (pure functions, no process group):
      1..8, 16, 32: every position held exactly once, S / W tokens per rank in increasing order, merged ranges,
      deterministic (also after ``cache_clear``); one document is exactly zigzag;
   2. balance, counted here independently (``_kernel_cost``: each rank's pieces tiled into 128-row query tiles,
-     each costing its 128-key tiles plus ``QUERY_TILE``, flash-attn-4's law; the weight is the cost model's):
-     busiest rank within 5% of the mean at S / W of 8k and 16k, with and without a window (1023, 4095), and
-     without one at most 1% costlier than zigzag's / contiguous's busiest; the benchmarks' packs (short,
-     log-normal, heavy-tailed at 128k / 512k) within 2%, the static layouts over 15% off; smaller shapes within
-     5% plus two query tiles of the longest document (tiny ones: three); long documents much longer than the
-     window within 5% in visible pairs; the 64k + 64 x 1k mix at W = 8, where the static layouts are off by
-     > 30% and "auto" picks balanced; ``rank_cost`` counts the same without a window (with one it approximates,
-     biased low);
+     each costing its 128-key tiles plus ``QUERY_TILE``, each piece ``KEY_TILE`` per key tile it sees,
+     flash-attn-4's law; the weights are the cost model's): busiest rank within 6% of the mean at S / W of 8k
+     and 16k without a window, 7% with one (1023, 4095), and without one at most 1% costlier than zigzag's /
+     contiguous's busiest; the benchmarks' packs (short, log-normal, heavy-tailed at 128k / 512k) within 4%,
+     the static layouts over 15% off; smaller shapes within 5% plus two query tiles of the longest document
+     (tiny ones: three); long documents much longer than the window within 5% in visible pairs; the 64k + 64
+     x 1k mix at W = 8, where the static layouts are off by > 30% and "auto" picks balanced; ``rank_cost``
+     counts the same without a window (with one it approximates, biased low);
   3. locality: documents cut across ranks at most twice per rank boundary (the greedy's heavy and light
      cut), so at most 2 (W - 1) extra pieces; documents that fill ranks stay whole, and in the 64k + 64 x 1k mix
      only the long document is split;
@@ -160,7 +160,8 @@ def _kernel_cost(per_rank_positions, cu, seq, left):
     """Each rank's kernel time in tiles of work, the balance metric, counted row by row: its pieces (runs of
     consecutive positions in one document) tiled into 128-row query tiles from their first row; a query tile
     costs the 128-key tiles (from its document's first key) between its first row's left window edge and its
-    last row, plus ``QUERY_TILE``."""
+    last row, plus ``QUERY_TILE``; a piece ``KEY_TILE`` for each key tile between its first query tile's first
+    and its last query tile's last."""
     bounds = torch.tensor((0, seq) if cu is None else cu, dtype=torch.int64)
     out = []
     for pos in per_rank_positions:
@@ -177,17 +178,24 @@ def _kernel_cost(per_rank_positions, cu, seq, left):
         last = torch.zeros(count, dtype=torch.int64).scatter_reduce(0, tile, offset, "amax")
         lo = torch.zeros_like(first) if left is None else (first - left).clamp(min=0)
         key_tiles = (last + 1 + 127) // 128 - lo // 128
-        out.append(float(key_tiles.sum()) + balance.QUERY_TILE * count)
+        of_piece = torch.zeros(count, dtype=torch.int64).scatter_reduce(0, tile, piece, "amax")
+        pieces = int(piece.max()) + 1 if pos.numel() else 0
+        seen_lo = torch.full((pieces,), seq, dtype=torch.int64).scatter_reduce(0, of_piece, lo // 128, "amin")
+        seen_hi = torch.zeros(pieces, dtype=torch.int64).scatter_reduce(0, of_piece, (last + 1 + 127) // 128, "amax")
+        seen = float((seen_hi - seen_lo).sum())
+        out.append(float(key_tiles.sum()) + balance.QUERY_TILE * count + balance.KEY_TILE * seen)
     return out
 
 
-def test_query_tile_is_the_cost_models():
-    """The balance's query-tile weight is the cost model's defaults' (query_tile_s against a tile's FLOPs at
-    ``tflops``; both scale with the head dim)."""
+def test_query_and_key_tiles_are_the_cost_models():
+    """The balance's query-tile and key-tile weights are the cost model's defaults' (query_tile_s and
+    key_tile_s against a tile's FLOPs at ``tflops``; all scale with the head dim); a whole document's fixed cost
+    per 128 tokens is their sum, 4.4 tiles."""
     hw = cost.Hardware()
     tile_s = 3.5 * 4 * 128 * 128 * 128 / (hw.tflops * 1e12)
     assert balance.QUERY_TILE == pytest.approx(hw.query_tile_s / tile_s, rel=1e-12)
-    assert 4 < balance.QUERY_TILE < 5
+    assert balance.KEY_TILE == pytest.approx(hw.key_tile_s / tile_s, rel=1e-12)
+    assert 4 < balance.QUERY_TILE + balance.KEY_TILE < 5 and balance.KEY_TILE > 0
 
 
 def _imbalance(work):
@@ -310,15 +318,16 @@ def _realistic_mixes(seed, count):
 
 
 def _granule(cu, seq):
-    """One query tile of the longest document in tiles of work: the balance's step (a partial query tile costs
-    a whole one)."""
+    """One query tile of the longest document in tiles of work, and the key tiles a piece of it sees: the
+    balance's step (a partial query tile costs a whole one, a new piece its key tiles)."""
     longest = seq if cu is None else max(b - a for a, b in zip(cu, cu[1:]))
-    return -(-longest // 128) + balance.QUERY_TILE
+    return -(-longest // 128) * (1 + balance.KEY_TILE) + balance.QUERY_TILE
 
 
-def test_balanced_cost_within_five_percent():
+def test_balanced_cost_within_six_percent():
     """S / W of 8k and 16k, W 2..32, without a window and with a left window (1023, 4095): the busiest rank's
-    kernel cost (``_kernel_cost``, counted row by row here) is within 5% of the mean; without a window at most 1%
+    kernel cost (``_kernel_cost``, counted row by row here) is within 6% of the mean (7% with a window, whose
+    cost the balance approximates, biased low; a piece's key tiles make the cost lumpy); without a window at most 1%
     costlier than zigzag's and contiguous's busiest rank (where those are balanced already), and ``rank_cost``
     counts the same."""
     worst = 0.0
@@ -327,7 +336,8 @@ def test_balanced_cost_within_five_percent():
             a = balance.balanced(cu, seq, world, _window(left))
             cost_ = _kernel_cost(_positions(a, seq, world), cu, seq, left)
             worst = max(worst, _imbalance(cost_))
-            assert _imbalance(cost_) <= 1.05, (left, world, seq, None if cu is None else len(cu) - 1, cost_)
+            bound = 1.06 if left is None else 1.07  # (with a window the balance's count is approximate, low)
+            assert _imbalance(cost_) <= bound, (left, world, seq, None if cu is None else len(cu) - 1, cost_)
             if left is None:
                 assert balance.rank_cost(a, cu, seq) == pytest.approx(cost_, rel=1e-12)
                 for static in ("zigzag", "contiguous"):
@@ -337,7 +347,7 @@ def test_balanced_cost_within_five_percent():
 
 def test_balanced_cost_on_the_benchmark_packs():
     """The benchmarks' packs (scripts/bench_strategies.py: short, log-normal, heavy-tailed) at S = 128k, W = 8 and
-    512k, W = 16, 32: within 2% of the mean, where the static layouts' busiest rank is over 15% above it.
+    512k, W = 16, 32: within 4% of the mean, where the static layouts' busiest rank is over 15% above it.
     (Balancing visible pairs alone left the short pack's busiest rank 10-20% above it: its tiny documents' query
     tiles piled on one rank.)"""
     bench = import_script("bench_strategies")
@@ -345,7 +355,7 @@ def test_balanced_cost_on_the_benchmark_packs():
         for seq, world in ((131072, 8), (524288, 16), (524288, 32)):
             cu = tuple(bench.documents(kind, seq))
             got = _kernel_cost(_positions(balance.balanced(cu, seq, world), seq, world), cu, seq, None)
-            assert _imbalance(got) <= 1.02, (kind, seq, world, got)
+            assert _imbalance(got) <= 1.04, (kind, seq, world, got)
             for static in ("zigzag", "contiguous"):
                 assert _imbalance(_kernel_cost(_positions(static, seq, world), cu, seq, None)) > 1.15, static
 

@@ -64,7 +64,7 @@ def test_planner_imbalance_and_planning(mix):
     # what the balanced layout balances: the kernel's time (visible pairs may differ more: short documents)
     costs = {lay: b.planner_cost(lay, seq, world, docs) for lay in ("contiguous", "zigzag", "balanced")}
     cost_imb = {lay: max(c) / (sum(c) / world) for lay, c in costs.items()}
-    assert cost_imb["balanced"] < 1.02 and cost_imb["balanced"] <= min(cost_imb.values()) + 1e-9
+    assert cost_imb["balanced"] < 1.03 and cost_imb["balanced"] <= min(cost_imb.values()) + 1e-9
     # plan_layout: the planner's layout, its name and cold-cache timings; auto names the layout it chose
     p = b.plan_layout("balanced", seq, world, docs)
     assert p["chosen_layout"] == "balanced" and p["concrete"].ring_size == world

@@ -459,8 +459,8 @@ def _strategies_rank(rank, world):
     out = {}
     from distcomm_attention import Hardware
 
-    slow = Hardware(tflops=1e9, query_tile_s=0.0, call_overhead_s=0.0, p2p_gbps=1e-3, a2a_gbps=1e-3, allgather_gbps=1e-3,
-                    reduce_scatter_gbps=1e-3, latency_s=0.0)
+    slow = Hardware(tflops=1e9, query_tile_s=0.0, key_tile_s=0.0, call_overhead_s=0.0, p2p_gbps=1e-3,
+                    a2a_gbps=1e-3, allgather_gbps=1e-3, reduce_scatter_gbps=1e-3, latency_s=0.0)
     for strategy in ("ulysses", "allgather", "auto", "auto on slow links"):
         for name, layout, full in _cases():
             ring = ring_hf.register(f"cp_attention_{strategy.replace(' ', '_')}_{name}", layout=layout,

@@ -11,15 +11,17 @@ Note [Balanced layout]
 
     Work model. The kernels tile each run of a document's queries on a rank (a piece) into 128-row query tiles,
     and a piece costs what flash-attn-4's law (Note [Cost model]) says: its 128 x 128 tiles holding a visible
-    pair, plus ``QUERY_TILE`` tiles' worth for each query tile, whatever its length (``piece_cost``, in tiles;
-    without a window the tiles are counted exactly, keys tiled from the document's first; with one, its
-    visible pairs over a tile's plus half a tile a query tile, which is low against the exact count, by 6-12%
-    on average and up to 45%: tokens past the window are under-weighted). Balancing visible pairs alone put
-    hundreds of tiny documents on one rank (each costing a query tile, up to 128 times its pairs): on a pack
-    of 262 documents of mean ~500 tokens, W = 8, the busiest rank (87 pieces) was 10% above the mean by the
-    law, and its own flash-attn-4 call the slowest (docs/bench/emulated.md, runs 17, 18); balanced by the law
-    it is 1% above. The law does not count everything: the raw calls still spread 1.45-1.68 ms (one H200),
-    falling with the ranks' visible pairs. The pieces' shapes below are chosen by visible pairs: under a
+    pair, plus ``QUERY_TILE`` tiles' worth for each query tile, whatever its length, and ``KEY_TILE`` for each
+    key tile its queries see (a later share of a long document reads all the keys before it) (``piece_cost``,
+    in tiles; without a window the tiles are counted exactly, keys tiled from the document's first; with one,
+    its visible pairs over a tile's plus half a tile a query tile, which is low against the exact count, by
+    6-12% on average and up to 45%: tokens past the window are under-weighted). Balancing visible pairs alone
+    put hundreds of tiny documents on one rank (each costing a query tile, up to 128 times its pairs): on a
+    pack of 262 documents of mean ~500 tokens, W = 8, the busiest rank (87 pieces) was 11% above the mean by
+    the law, and its own flash-attn-4 call the slowest (docs/bench/emulated.md, runs 17-19); balanced by the
+    law it is 2% above. The law does not count everything: the raw calls still spread 1.44-1.68 ms (one
+    H200), falling from rank 0 to rank 7, which no count of tiles here explains. The pieces' shapes below are
+    chosen by visible pairs: under a
     causal mask a query at offset i of its document sees min(i, left) + 1 keys (left: the window's left edge,
     unbounded without one), so the work per token never falls along a document. A document split over k
     ranks gives each rank a nested share: a piece from the head of the part not yet placed and one from its
@@ -33,8 +35,11 @@ Note [Balanced layout]
 
     Greedy, densest document first (cost per token: long documents, and documents under a query tile, whose
     tile costs the same whatever their length; deterministic: ties by document index, then rank), rank by
-    rank, each rank's target the cost not yet placed (each document's unplaced rest counted as one piece)
-    over the ranks left:
+    rank, each rank's target the cost not placed yet over the ranks left. Splitting adds cost (each share's
+    pieces pay their own query and key tiles: a later share of a long document all the key tiles before it),
+    which the documents' whole costs do not count, so a first pass leaves its last rank the excess; ``PASSES``
+    passes each take as the total what the previous one placed, and the assignment whose busiest rank costs
+    least is kept. A pass, rank by rank:
 
         heavy   from the dense end: shares as large as the rank's free tokens allow while its projected
                 work (its work + its remaining free tokens filled at the density of the lightest unplaced
@@ -59,21 +64,25 @@ import bisect
 import functools
 
 from distcomm_attention.planning import layouts
+from distcomm_attention.planning.cost import Hardware
 from distcomm_attention.planning.layouts import Assignment
 
 __all__ = ["balanced", "work", "piece_cost", "rank_work", "rank_cost", "resolve", "choose_layout", "TOLERANCE",
-           "AUTO_CANDIDATES", "QUERY_TILE"]
+           "AUTO_CANDIDATES", "QUERY_TILE", "KEY_TILE"]
 
 # what layout="auto" compares with packed documents; striped is not among them: its blocks break into a kernel
 # call per document and ring step (measured 0.03-0.36 of one varlen call, docs/bench/balanced.md)
 AUTO_CANDIDATES = ("balanced", "zigzag", "contiguous")
 
 TOLERANCE = 0.01  # a whole placement may leave a rank this far above its target work
+PASSES = 5  # greedy passes, each counting the cost the previous one's splits added (Note [Balanced layout])
 
 TILE = 128  # the kernels' tile (``cost.TILE``)
-# a query tile's fixed cost in 128 x 128 tiles of work: the cost model's defaults (query_tile_s at 645 TFLOP/s;
-# both scale with the head dim), 4.39
-QUERY_TILE = 0.2e-6 * 645e12 / (3.5 * 4 * TILE ** 3)
+# a query tile's and a key tile's fixed costs in 128 x 128 tiles of work, from the cost model's defaults (each
+# against a tile's FLOPs at ``tflops``; all scale with the head dim): 2.88 and 1.56
+_TILE_S = 3.5 * 4 * TILE ** 3 / (Hardware().tflops * 1e12)
+QUERY_TILE = Hardware().query_tile_s / _TILE_S
+KEY_TILE = Hardware().key_tile_s / _TILE_S
 
 
 def _prefix(x: int, left: int | None) -> int:
@@ -92,15 +101,17 @@ def piece_cost(a: int, b: int, left: int | None) -> float:
     """The kernel's time for the queries at document offsets [a, b), one piece, in 128 x 128 tiles of work
     (Note [Balanced layout]): the tiles holding a visible pair (rows tiled from a, keys from the document's
     first; with a window, the visible pairs over a tile's plus half a tile a query tile) plus ``QUERY_TILE`` per
-    query tile."""
+    query tile and ``KEY_TILE`` per key tile its queries see."""
     if b <= a:
         return 0.0
     q_tiles = -(-(b - a) // TILE)
     if left is None:  # query tile i < q_tiles - 1 sees a + TILE (i + 1) keys; the last sees b
         tiles = (q_tiles - 1) * -(-a // TILE) + (q_tiles - 1) * q_tiles // 2 + -(-b // TILE)
+        k_tiles = -(-b // TILE)
     else:
         tiles = work(a, b, left) / TILE ** 2 + q_tiles / 2
-    return tiles + QUERY_TILE * q_tiles
+        k_tiles = -(-b // TILE) - max(0, a - left) // TILE
+    return tiles + QUERY_TILE * q_tiles + KEY_TILE * k_tiles
 
 
 @functools.lru_cache(maxsize=64)
@@ -126,122 +137,132 @@ def balanced(cu_seqlens: tuple[int, ...] | None, seq_len: int, ring_size: int,
     length = {d: cu[d + 1] - cu[d] for d in docs}
     whole = {d: piece_cost(0, length[d], left) for d in docs}
     docs.sort(key=lambda d: (-whole[d] / length[d], d))
-    head = {d: 0 for d in docs}  # offsets [head, tail) of each document not placed yet
-    tail = dict(length)
+    total = sum(whole.values())
     # prefix sums in density order, to project a rank's light fill in O(log D)
     prefix_tokens, prefix_work = [0], [0]
     for d in docs:
         prefix_tokens.append(prefix_tokens[-1] + length[d])
         prefix_work.append(prefix_work[-1] + whole[d])
-    front, back = 0, len(docs) - 1  # heaviest / lightest document not placed yet
-    pieces: list[list[tuple[int, int]]] = [[] for _ in range(ring_size)]
-    loads = [0] * ring_size
-    rest_work = sum(whole.values())
 
-    def share_work(d: int, x: int, h: int) -> int:
-        """Visible pairs of document d's share of x tokens, h of them from the head."""
-        return work(head[d], head[d] + h, left) + work(tail[d] - (x - h), tail[d], left)
+    def greedy(extra: float):
+        """One pass, the targets counting ``extra`` beyond the documents' whole costs -> (pieces, loads)."""
+        head = {d: 0 for d in docs}  # offsets [head, tail) of each document not placed yet
+        tail = dict(length)
+        front, back = 0, len(docs) - 1  # heaviest / lightest document not placed yet
+        pieces: list[list[tuple[int, int]]] = [[] for _ in range(ring_size)]
+        loads = [0] * ring_size
 
-    def share(d: int, x: int, tiled: bool = False) -> tuple[int, float]:
-        """Document d's next nested share of x tokens: (head tokens, its cost), the share's visible pairs per
-        token those of the document's unplaced rest (Note [Balanced layout]); ``tiled``: x whole query tiles,
-        the head taking the odd one (its pairs per token then a little below the rest's)."""
-        if x == tail[d] - head[d]:  # the whole rest: one piece
-            return x, piece_cost(head[d], tail[d], left)
-        if tiled:
-            h = TILE * -(-x // (2 * TILE))
-        else:
-            h = (x + 1) // 2 if left is None else pairs_share(d, x)
-        return h, piece_cost(head[d], head[d] + h, left) + piece_cost(tail[d] - (x - h), tail[d], left)
+        def share_work(d: int, x: int, h: int) -> int:
+            """Visible pairs of document d's share of x tokens, h of them from the head."""
+            return work(head[d], head[d] + h, left) + work(tail[d] - (x - h), tail[d], left)
 
-    def pairs_share(d: int, x: int) -> int:
-        """With a window: the head tokens of a share of x whose visible pairs per token are the rest's."""
-        rest = tail[d] - head[d]
-        goal = x * work(head[d], tail[d], left) / rest
-        lo, hi = 0, x  # share_work falls as h grows (head tokens see fewer keys): the last h above the goal
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if share_work(d, x, mid) >= goal:
-                lo = mid
+        def share(d: int, x: int, tiled: bool = False) -> tuple[int, float]:
+            """Document d's next nested share of x tokens: (head tokens, its cost), the share's visible pairs per
+            token those of the document's unplaced rest (Note [Balanced layout]); ``tiled``: x whole query tiles,
+            the head taking the odd one (its pairs per token then a little below the rest's)."""
+            if x == tail[d] - head[d]:  # the whole rest: one piece
+                return x, piece_cost(head[d], tail[d], left)
+            if tiled:
+                h = TILE * -(-x // (2 * TILE))
             else:
-                hi = mid - 1
-        return min((lo, min(lo + 1, x)), key=lambda c: abs(share_work(d, x, c) - goal))
+                h = (x + 1) // 2 if left is None else pairs_share(d, x)
+            return h, piece_cost(head[d], head[d] + h, left) + piece_cost(tail[d] - (x - h), tail[d], left)
 
-    def take(r: int, d: int, x: int, tiled: bool = False) -> None:
-        h, w = share(d, x, tiled)
-        for a, b in ((head[d], head[d] + h), (tail[d] - (x - h), tail[d])):
-            if b > a:
-                pieces[r].append((cu[d] + a, cu[d] + b))
-        nonlocal rest_work
-        rest_work -= piece_cost(head[d], tail[d], left)
-        head[d] += h
-        tail[d] -= x - h
-        rest_work += piece_cost(head[d], tail[d], left)  # (the rest's cost, as one piece)
-        loads[r] += w
-
-    def light_work(m: int, lo: int) -> float:
-        """Projected work of the next m tokens from the light end (documents at indices (lo, back])."""
-        w, i = 0.0, back
-        if m > 0 and i > lo:  # the lightest document may be partly placed
-            d = docs[i]
-            t = min(tail[d] - head[d], m)
-            w, m, i = t * whole[d] / length[d], m - t, i - 1
-        if m > 0 and i > lo:  # then whole documents j..i, and part of the one before them
-            j = bisect.bisect_left(prefix_tokens, prefix_tokens[i + 1] - m, lo + 1, i + 1)
-            w += prefix_work[i + 1] - prefix_work[j]
-            m -= prefix_tokens[i + 1] - prefix_tokens[j]
-            if m > 0 and j - 1 > lo:
-                w += m * whole[docs[j - 1]] / length[docs[j - 1]]
-        return w
-
-    for r in range(ring_size):
-        target = rest_work / (ring_size - r)  # the rest, spread over the ranks left (unplaced cost, not loads)
-        free = n
-        # heavy shares from the front while the projected load (filled with light work) stays under target
-        while free and front <= back:
-            d = docs[front]
+        def pairs_share(d: int, x: int) -> int:
+            """With a window: the head tokens of a share of x whose visible pairs per token are the rest's."""
             rest = tail[d] - head[d]
-            most = min(free, rest)
+            goal = x * work(head[d], tail[d], left) / rest
+            lo, hi = 0, x  # share_work falls as h grows (head tokens see fewer keys): the last h above the goal
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if share_work(d, x, mid) >= goal:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return min((lo, min(lo + 1, x)), key=lambda c: abs(share_work(d, x, c) - goal))
 
-            def projected(x: int, tiled: bool = False) -> float:
-                return loads[r] + share(d, x, tiled)[1] + light_work(free - x, front if x == rest else front - 1)
+        def take(r: int, d: int, x: int, tiled: bool = False) -> None:
+            h, w = share(d, x, tiled)
+            for a, b in ((head[d], head[d] + h), (tail[d] - (x - h), tail[d])):
+                if b > a:
+                    pieces[r].append((cu[d] + a, cu[d] + b))
+            head[d] += h
+            tail[d] -= x - h
+            loads[r] += w
 
-            tiled = False
-            if front == back or projected(most) <= target * (1 + TOLERANCE):
-                x = most
-            elif projected(0) >= target * (1 - TOLERANCE):
-                x = 0
-            else:
-                # the share in whole query tiles without a window (a partial tile costs a whole one: between
-                # them the projection is a sawtooth), the nearer of the two around the target
-                unit = TILE if left is None and most >= TILE else 1
-                tiled = unit > 1
-                lo, hi = 0, most // unit  # the largest share keeping the projection within the target
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if projected(mid * unit, tiled) <= target:
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                x = lo * unit
-                if tiled and x + unit <= most and \
-                        abs(projected(x + unit, tiled) - target) < abs(projected(x, tiled) - target):
-                    x += unit
-            if x:
-                take(r, d, x, tiled)
+        def light_work(m: int, lo: int) -> float:
+            """Projected work of the next m tokens from the light end (documents at indices (lo, back])."""
+            w, i = 0.0, back
+            if m > 0 and i > lo:  # the lightest document may be partly placed
+                d = docs[i]
+                t = min(tail[d] - head[d], m)
+                w, m, i = t * whole[d] / length[d], m - t, i - 1
+            if m > 0 and i > lo:  # then whole documents j..i, and part of the one before them
+                j = bisect.bisect_left(prefix_tokens, prefix_tokens[i + 1] - m, lo + 1, i + 1)
+                w += prefix_work[i + 1] - prefix_work[j]
+                m -= prefix_tokens[i + 1] - prefix_tokens[j]
+                if m > 0 and j - 1 > lo:
+                    w += m * whole[docs[j - 1]] / length[docs[j - 1]]
+            return w
+
+        for r in range(ring_size):
+            # the cost not placed yet (the previous pass's total) spread over the ranks left
+            target = (total + extra - sum(loads[:r])) / (ring_size - r)
+            free = n
+            # heavy shares from the front while the projected load (filled with light work) stays under target
+            while free and front <= back:
+                d = docs[front]
+                rest = tail[d] - head[d]
+                most = min(free, rest)
+
+                def projected(x: int, tiled: bool = False) -> float:
+                    return loads[r] + share(d, x, tiled)[1] + light_work(free - x, front if x == rest else front - 1)
+
+                tiled = False
+                if front == back or projected(most) <= target * (1 + TOLERANCE):
+                    x = most
+                elif projected(0) >= target * (1 - TOLERANCE):
+                    x = 0
+                else:
+                    # the share in whole query tiles without a window (a partial tile costs a whole one: between
+                    # them the projection is a sawtooth), the nearer of the two around the target
+                    unit = TILE if left is None and most >= TILE else 1
+                    tiled = unit > 1
+                    lo, hi = 0, most // unit  # the largest share keeping the projection within the target
+                    while lo < hi:
+                        mid = (lo + hi + 1) // 2
+                        if projected(mid * unit, tiled) <= target:
+                            lo = mid
+                        else:
+                            hi = mid - 1
+                    x = lo * unit
+                    if tiled and x + unit <= most and \
+                            abs(projected(x + unit, tiled) - target) < abs(projected(x, tiled) - target):
+                        x += unit
+                if x:
+                    take(r, d, x, tiled)
+                    free -= x
+                if tail[d] == head[d]:
+                    front += 1
+                if x < most:
+                    break
+            # light fill from the back: whole documents, the last one split to fill the rank exactly
+            while free and front <= back:
+                d = docs[back]
+                x = min(free, tail[d] - head[d])
+                take(r, d, x)
                 free -= x
-            if tail[d] == head[d]:
-                front += 1
-            if x < most:
-                break
-        # light fill from the back: whole documents, the last one split to fill the rank exactly
-        while free and front <= back:
-            d = docs[back]
-            x = min(free, tail[d] - head[d])
-            take(r, d, x)
-            free -= x
-            if tail[d] == head[d]:
-                back -= 1
+                if tail[d] == head[d]:
+                    back -= 1
+        return pieces, loads
+
+    # The splits add cost (each share's pieces pay their own query and key tiles) that the first pass's targets
+    # do not count, so its last rank takes the excess: the next pass counts what the previous one placed.
+    pieces, loads = last = greedy(0.0)
+    for _ in range(PASSES - 1):
+        last = greedy(sum(last[1]) - total)
+        if max(last[1]) < max(loads):
+            pieces, loads = last
 
     ranges = []
     for r in range(ring_size):

@@ -9,8 +9,9 @@ Note [Cost model]
                   forward and backward averaged, by the rules the ring loop runs them with (Note [Packed
                   steps]); else one per block)
                       B * heads * (3.5 * 4 * D * 128^2 * tiles / tflops         (the kernel's work: whole 128 x 128
-                                   + query_tiles * query_tile_s * D / 128)     tiles, and a fixed cost per
-                                                                                128-row query tile)
+                                   + (query_tiles * query_tile_s               tiles, and a fixed cost per
+                                      + key_tiles * key_tile_s) * D / 128)     128-row query tile and per
+                                                                                128-key tile)
                     + call_overhead                                           (launches)
                     + 4 B D (rows * heads + 2 keys * kv_heads) / state_gbps    (fp32 out / lse / dQ / dK /
                                                                                 dV state the call touches)
@@ -58,8 +59,23 @@ Note [Cost model]
     tokens at 4 heads). On the compute-only records of scripts/bench_strategies.py (blocks alone, no link,
     no exchange copies; docs/bench/strategies.json and balanced_median_w8.json, 394 per-rank times on one
     H100; scripts/fit_cost_model.py) they are within 9.1% on average, worst -28%; a fit to those alone would
-    take 618 TFLOP/s, 0.11 us a query tile, 0.05 ms a call and 490 GB/s (4.9% on average). The
-    figures below describe the model before this law (visible pairs at 615 TFLOP/s, 0.30 ms a call, 618 GB/s).
+    take 618 TFLOP/s, 0.11 us a query tile, 0.05 ms a call and 490 GB/s (4.9% on average) (these figures:
+    the defaults before key tiles).
+
+    Key tiles. The backward's work items are key tiles: a piece of few queries over many keys (a later rank's
+    share of a document, the queries of a document whose keys other ranks hold) costs more than its query
+    tiles show. Measured (scripts/bench_kernel_law.py --suffixes, one H200, docs/bench/run19/
+    kernel_law_suffix_h200.json): documents of 256-16k keys whose last 128-8k tokens are the queries took up to
+    2.7x the law above (16k keys, 128 queries: 4.18 ms, predicted 1.55 ms). Fitted over both records (64 calls),
+    T = 4.31e-8 s * tiles + 1.48e-7 s * query_tiles + 7.94e-8 s * key_tiles per head: 8.5% on average, 33% at
+    worst (was 13% / 63%). The defaults keep the earlier ratios to the law (tflops 645; the two fixed costs at
+    0.889 of the fit: 0.131 us a query tile, 0.071 us a key tile, which for a whole document sum to the 0.2 us
+    before). Against the recorded emulated-link rows (docs/bench/cost_check_run19.txt; the balanced rows
+    predicted on the balanced layout as it now places tokens, Note [Balanced layout]): GPU-only times 37 of 39
+    within 15%, mean 5.6%, worst 19% (with the law before: 7.2%, worst 24%); wall times 33 of 33, mean 4.6%,
+    worst 13% (4.9%, 14%); every pick within 5% of the fastest.
+
+    The figures below describe the model before this law (visible pairs at 615 TFLOP/s, 0.30 ms a call, 618 GB/s).
     Before: fitted (least squares, 3 parameters) to 112 per-rank times of the
     ring, all-gather and Ulysses plans with flash-attn-4 blocks on one H100 (bf16, d 128, heads 32/32 and
     32/8, 4k-16k tokens per rank; scripts/bench_strategies.py, docs/bench/strategies.md): 615 TFLOP/s,
@@ -163,6 +179,9 @@ class Hardware:
             fields are read. None: the same links.
         query_tile_s: the kernel's fixed cost of one 128-row query tile of one head (forward + backward; at
             head_dim 128, scaled with it): what makes short documents cost more than their FLOPs.
+        key_tile_s: the same of one 128-key tile that holds a visible pair (the backward's work items): what
+            makes a piece of few queries over many keys (a later share of a document) cost more than its
+            query tiles show.
     """
 
     tflops: float = 645.0
@@ -175,14 +194,15 @@ class Hardware:
     reduce_scatter_gbps: float = 272.0
     latency_s: float = 20e-6
     across: Hardware | None = None
-    query_tile_s: float = 0.2e-6  # last: the fields before it keep their positions
+    query_tile_s: float = 0.131e-6  # last two: the fields before them keep their positions
+    key_tile_s: float = 0.071e-6
 
     def __post_init__(self):
         for name in ("tflops", "state_gbps", "copy_gbps", "p2p_gbps", "a2a_gbps", "allgather_gbps", "reduce_scatter_gbps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"Hardware: `{name}` must be a positive finite number, got {value!r}")
-        for name in ("call_overhead_s", "latency_s", "query_tile_s"):
+        for name in ("call_overhead_s", "latency_s", "query_tile_s", "key_tile_s"):  # may be 0
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ValueError(f"Hardware: `{name}` must be a finite number >= 0, got {value!r}")
@@ -266,39 +286,46 @@ def _calls(plan: RingPlan, i: int, packs: bool) -> float:
 TILE = 128  # the kernel's tile: 128 query rows x 128 keys (flash-attn-4 on Hopper)
 
 
-def _piece_tiles(p: Piece) -> tuple[int, int]:
-    """(tiles holding a visible pair, query tiles that see a key) of one band piece: its rows in tiles of TILE
-    from its first, each seeing the key tiles (from its first key) between its first row's left edge and its
-    last row's right edge (FlashAttention's bottom-right window rule)."""
+def _piece_tiles(p: Piece) -> tuple[int, int, int]:
+    """(tiles holding a visible pair, query tiles that see a key, key tiles that a query sees) of one band
+    piece: its rows in tiles of TILE from its first, each seeing the key tiles (from its first key) between its
+    first row's left edge and its last row's right edge (FlashAttention's bottom-right window rule); the
+    key tiles those between the first seen and the last (a window slides a tile's rows at a time, so no key
+    tile between them is skipped)."""
     nq, nk = p.q1 - p.q0, p.k1 - p.k0
     tiles = q_tiles = 0
+    first = last = None
     for i in range(0, nq, TILE):
         lo = 0 if p.left is None else max(0, i + nk - nq - p.left)
         hi = nk if p.right is None else min(nk, min(i + TILE, nq) - 1 + nk - nq + p.right + 1)
         if hi > lo:
             tiles += -(-hi // TILE) - lo // TILE
             q_tiles += 1
-    return tiles, q_tiles
+            first = lo // TILE if first is None else first
+            last = -(-hi // TILE)
+    return tiles, q_tiles, 0 if first is None else last - first
 
 
-def _tiles(block, pieces=None) -> tuple[int, int]:
-    """(tiles holding a visible pair, query tiles that see a key) of one block (``pieces``: an interval
-    block's band pieces where the caller has them, e.g. its plan's, shared with the kernels' masks)."""
+def _tiles(block, pieces=None) -> tuple[int, int, int]:
+    """(tiles holding a visible pair, query tiles that see a key, key tiles that a query sees) of one block
+    (``pieces``: an interval block's band pieces where the caller has them, e.g. its plan's, shared with the
+    kernels' masks)."""
     nq, nk = block.q.stop - block.q.start, block.kv.stop - block.kv.start
     if block.mode == "full":
-        return -(-nq // TILE) * -(-nk // TILE), -(-nq // TILE)
+        return -(-nq // TILE) * -(-nk // TILE), -(-nq // TILE), -(-nk // TILE)
     if block.mode == "causal":
         return _piece_tiles(Piece(0, nq, 0, nk, None, 0))
     out = [_piece_tiles(p) for p in (LazyPieces(*block.intervals[:2]) if pieces is None else pieces).pieces]
-    return sum(t for t, _ in out), sum(q for _, q in out)
+    return tuple(sum(x) for x in zip(*out)) if out else (0, 0, 0)
 
 
 class _Work(NamedTuple):
-    """One step's kernel work and state: tiles holding visible pairs, query tiles, kernel calls (forward and
-    backward averaged), query rows and key rows of its blocks."""
+    """One step's kernel work and state: tiles holding visible pairs, query tiles, key tiles, kernel calls
+    (forward and backward averaged), query rows and key rows of its blocks."""
 
     tiles: int
     q_tiles: int
+    k_tiles: int
     calls: float
     rows: int
     keys: int
@@ -310,20 +337,23 @@ def _step_costs(plan: RingPlan, packs: bool = False) -> tuple[_Work, ...]:
     for i, blocks in enumerate(plan.blocks):
         tiles = plan.cached(("tiles", i), lambda: [_tiles(b, plan._pieces(i, j) if b.mode == "interval" else None)
                                                    for j, b in enumerate(blocks)])
-        out.append(_Work(sum(t for t, _ in tiles), sum(q for _, q in tiles), _calls(plan, i, packs),
+        out.append(_Work(*(sum(x[j] for x in tiles) for j in range(3)), _calls(plan, i, packs),
                          sum(b.q.stop - b.q.start for b in blocks), sum(b.kv.stop - b.kv.start for b in blocks)))
     return tuple(out)
 
 
-def _kernel_s(tiles: float, q_tiles: int, c: Call, heads: int, hw: Hardware) -> float:
-    """The kernel law (Note [Cost model]): whole tiles at ``tflops``, plus a fixed cost per query tile."""
+def _kernel_s(tiles: float, q_tiles: int, c: Call, heads: int, hw: Hardware, k_tiles: int = 0) -> float:
+    """The kernel law (Note [Cost model]): whole tiles at ``tflops``, plus a fixed cost per query tile and per
+    key tile."""
     flops = 3.5 * 4 * c.head_dim * TILE * TILE * tiles / (hw.tflops * 1e12)
-    return c.batch * heads * (flops + q_tiles * hw.query_tile_s * c.head_dim / 128)
+    fixed = q_tiles * hw.query_tile_s + k_tiles * hw.key_tile_s
+    return c.batch * heads * (flops + fixed * c.head_dim / 128)
 
 
 def _compute_s(w: _Work, c: Call, heads: int, kv_heads: int, hw: Hardware) -> float:
     state = 4 * c.batch * c.head_dim * (w.rows * heads + 2 * w.keys * kv_heads)
-    return _kernel_s(w.tiles, w.q_tiles, c, heads, hw) + w.calls * hw.call_overhead_s + state / (hw.state_gbps * 1e9)
+    return (_kernel_s(w.tiles, w.q_tiles, c, heads, hw, w.k_tiles) + w.calls * hw.call_overhead_s
+            + state / (hw.state_gbps * 1e9))
 
 
 def lower_bound(c: Call, busiest_pairs: int, hw: Hardware = Hardware()) -> float:
