@@ -362,11 +362,17 @@ def test_balanced_cost_on_the_benchmark_packs():
 
 def test_balanced_cost_within_two_query_tiles():
     """S / W of 512-4096 (the balance is in whole query tiles, a few per rank): the busiest rank within 5% of the
-    mean plus two query tiles of the longest document (``_granule``), with and without a window."""
+    mean plus two query tiles of the longest document and their key tiles (``_granule``), with and without a
+    window; the contiguous layout breaks that bound in at least a sixth of the 240 cases (49 when written)."""
+    contiguous_over = 0
     for cu, seq, world in _large_mixes(seed=12, count=80):
         for left in (None, 1023, 4095):
+            bound = lambda got: 1.05 * sum(got) / world + 2 * _granule(cu, seq)  # noqa: E731
             got = _kernel_cost(_positions(balance.balanced(cu, seq, world, _window(left)), seq, world), cu, seq, left)
-            assert max(got) <= 1.05 * sum(got) / world + 2 * _granule(cu, seq), (left, world, seq, got)
+            assert max(got) <= bound(got), (left, world, seq, got)
+            static = _kernel_cost(_positions("contiguous", seq, world), cu, seq, left)
+            contiguous_over += max(static) > bound(static)
+    assert contiguous_over >= 40, contiguous_over
 
 
 WINDOWED_MISSES = [  # (cu, seq, world, left): long documents spanning ranks, the window much shorter
