@@ -12,7 +12,9 @@ Note [Compiled ring attention]
     joined by ``torch.library.register_autograd``, each with a fake (meta) implementation, so a model
     compiles whole (``fullgraph=True``) and compiled autograd sees an ordinary custom op. At run time the
     operators do exactly what the eager path does (``prepare.prepare``: per-rank checks, cross-rank
-    verification, plan, kernel choice; then ``ring.ring_forward`` / ``ring_backward``). The process group
+    verification, plan and sparse schedule, kernel choice; then ``ring.ring_forward`` / ``ring_backward``, or
+    the sparse ring's loops where the eager path runs it: ``sparse_ring.run_ring``'s rule, Note [Sparse ring]).
+    The sparse ring's backward sends the rows again (eager may keep the forward's: the same values). The process group
     travels as its name (``ProcessGroup.group_name``, "" for the default group), resolved at run time the
     way PyTorch's functional collectives resolve theirs. A layout left out travels as "" and is resolved from
     the layout record when the operators run (Note [Layout record] in sharding.py), in the forward and again
@@ -28,6 +30,8 @@ from distcomm_attention import _validation
 from distcomm_attention.planning import layouts
 from distcomm_attention.strategies.prepare import prepare, ring_comm
 from distcomm_attention.strategies.ring import _no_autocast, ring_backward, ring_forward
+from distcomm_attention.strategies.sparse_ring import (_transport, ring_planner, sparse_ring_backward,
+                                                       sparse_ring_forward)
 
 __all__ = ["compiled_ring_flash_attn", "compiled_context_parallel_attn"]
 
@@ -86,9 +90,9 @@ def _prepared(q, k, v, key_mask, cu_seqlens, group_name, ring_size, layout, caus
     prepared = prepare(  # layout "": left out, resolved for the ring here at run time (Note [Layout record])
         q, k, v, comm, layout=layout or None, causal=causal, softmax_scale=scale, window=(window_left, window_right),
         softcap=softcap, attention_mask=key_mask, cu_seqlens=cu_seqlens, backend=backend,
-        requires_grad=requires_grad, error=_error_of(error) or ring_error,
+        requires_grad=requires_grad, error=_error_of(error) or ring_error, planner=ring_planner(comm, q),
     )
-    return comm, prepared
+    return comm, prepared  # prepared.plan: (ring plan, sparse schedule or None), as the eager ring's
 
 
 @torch.library.custom_op("distcomm_attention::ring_attn", mutates_args=())
@@ -102,7 +106,12 @@ def _ring_attn(
     with _no_autocast(q.device):
         comm, p = _prepared(q, k, v, key_mask, cu_seqlens, group_name, ring_size, layout, causal, window_left,
                             window_right, softcap, scale, backend, error, requires_grad)
-        out, lse = ring_forward(q, k, v, key_mask, comm, p.plan, softcap, p.scale, p.fwd)
+        plan, sparse = p.plan
+        if sparse is None:
+            out, lse = ring_forward(q, k, v, key_mask, comm, plan, softcap, p.scale, p.fwd)
+        else:
+            out, lse, _ = sparse_ring_forward(q, k.contiguous(), v.contiguous(), key_mask, _transport(comm), sparse,
+                                              softcap, p.scale, p.fwd)
     # the fake implementation promises contiguous outputs
     return out.contiguous(), lse.to(_lse_dtype(q)).contiguous()
 
@@ -129,8 +138,24 @@ def _ring_attn_backward(
     with _no_autocast(q.device):
         comm, p = _prepared(q, k, v, key_mask, cu_seqlens, group_name, ring_size, layout, causal, window_left,
                             window_right, softcap, scale, backend, error, True)
-        grads = ring_backward(dout, q, k, v, out, lse, key_mask, comm, p.plan, softcap, p.scale, p.bwd)
-    return tuple(g.contiguous() for g in grads)  # as the fake implementation promises
+        plan, sparse = p.plan
+        if sparse is None:
+            grads = ring_backward(dout, q, k, v, out, lse, key_mask, comm, plan, softcap, p.scale, p.bwd)
+        else:
+            grads = sparse_ring_backward(dout, q, k.contiguous(), v.contiguous(), out, lse, key_mask, _transport(comm),
+                                         sparse, None, softcap, p.scale, p.bwd)
+    return _apart(tuple(g.contiguous() for g in grads))  # as the fake implementation promises
+
+
+def _apart(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``tensors`` with any that shares storage with an earlier one copied: a custom op's outputs may not alias
+    one another (the sparse ring's dK and dV may be views of one buffer)."""
+    out, seen = [], set()
+    for t in tensors:
+        ptr = t.untyped_storage().data_ptr()
+        out.append(t.clone() if ptr in seen else t)
+        seen.add(ptr)
+    return tuple(out)
 
 
 @_ring_attn_backward.register_fake

@@ -215,11 +215,20 @@ class SparseRing:
 
 
 def _merged(need: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
-    """The rows some query sees (the exchange plan's ranges), runs closer than MERGE_GAP joined. A step's ring
-    block spans exactly these rows' hull (both come from the same query bounds), so these are what it reads."""
+    """The rows some query sees (the exchange plan's ranges), runs closer than MERGE_GAP joined while the rows
+    the joins add stay within a tenth of the needed rows (what travels stays within 1.1x of the plan). A step's
+    ring block spans exactly these rows' hull (both come from the same query bounds), so these are what it
+    reads."""
     merged: list[tuple[int, int]] = []
+    union, end = 0, None
     for a, b in sorted(need):
-        if merged and a - merged[-1][1] < MERGE_GAP:
+        union += max(0, b - (a if end is None else max(a, end)))
+        end = b if end is None else max(end, b)
+    allowance = union // 10
+    for a, b in sorted(need):
+        gap = a - merged[-1][1] if merged else MERGE_GAP
+        if gap < MERGE_GAP and max(gap, 0) <= allowance:
+            allowance -= max(gap, 0)
             merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
         else:
             merged.append((a, b))

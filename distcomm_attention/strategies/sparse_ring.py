@@ -9,7 +9,8 @@ Note [Sparse ring]
 
         step t (every rank posts the same steps):  rank r sends the runs of its shard that rank r + t's block
                                                    reads (the rows its queries see, runs closer than
-                                                   MERGE_GAP joined), straight to r + t (shift t), and
+                                                   MERGE_GAP joined while the joins add at most a tenth
+                                                   of the rows), straight to r + t (shift t), and
                                                    receives the runs its own block reads from r - t; nothing
                                                    when empty
         block call:                                the plan's block split at the rows no query sees and re-based
