@@ -64,7 +64,7 @@ import bisect
 import functools
 
 from distcomm_attention.planning import layouts
-from distcomm_attention.planning.cost import Hardware
+from distcomm_attention.planning.cost import TILE, Hardware, tile_s
 from distcomm_attention.planning.layouts import Assignment
 
 __all__ = ["balanced", "work", "piece_cost", "rank_work", "rank_cost", "resolve", "choose_layout", "TOLERANCE",
@@ -77,12 +77,10 @@ AUTO_CANDIDATES = ("balanced", "zigzag", "contiguous")
 TOLERANCE = 0.01  # a whole placement may leave a rank this far above its target work
 PASSES = 5  # greedy passes, each counting the cost the previous one's splits added (Note [Balanced layout])
 
-TILE = 128  # the kernels' tile (``cost.TILE``)
 # a query tile's and a key tile's fixed costs in 128 x 128 tiles of work, from the cost model's defaults (each
 # against a tile's FLOPs at ``tflops``; all scale with the head dim): 2.88 and 1.56
-_TILE_S = 3.5 * 4 * TILE ** 3 / (Hardware().tflops * 1e12)
-QUERY_TILE = Hardware().query_tile_s / _TILE_S
-KEY_TILE = Hardware().key_tile_s / _TILE_S
+QUERY_TILE = Hardware().query_tile_s / tile_s(128, Hardware())
+KEY_TILE = Hardware().key_tile_s / tile_s(128, Hardware())
 
 
 def _prefix(x: int, left: int | None) -> int:
@@ -259,8 +257,12 @@ def balanced(cu_seqlens: tuple[int, ...] | None, seq_len: int, ring_size: int,
     # The splits add cost (each share's pieces pay their own query and key tiles) that the first pass's targets
     # do not count, so its last rank takes the excess: the next pass counts what the previous one placed.
     pieces, loads = last = greedy(0.0)
+    extra = 0.0
     for _ in range(PASSES - 1):
-        last = greedy(sum(last[1]) - total)
+        if sum(last[1]) - total == extra:  # the next pass would repeat this one
+            break
+        extra = sum(last[1]) - total
+        last = greedy(extra)
         if max(last[1]) < max(loads):
             pieces, loads = last
 

@@ -342,10 +342,15 @@ def _step_costs(plan: RingPlan, packs: bool = False) -> tuple[_Work, ...]:
     return tuple(out)
 
 
+def tile_s(head_dim: int, hw: Hardware) -> float:
+    """Seconds of one 128 x 128 tile of one head, forward + backward, at ``tflops``."""
+    return 3.5 * 4 * head_dim * TILE * TILE / (hw.tflops * 1e12)
+
+
 def _kernel_s(tiles: float, q_tiles: int, c: Call, heads: int, hw: Hardware, k_tiles: int = 0) -> float:
     """The kernel law (Note [Cost model]): whole tiles at ``tflops``, plus a fixed cost per query tile and per
     key tile."""
-    flops = 3.5 * 4 * c.head_dim * TILE * TILE * tiles / (hw.tflops * 1e12)
+    flops = tile_s(c.head_dim, hw) * tiles
     fixed = q_tiles * hw.query_tile_s + k_tiles * hw.key_tile_s
     return c.batch * heads * (flops + fixed * c.head_dim / 128)
 
