@@ -6,7 +6,7 @@
 
 Each profiled rank runs the strategy as it runs (``bench_emulated.rank_step``: its plan, exchange and block
 kernels) over a link whose transfers arrive at once (``InstantLink``-like: the real copies, no wait), so the
-profile is the rank's compute. For each rank (``--ranks``: "model", the rank the cost model predicts slowest;
+profile is the rank's compute; ``--links nvlink`` (or ``internode``) times it over that emulated link instead. For each rank (``--ranks``: "model", the rank the cost model predicts slowest;
 "all"; or a comma list) one forward + backward is split (per iteration, µs) into the attention kernels, every
 other kernel ("other compute": merges, fp32 accumulation, casts, zero fills, the exchange's copies) and GPU
 idle time (no kernel running), with a GPU sleep queued ahead of the profiled iterations so that idle time is
@@ -112,7 +112,7 @@ def profile_case(seq, world, heads, kv_heads, mix, layout, strategy, args, fwd, 
     ideal = B._MEASURED[key] / world
     rows = []
     for rank in ranks:
-        link = E._Sent(EmulatedLink(world, rank, E.LINKS["ideal"]))
+        link = E._Sent(EmulatedLink(world, rank, E.LINKS[args.links]))
         path, step = E.rank_step(strategy, link, q, k, v, dout, concrete, vis, world, rank, fwd, bwd, d ** -0.5)
         wall = B._timed(step, args.iters, args.warmup)
         gpu = U.gpu_seconds(step, args.iters, ahead_s=2 * wall + 1e-3)
@@ -160,6 +160,8 @@ def main():
     p.add_argument("--strategy", default="allgather", help="ring and/or allgather")
     p.add_argument("--ranks", default="model", help='"model" (the predicted slowest), "all", or a comma list')
     p.add_argument("--backend", default="fa4")
+    p.add_argument("--links", default="ideal", choices=sorted(E.LINKS),
+                   help="the emulated link (default: transfers take no link time, the copies still run)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--top", type=int, default=12, help="kernels printed per rank")

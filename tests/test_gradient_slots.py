@@ -363,6 +363,92 @@ def test_allgather_with_slots_in_bf16():
     assert any(h[0] == "backward" and h[1] for r in range(world) for res in got[r] for h in res["given"])
 
 
+def _return_rank(rank, world, plans):
+    """Each plan's bf16 fwd+bwd with the all-gather, its dK/dV going home in bf16 (as shipped) and in fp32
+    (``allgather.return_dtype`` replaced): out, dq, dk, dv of both, the bytes each sent, the rows this rank
+    received, whether any of its step-1 rows summed two terms, and the float64 reference's errors."""
+    import distcomm_attention as da
+    from distcomm_attention.kernels import dispatch
+    from distcomm_attention.planning import balance, layouts
+    from distcomm_attention.planning.exchange import gathered_exchange
+    from distcomm_attention.planning.visibility import Visibility
+    from distcomm_attention.strategies import allgather
+    from tests.counting import counted, reference_errors
+
+    fwd, bwd = _whole_span_kernels([])
+    dispatch.select_kernels = lambda backend, q, vis=None, softcap=0.0: ("fa4", fwd, bwd)
+    shipped, sums = allgather.return_dtype, allgather.AllGatherKV._others_sums
+    summed = []
+
+    def recording(self, *args):
+        dk_all, dv_all, own = sums(self, *args)
+        summed.append(dk_all.dtype == torch.float32)
+        return dk_all, dv_all, own
+
+    allgather.AllGatherKV._others_sums = recording
+    out = []
+    for i, (layout, (causal, window, docs)) in enumerate(plans):
+        seq_len = world * 24
+        g = torch.Generator().manual_seed(300 + i)
+        q, k, v = (torch.randn(1, seq_len, h, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
+        dout = torch.randn(1, seq_len, 4, 8, dtype=torch.float64, generator=g)
+        concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
+        pos = layouts.positions(concrete, seq_len, world, rank)
+        runs = {}
+        for name, wire in (("bf16", shipped), ("fp32", lambda dtype: torch.float32)):
+            allgather.return_dtype, summed[:] = wire, []
+            try:
+                local = [t[:, pos].bfloat16().requires_grad_() for t in (q, k, v)]
+                with counted() as made:
+                    o = da.context_parallel_attn(*local, causal=causal, window_size=window, cu_seqlens=docs,
+                                                 layout=layout, strategy="allgather")
+                    o.backward(dout[:, pos].bfloat16())
+            finally:
+                allgather.return_dtype = shipped
+            runs[name] = {"grads": [o.detach()] + [t.grad for t in local], "sent": sum(c.total for c in made),
+                          "summed": any(summed)}
+        ex = gathered_exchange(concrete, Visibility(causal, window, docs), world, 24)
+        errors = reference_errors(q, k, v, dout, pos, runs["bf16"]["grads"][0].double(),
+                                  [_Grad(t) for t in runs["bf16"]["grads"][1:]], causal=causal, window=window,
+                                  docs=docs, mask=None)
+        out.append({"grads": {n: r["grads"] for n, r in runs.items()}, "sent": {n: r["sent"] for n, r in runs.items()},
+                    "received": None if ex is None else ex.remote_rows(rank)[1], "summed": runs["bf16"]["summed"],
+                    "errors": errors})
+    return out
+
+
+def test_sparse_gradients_go_home_in_the_inputs_dtype():
+    """bf16 inputs, the all-gather's sparse exchange (Note [Sparse gather], "What goes home"): the dK/dV rows
+    that go home cost 2 bytes an element, not fp32's 4 (the bytes differ by exactly the received rows' k and v
+    at 2 bytes); where each of those rows is one kernel call's output on every rank, the results are the
+    same bits as sending them in fp32; where some rank summed two calls' terms first, the sum is rounded
+    once more (within a bf16 rounding of the largest gradient); every result within bf16 tolerance of float64."""
+    from tests.test_exchange import _random_plans
+
+    world = 3
+    plans = _random_plans(world, 24, 12, seed=5)
+    got = run_world(_return_rank, world, plans, timeout=240)
+    same = rounded = 0
+    for i, plan in enumerate(plans):
+        results = [got[r][i] for r in range(world)]
+        if results[0]["received"] is None:  # the dense all-gather: nothing sparse to send home
+            continue
+        exact = not any(res["summed"] for res in results)
+        for r, res in enumerate(results):
+            where = (r, plan)
+            grad_row = 2 * 2 * 8  # k and v, kv heads 2 x head_dim 8, elements per token
+            assert res["sent"]["fp32"] - res["sent"]["bf16"] == res["received"] * grad_row * (4 - 2), where
+            assert max(res["errors"]) < 5e-2, (where, res["errors"])
+            for a, b in zip(res["grads"]["bf16"], res["grads"]["fp32"]):
+                if exact:
+                    assert torch.equal(a, b), where
+                else:
+                    assert float((a.double() - b.double()).abs().max()) <= 2 ** -7 * float(b.double().abs().max())
+        same += exact and any(res["received"] for res in results)
+        rounded += not exact
+    assert same >= 3 and rounded >= 1, (same, rounded)
+
+
 def _fused_sums_rank(rank, world, plans):
     import distcomm_attention as da
     from distcomm_attention.kernels import dispatch, triton_rows

@@ -434,12 +434,12 @@ def _twice(spans) -> int:
 def _exchange_bytes(c: Call, kv_heads: int, local_len: int, remote_keys: int, sent_rows: int, gathers: int = 1) -> int:
     """Bytes the sparse exchange's own copies and sums read and write on one rank (Note [Sparse gather]), for k
     and v each: its own rows placed into the buffer at each gather (read and written in the input dtype), step
-    1's terms on the other ranks' rows (``remote_keys``) converted into the fp32 rows that go home, the fp32
-    pieces coming back for its keys (``sent_rows``: the rows the others read, once per reader) read, and summed
-    first where several ranks return the same rows, and the own keys' sums (one kernel over the kept terms:
-    ``RowSum``) writing its rows in the input dtype, read where a kernel wrote them in place."""
+    1's terms on the other ranks' rows (``remote_keys``) copied into the rows that go home (in the input dtype,
+    "What goes home"), the pieces coming back for its keys (``sent_rows``: the rows the others read, once per
+    reader) read, and summed first where several ranks return the same rows, and the own keys' sums (one kernel
+    over the kept terms: ``RowSum``) writing its rows in the input dtype, read where a kernel wrote them in place."""
     i = c.itemsize
-    per_row = 2 * i * local_len * gathers + (i + 4) * remote_keys + 8 * sent_rows + 2 * i * local_len
+    per_row = 2 * i * local_len * gathers + 2 * i * remote_keys + 2 * i * sent_rows + 2 * i * local_len
     return 2 * c.batch * kv_heads * c.head_dim * per_row
 
 
@@ -451,7 +451,7 @@ def _gathered_rank_s(c: Call, ranks: int, rank: int, local_len: int, heads: int,
     the others read; ``gathers``: 2 where the backward gathers again) of the two it runs there, own keys first,
     plus the exchange's copies and sums (``_exchange_bytes``) at ``copy_gbps``. Where the kernels pack a plan with documents or windows, their
     outputs and dq are written into the sums (Note [Packed steps]: slots): state is charged for the rows two
-    blocks reach; with the sparse exchange dK/dV likewise, plus the fp32 rows that go home."""
+    blocks reach; with the sparse exchange dK/dV likewise, plus the rows that go home (in the input dtype)."""
     plan = gathered_plan(c.layout, c.vis, ranks, rank, local_len)
     # one split per plan (its tiles and pieces then counted once): own_rows follows from the plan's arguments
     split = plan.cached("own keys first", lambda: split_local(plan, own_rows(c.layout, ranks, rank, local_len)))
@@ -468,7 +468,8 @@ def _gathered_rank_s(c: Call, ranks: int, rank: int, local_len: int, heads: int,
         rows = _twice((b.q.start, b.q.stop) for b in plan.blocks[0])
         own_q = _twice((b.q.start, b.q.stop) for b in split.blocks[0])
         if remote_keys is not None:
-            keys = remote_keys + _twice((b.kv.start, b.kv.stop) for b in plan.blocks[0])
+            # the rows that go home, in the input dtype: the state term counts fp32 rows
+            keys = remote_keys * c.itemsize // 4 + _twice((b.kv.start, b.kv.stop) for b in plan.blocks[0])
             own_kv = _twice((b.kv.start, b.kv.stop) for b in split.blocks[0])
     own = _compute_s(own_work._replace(calls=_issued(split, 0, c.packs, True), rows=own_q, keys=own_kv), c, heads,
                      kv_heads, hw)
@@ -499,7 +500,7 @@ def _gathered_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, 
         moved = [max(ex.remote_rows(r)) * row / 2 for r in range(ranks)]
         one = [2 * _transfer_s(m * c.itemsize, hw.a2a_gbps, hw) for m in moved]
         gather = [max(0.0, g - own_fwd) + (gathers - 1) * g for g, (_, own_fwd, _) in zip(one, per_rank)]
-        reduce = [2 * _transfer_s(m * 4, hw.a2a_gbps, hw) for m in moved]
+        reduce = [2 * _transfer_s(m * c.itemsize, hw.a2a_gbps, hw) for m in moved]  # in the input dtype
     comm = max(g + max(0.0, d - own_bwd) for g, d, (_, _, own_bwd) in zip(gather, reduce, per_rank))
     return max(compute for compute, _, _ in per_rank), comm if ranks > 1 else 0.0
 

@@ -13,7 +13,8 @@ Note [All-gather KV]
                    dk, dv          <- reduce_scatter(dK, dV) in fp32, then rounded to the input dtype once
 
     The partial dK/dV sums cross the wire in fp32, the ring's rule: a bf16 reduce-scatter rounds at every
-    hop. Measured on exact partial gradients of causal attention (docs/bench/strategies.md, "Reduction
+    hop (the sparse exchange's rows go home in the inputs' dtype instead: each is one partial, summed once by
+    its owner, Note [Sparse gather]). Measured on exact partial gradients of causal attention (docs/bench/strategies.md, "Reduction
     precision"): a bf16 reduction's max error is 1.5-2.5x that of fp32-then-round at W = 2-8 and 8.2x at
     W = 16, for twice the reduce-scatter bytes. Compared with the ring: the same FLOPs, no chain of
     W dependent hops, fewer and larger kernel calls (a contiguous rank makes 2, a zigzag rank 4), and
@@ -42,7 +43,7 @@ Note [All-gather KV]
     dQ sum, over both steps; with the sparse exchange and own rows by runs, step 0 reads the shard's own
     rows (``own_keys_in_shard``, its blocks split at the runs), so that its dK/dV are rows of the shard's
     sums and are written there, and step 1's terms on own rows go to those sums as the kernel returned them,
-    the fp32 buffer holding only the rows that go home. Every rank posts the reduction at the same place
+    the buffer (in the dtype they travel in) holding only the rows that go home. Every rank posts the reduction at the same place
     (after its step 1, whatever its blocks), so the collectives match. What overlaps is step 0's work: for
     causal attention the diagonal blocks (of a contiguous rank r's pairs 1 in 2r + 1, of a zigzag rank's about
     1 in 2W), with windows or documents the blocks inside the rank's own keys, on a rank with none nothing. The price: with packing
@@ -113,6 +114,12 @@ def reduce_scatter_kv(dk_all, dv_all, group, inverse) -> _Received:
     rank's rows (what is sent may be a view of the buffers: they are not to change before the wait)."""
     t = transport.for_group(group)
     return _Received([t.reduce_scatter(_rows(_reordered(x, inverse))) for x in (dk_all, dv_all)])
+
+
+def return_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the sparse exchange's dK/dV rows travel home in, for inputs of ``dtype``: that dtype (Note
+    [Sparse gather], "What goes home")."""
+    return dtype
 
 
 def local_backward(dout, q, k, v, out, lse, key_mask, plan: RingPlan, softcap: float, scale: float, bwd):
@@ -233,11 +240,11 @@ class AllGatherKV:
         return plan.cached(("own slots", spans),
                            lambda: slot_order([(key_span, keys) for _, _, key_span, keys in spans]))
 
-    def _others_sums(self, grads, k_all, v_all, acc_dtype):
-        """Step 1's terms (kv rows of the buffer, dK, dV) summed into fp32 buffers on the other ranks' rows (what
-        goes home; own rows left unset: nothing reads them), and their parts on own rows, (shard rows, dK, dV)
-        in the kernel's dtype, for the own keys' sums (``_own_sums``): copied once, into one tensor each, not
-        into the fp32 buffer."""
+    def _others_sums(self, grads, k_all, v_all, acc_dtype, wire):
+        """Step 1's terms (kv rows of the buffer, dK, dV) summed on the other ranks' rows into buffers in the
+        ``wire`` dtype (what goes home; own rows left unset: nothing reads them), through fp32 where two terms
+        reach a row (each row rounded once), and their parts on own rows, (shard rows, dK, dV) in the kernel's
+        dtype, for the own keys' sums (``_own_sums``): copied once, into one tensor each, not into the buffer."""
         sparse, n = self.sparse, k_all.shape[1]
         others, own = [], []
         for kv, dk_b, dv_b in grads:
@@ -250,10 +257,13 @@ class AllGatherKV:
                 pos = k0 + off + z - a
             if k1 > pos:
                 others.append((slice(pos, k1), dk_b[:, pos - k0:], dv_b[:, pos - k0:]))
+        spans = sorted((rows.start, rows.stop) for rows, _, _ in others)
+        summed = any(b > c for (_, b), (c, _) in zip(spans, spans[1:]))  # two terms reach a row
+        dtype = acc_dtype if summed else wire
         if k_all.shape == v_all.shape:
-            dk_all, dv_all = torch.empty((2, *k_all.shape), dtype=acc_dtype, device=k_all.device).unbind(0)
+            dk_all, dv_all = torch.empty((2, *k_all.shape), dtype=dtype, device=k_all.device).unbind(0)
         else:
-            dk_all, dv_all = (torch.empty(x.shape, dtype=acc_dtype, device=x.device) for x in (k_all, v_all))
+            dk_all, dv_all = (torch.empty(x.shape, dtype=dtype, device=x.device) for x in (k_all, v_all))
         own_rows = tuple((at, at + length) for _, at, length in sparse.own_runs)
         _sum_terms((dk_all, dv_all), others, unread=own_rows)
         if own:  # one copy of them (n rows at most): the kernels' buffers, up to the whole gathered span, go now
@@ -334,15 +344,16 @@ class AllGatherKV:
         step = (dout, q, k_all, v_all, out, lse, delta, km_all, dq, plan)
         kernel = (self.softcap, self.scale, self.bwd, acc_dtype)
         own1 = None  # step 1's terms on own rows, (shard rows, dK, dV), where they skip the buffer
+        wire = return_dtype(k.dtype)
         if by_runs:
-            dk_all, dv_all, own1 = self._others_sums(block_grads(*step, 1, *kernel), k_all, v_all, acc_dtype)
+            dk_all, dv_all, own1 = self._others_sums(block_grads(*step, 1, *kernel), k_all, v_all, acc_dtype, wire)
         else:
             dk_all, dv_all = step_grads(*step, 1, *kernel)
         if in_shard is not None:  # the gathered keys are read no more
             del step, k_all, v_all, km_all
         with torch.no_grad():
             if self.sparse is not None:
-                pending = [self.sparse.post_scatter_add(x, k.shape[1]) for x in (dk_all, dv_all)]
+                pending = [self.sparse.post_scatter_add(x, k.shape[1], wire) for x in (dk_all, dv_all)]
             else:
                 received = reduce_scatter_kv(dk_all, dv_all, self.group, self.inverse)
                 del dk_all, dv_all

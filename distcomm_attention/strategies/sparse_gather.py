@@ -5,8 +5,8 @@ Note [Sparse gather]
     see: rank s sends rank r its rows need[s][r] (one all-to-all-v per tensor), and rank r places them at
     the compacted buffer rows of those keys' global positions (the union U_r in natural order):
 
-        rank r:  buffer[own]  = its own needed rows              (placed at once, nothing on the wire)
-                 post all_to_all_v(k_r[need[r][d]] for d != r)    (the others' rows in flight)
+        rank r:  post all_to_all_v(k_r[need[r][d]] for d != r)    (the others' rows in flight, posted first)
+                 buffer[own]  = its own needed rows              (placed meanwhile, nothing on the wire)
                  ... blocks that read own rows only run here (``plans.split_local``) ...
                  buffer[remote] = what arrived                    (wait)
 
@@ -37,7 +37,16 @@ Note [Sparse gather]
     transfers (NCCL's batched point-to-point transfers need every rank of the group in its first one; a
     group may meet the exchange first). A transport without ``exchange`` also gets the all-to-all-v.
     The gradients several ranks return for the same piece (a document's keys that every later rank of it
-    reads) land in one tensor and are summed by one reduction before they meet the owner's sums.
+    reads) land in one tensor and are summed by one reduction (in fp32) before they meet the owner's sums.
+
+    What goes home. A rank's gradient for another rank's key row is one partial, sent once and summed by the
+    owner in fp32 with the others' and its own (no chain of hops adding to it, as in the ring's or a
+    reduce-scatter's), so it travels in the inputs' dtype (``allgather.return_dtype``), half the bytes of fp32
+    for bf16 and fp16. Where one kernel call wrote the row (block kernels such as flash-attn-4 return their
+    dK/dV in the inputs' dtype) the partial crosses unchanged, the same values as in fp32; where two or more
+    calls reached it (windows, a rank's two runs of one document) they are summed in fp32 and the sum is
+    rounded once, as each kernel call already rounds its own output. The dense all-gather's reduce-scatter
+    keeps fp32 (Note [All-gather KV]).
 """
 
 from __future__ import annotations
@@ -152,19 +161,14 @@ class SparseGather:
         """Start gathering (B, n, ...) local tensors into (B, m, ...) buffers of the needed keys."""
         present = [t for t in tensors if t is not None]
         device = present[0].device
-        buffers, handles, bools = [], [], []
-        for t in tensors:
+        buffers, handles, bools, shards = [], [], [], []
+        for t in tensors:  # every transfer posted first, the own rows placed while they travel
             if t is None:
-                buffers.append(None), handles.append(None), bools.append(False)
+                buffers.append(None), handles.append(None), bools.append(False), shards.append(None)
                 continue
             rows = t.view(torch.uint8) if t.dtype == torch.bool else t
             rows = rows.transpose(0, 1)
             buffer = rows.new_empty((self.buffer_len,) + tuple(rows.shape[1:]))
-            if self.own_runs is not None:
-                for a, at, length in self.own_runs:
-                    buffer[at:at + length] = rows[a:a + length]
-            else:
-                buffer[self._index("place_own", device)] = rows.index_select(0, self._index("own_index", device))
             handle = None
             if self.pieces is not None:
                 sent, received = self.pieces
@@ -173,7 +177,15 @@ class SparseGather:
             elif not self.skip:
                 send = _take(rows, self.back_runs, lambda: self._index("send_index", device))
                 handle = self.transport.all_to_all_v(send, self.send_splits, self.recv_splits)
-            buffers.append(buffer), handles.append(handle), bools.append(t.dtype == torch.bool)
+            buffers.append(buffer), handles.append(handle), bools.append(t.dtype == torch.bool), shards.append(rows)
+        for rows, buffer in zip(shards, buffers):
+            if rows is None:
+                continue
+            if self.own_runs is not None:
+                for a, at, length in self.own_runs:
+                    buffer[at:at + length] = rows[a:a + length]
+            else:
+                buffer[self._index("place_own", device)] = rows.index_select(0, self._index("own_index", device))
         if self.pieces is not None:  # arrived in their slices: nothing to place
             place = None
         elif self.place_runs is not None and len(self.place_runs) <= MAX_RUNS:
@@ -188,29 +200,31 @@ class SparseGather:
         return tuple(None if g is None else (g.view(torch.bool) if t.dtype == torch.bool else g).contiguous()
                      for g, t in zip(got, tensors))
 
-    def post_scatter_add(self, grad: torch.Tensor, local_len: int) -> _Returning:
+    def post_scatter_add(self, grad: torch.Tensor, local_len: int, wire: torch.dtype | None = None) -> _Returning:
         """Start sending the other ranks' rows of (B, m, ...) buffer gradients home (not to change before the
-        wait: with direct pieces they leave as views); ``wait()`` gives (B, n, ...) this rank's rows, every
-        rank's contributions summed in ``grad``'s dtype (the adjoint of :meth:`gather`). ``grad``'s own rows
-        are read at the wait: the caller may add to them meanwhile (Note [All-gather KV])."""
+        wait: with direct pieces in ``grad``'s dtype they leave as views), in ``wire``'s dtype (default
+        ``grad``'s; every rank of the exchange must pass the same); ``wait()`` gives (B, n, ...) this rank's
+        rows, every rank's contributions summed in ``grad``'s dtype (the adjoint of :meth:`gather`). ``grad``'s
+        own rows are read at the wait: the caller may add to them meanwhile (Note [All-gather KV])."""
         device = grad.device
         rows = grad.transpose(0, 1)
+        wire = grad.dtype if wire is None else wire
         handle = None
         if self.pieces is not None:  # each received piece's rows back to its owner, each sent piece's home
             sent, received = self.pieces
             # the pieces that come back for the same rows (from several ranks) land in one tensor, summed at once
             groups, back = [], [None] * len(sent)
             for _, length, which in self.back_groups:
-                groups.append(rows.new_empty((len(which), length) + tuple(rows.shape[1:])))
+                groups.append(rows.new_empty((len(which), length) + tuple(rows.shape[1:]), dtype=wire))
                 for j, i in enumerate(which):
                     back[i] = groups[-1][j]
-            handle = self.transport.exchange([(peer, rows[at:at + length]) for peer, at, length in received],
+            handle = self.transport.exchange([(peer, rows[at:at + length].to(wire)) for peer, at, length in received],
                                              list(zip((peer for peer, _, _ in sent), back)))
             handle = _Grouped(handle, groups)
         elif not self.skip:
             remote = _take(rows, None if self.place_runs is None else tuple((at, a, n) for a, at, n in self.place_runs),
                            lambda: self._index("place", device))
-            handle = self.transport.all_to_all_v(remote, self.recv_splits, self.send_splits)
+            handle = self.transport.all_to_all_v(remote.to(wire), self.recv_splits, self.send_splits)
         return _Returning(self, rows, handle, local_len)
 
     def scatter_add(self, grad: torch.Tensor, local_len: int) -> torch.Tensor:
@@ -242,7 +256,7 @@ class _Returning:
                 out[a:a + length] += piece
         elif self._handle is not None:
             (back,) = self._handle.wait()
-            out.index_add_(0, sparse._index("send_index", device), back)
+            out.index_add_(0, sparse._index("send_index", device), back.to(out.dtype))
         self._handle = self._rows = None
         return out.transpose(0, 1).contiguous()
 
@@ -253,7 +267,8 @@ class _Returning:
         if self._handle is not None and self._sparse.pieces is not None:
             self._handle.wait()
             for (a, length, which), group in zip(self._sparse.back_groups, self._handle.groups):
-                acc.add(a, a + length, (group[0] if len(which) == 1 else group.sum(0)).transpose(0, 1))
+                term = group[0] if len(which) == 1 else group.sum(0, dtype=torch.promote_types(group.dtype, acc.dtype))
+                acc.add(a, a + length, term.transpose(0, 1))
         elif self._handle is not None:
             (back,) = self._handle.wait()
             back = back.transpose(0, 1)
