@@ -4,14 +4,15 @@
     PYTHONPATH=. python scripts/profile_sim_rank.py --case 131072x8 --docs pareto,lognormal \
         --strategy allgather --ranks all --out profile.json
 
-Each profiled rank runs the strategy as it runs (``bench_emulated.rank_step``: its plan, exchange and block
-kernels) over a link whose transfers arrive at once (``InstantLink``-like: the real copies, no wait), so the
-profile is the rank's compute; ``--links nvlink`` (or ``internode``) times it over that emulated link instead. For each rank (``--ranks``: "model", the rank the cost model predicts slowest;
-"all"; or a comma list) one forward + backward is split (per iteration, µs) into the attention kernels, every
-other kernel ("other compute": merges, fp32 accumulation, casts, zero fills, the exchange's copies) and GPU
-idle time (no kernel running), with a GPU sleep queued ahead of the profiled iterations so that idle time is
-the rank's own waits, not the host falling behind. Beside it: the wall time (host included), the GPU time
-with the host kept ahead, the host time to issue the iteration, and two references:
+Each profiled rank runs the strategy as it runs (``bench_emulated.rank_step``: its plan, exchange and block kernels)
+over a link whose transfers arrive at once (``InstantLink``-like: the real copies, no wait), so the profile is the
+rank's compute; ``--links nvlink`` (or ``internode``) times it over that emulated link instead. For each rank
+(``--ranks``: "model", the rank the cost model predicts slowest; "all"; or a comma list) one forward + backward is
+split (per iteration, µs) into the attention kernels, every other kernel ("other compute": merges, fp32
+accumulation, casts, zero fills, the exchange's copies) and GPU idle time (no kernel running), with a GPU sleep
+queued ahead of the profiled iterations so that idle time is the rank's own waits, not the host falling behind.
+Beside it: the wall time (host included), the GPU time with the host kept ahead, the host time to issue the
+iteration, and two references:
 
 - ``ideal``: one flash-attn-4 varlen call over the whole pack (forward + backward) divided by W;
 - ``raw``: one flash-attn-4 varlen call (forward + backward) over this rank's own query rows, each run of

@@ -366,7 +366,8 @@ def test_allgather_with_slots_in_bf16():
 def _return_rank(rank, world, plans):
     """Each plan's bf16 fwd+bwd with the all-gather, its dK/dV going home in bf16 (as shipped) and in fp32
     (``allgather.return_dtype`` replaced): out, dq, dk, dv of both, the bytes each sent, the rows this rank
-    received, whether any of its step-1 rows summed two terms, and the float64 reference's errors."""
+    received, whether two of its step-1 terms reached one of the rows that go home, and the float64
+    reference's errors."""
     import distcomm_attention as da
     from distcomm_attention.kernels import dispatch
     from distcomm_attention.planning import balance, layouts
@@ -377,15 +378,15 @@ def _return_rank(rank, world, plans):
 
     fwd, bwd = _whole_span_kernels([])
     dispatch.select_kernels = lambda backend, q, vis=None, softcap=0.0: ("fa4", fwd, bwd)
-    shipped, sums = allgather.return_dtype, allgather.AllGatherKV._others_sums
+    shipped, depth = allgather.return_dtype, allgather._depth
     summed = []
 
-    def recording(self, *args):
-        dk_all, dv_all, own = sums(self, *args)
-        summed.append(dk_all.dtype == torch.float32)
-        return dk_all, dv_all, own
+    def recording(spans):  # whether two step-1 terms reach a row of the other ranks'
+        spans = list(spans)
+        summed.append(depth(spans) > 1)
+        return depth(spans)
 
-    allgather.AllGatherKV._others_sums = recording
+    allgather._depth = recording
     out = []
     for i, (layout, (causal, window, docs)) in enumerate(plans):
         seq_len = world * 24

@@ -154,3 +154,19 @@ def test_row_sum_adopts_a_later_whole_term_after_partial_ones():
     out = sums.result(torch.bfloat16)
     assert out is whole  # rounded into the adopted buffer
     torch.testing.assert_close(out.double(), want.bfloat16().double(), rtol=0, atol=0)
+
+
+def test_depth_counts_the_spans_sharing_a_row():
+    """``allgather._depth``: the most spans sharing one row (touching spans share none; empty spans count not)."""
+    from distcomm_attention.strategies.allgather import _depth
+
+    assert _depth([]) == 0 and _depth([(3, 3)]) == 0
+    assert _depth([(0, 4), (4, 8)]) == 1
+    assert _depth([(0, 5), (3, 8), (4, 6)]) == 3
+    assert _depth([(0, 2), (1, 3), (2, 4), (3, 5)]) == 2
+    rows = [0] * 20
+    spans = [(1, 9), (2, 4), (3, 12), (8, 15), (14, 20), (0, 1)]
+    for a, b in spans:
+        for i in range(a, b):
+            rows[i] += 1
+    assert _depth(spans) == max(rows) == 3

@@ -12,13 +12,13 @@ Note [All-gather KV]
                    dQ, dK, dV      =  block calls; dK, dV summed in fp32 over the whole buffer
                    dk, dv          <- reduce_scatter(dK, dV) in fp32, then rounded to the input dtype once
 
-    The partial dK/dV sums cross the wire in fp32, the ring's rule: a bf16 reduce-scatter rounds at every
-    hop (the sparse exchange's rows go home in the inputs' dtype instead: each is one partial, summed once by
-    its owner, Note [Sparse gather]). Measured on exact partial gradients of causal attention (docs/bench/strategies.md, "Reduction
-    precision"): a bf16 reduction's max error is 1.5-2.5x that of fp32-then-round at W = 2-8 and 8.2x at
-    W = 16, for twice the reduce-scatter bytes. Compared with the ring: the same FLOPs, no chain of
-    W dependent hops, fewer and larger kernel calls (a contiguous rank makes 2, a zigzag rank 4), and
-    S x Hkv x D of key/value memory per rank during the call instead of n x Hkv x D.
+    The partial dK/dV sums cross the wire in fp32, the ring's rule: a bf16 reduce-scatter rounds at every hop (the
+    sparse exchange's rows go home in the inputs' dtype instead: each is one partial, summed once by its owner, Note
+    [Sparse gather]). Measured on exact partial gradients of causal attention (docs/bench/strategies.md, "Reduction
+    precision"): a bf16 reduction's max error is 1.5-2.5x that of fp32-then-round at W = 2-8 and 8.2x at W = 16, for
+    twice the reduce-scatter bytes. Compared with the ring: the same FLOPs, no chain of W dependent hops, fewer and
+    larger kernel calls (a contiguous rank makes 2, a zigzag rank 4), and S x Hkv x D of key/value memory per rank
+    during the call instead of n x Hkv x D.
 
     The backward runs "others first", so that the reduction overlaps with the rest of it. The plan is split
     (``split_local``, cached on the plan as "own keys first", the split the sparse forward runs in that
@@ -40,14 +40,14 @@ Note [All-gather KV]
     dQ accumulates over both steps in one fp32 accumulator, dK, dV in fp32, and each is rounded to the input
     dtype once, as before. With packing kernels (flash-attn-4) the calls write into their sums where they can
     (Note [Packed steps]: slots): the forward's outputs into the rank's state and the backward's dq into its
-    dQ sum, over both steps; with the sparse exchange and own rows by runs, step 0 reads the shard's own
-    rows (``own_keys_in_shard``, its blocks split at the runs), so that its dK/dV are rows of the shard's
-    sums and are written there, and step 1's terms on own rows go to those sums as the kernel returned them,
-    the buffer (in the dtype they travel in) holding only the rows that go home. Every rank posts the reduction at the same place
-    (after its step 1, whatever its blocks), so the collectives match. What overlaps is step 0's work: for
-    causal attention the diagonal blocks (of a contiguous rank r's pairs 1 in 2r + 1, of a zigzag rank's about
-    1 in 2W), with windows or documents the blocks inside the rank's own keys, on a rank with none nothing. The price: with packing
-    kernels (Note [Packed steps]) the two steps are packed apart, possibly into more calls than one step's,
+    dQ sum, over both steps; with the sparse exchange and own rows by runs, step 0 reads the shard's own rows
+    (``own_keys_in_shard``, its blocks split at the runs), so that its dK/dV are rows of the shard's sums and are
+    written there, and step 1's terms on own rows go to those sums as the kernel returned them, the buffer (in the
+    dtype they travel in) holding only the rows that go home. Every rank posts the reduction at the same place
+    (after its step 1, whatever its blocks), so the collectives match. What overlaps is step 0's work: for causal
+    attention the diagonal blocks (of a contiguous rank r's pairs 1 in 2r + 1, of a zigzag rank's about 1 in 2W),
+    with windows or documents the blocks inside the rank's own keys, on a rank with none nothing. The price: with
+    packing kernels (Note [Packed steps]) the two steps are packed apart, possibly into more calls than one step's,
     and K, V are freed after step 0, no longer before the reduction's send buffers are made.
 """
 
@@ -114,6 +114,16 @@ def reduce_scatter_kv(dk_all, dv_all, group, inverse) -> _Received:
     rank's rows (what is sent may be a view of the buffers: they are not to change before the wait)."""
     t = transport.for_group(group)
     return _Received([t.reduce_scatter(_rows(_reordered(x, inverse))) for x in (dk_all, dv_all)])
+
+
+def _depth(spans) -> int:
+    """The most of the [start, stop) ``spans`` that share a row."""
+    edges = sorted([(a, 1) for a, b in spans if b > a] + [(b, -1) for a, b in spans if b > a])
+    depth = most = 0
+    for _, step in edges:  # a stop sorts before a start at the same row: [a, b) and [b, c) share none
+        depth += step
+        most = max(most, depth)
+    return most
 
 
 def return_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -242,9 +252,10 @@ class AllGatherKV:
 
     def _others_sums(self, grads, k_all, v_all, acc_dtype, wire):
         """Step 1's terms (kv rows of the buffer, dK, dV) summed on the other ranks' rows into buffers in the
-        ``wire`` dtype (what goes home; own rows left unset: nothing reads them), through fp32 where two terms
-        reach a row (each row rounded once), and their parts on own rows, (shard rows, dK, dV) in the kernel's
-        dtype, for the own keys' sums (``_own_sums``): copied once, into one tensor each, not into the buffer."""
+        ``wire`` dtype (what goes home; own rows left unset: nothing reads them), each row rounded once (through
+        fp32 buffers where three or more terms reach a row or the terms are in another dtype), and their parts
+        on own rows, (shard rows, dK, dV) in the kernel's dtype, for the own keys' sums (``_own_sums``): copied
+        once, into one tensor each, not into the buffer."""
         sparse, n = self.sparse, k_all.shape[1]
         others, own = [], []
         for kv, dk_b, dv_b in grads:
@@ -257,15 +268,19 @@ class AllGatherKV:
                 pos = k0 + off + z - a
             if k1 > pos:
                 others.append((slice(pos, k1), dk_b[:, pos - k0:], dv_b[:, pos - k0:]))
-        spans = sorted((rows.start, rows.stop) for rows, _, _ in others)
-        summed = any(b > c for (_, b), (c, _) in zip(spans, spans[1:]))  # two terms reach a row
-        dtype = acc_dtype if summed else wire
+        # terms in ``wire`` that reach a row at most twice: one addition there (computed in fp32, rounded once);
+        # else sums in fp32, rounded once at the end
+        deep = _depth((rows.start, rows.stop) for rows, _, _ in others) > 2 or \
+            any(g.dtype != wire for _, dk_b, dv_b in others for g in (dk_b, dv_b))
+        dtype = acc_dtype if deep else wire
         if k_all.shape == v_all.shape:
             dk_all, dv_all = torch.empty((2, *k_all.shape), dtype=dtype, device=k_all.device).unbind(0)
         else:
             dk_all, dv_all = (torch.empty(x.shape, dtype=dtype, device=x.device) for x in (k_all, v_all))
         own_rows = tuple((at, at + length) for _, at, length in sparse.own_runs)
         _sum_terms((dk_all, dv_all), others, unread=own_rows)
+        if deep:  # rounded once, whole (own rows unset: converted, never read)
+            dk_all, dv_all = dk_all.to(wire), dv_all.to(wire)
         if own:  # one copy of them (n rows at most): the kernels' buffers, up to the whole gathered span, go now
             kept = [torch.cat([part[i] for part in own], 1) for i in (2, 3)]
             at = list(itertools.accumulate((z - a for a, z, _, _ in own), initial=0))

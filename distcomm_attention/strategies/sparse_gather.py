@@ -209,6 +209,8 @@ class SparseGather:
         device = grad.device
         rows = grad.transpose(0, 1)
         wire = grad.dtype if wire is None else wire
+        if wire != grad.dtype:  # one conversion of the whole buffer (its own rows too, their copy unread)
+            rows = rows.to(wire)
         handle = None
         if self.pieces is not None:  # each received piece's rows back to its owner, each sent piece's home
             sent, received = self.pieces
@@ -218,14 +220,14 @@ class SparseGather:
                 groups.append(rows.new_empty((len(which), length) + tuple(rows.shape[1:]), dtype=wire))
                 for j, i in enumerate(which):
                     back[i] = groups[-1][j]
-            handle = self.transport.exchange([(peer, rows[at:at + length].to(wire)) for peer, at, length in received],
+            handle = self.transport.exchange([(peer, rows[at:at + length]) for peer, at, length in received],
                                              list(zip((peer for peer, _, _ in sent), back)))
             handle = _Grouped(handle, groups)
         elif not self.skip:
             remote = _take(rows, None if self.place_runs is None else tuple((at, a, n) for a, at, n in self.place_runs),
                            lambda: self._index("place", device))
-            handle = self.transport.all_to_all_v(remote.to(wire), self.recv_splits, self.send_splits)
-        return _Returning(self, rows, handle, local_len)
+            handle = self.transport.all_to_all_v(remote, self.recv_splits, self.send_splits)
+        return _Returning(self, grad.transpose(0, 1), handle, local_len)
 
     def scatter_add(self, grad: torch.Tensor, local_len: int) -> torch.Tensor:
         """``post_scatter_add(grad, local_len).wait()``."""
