@@ -170,3 +170,4 @@ def test_depth_counts_the_spans_sharing_a_row():
         for i in range(a, b):
             rows[i] += 1
     assert _depth(spans) == max(rows) == 3
+    assert _depth(iter(spans)) == 3 and _depth(span for span in [(0, 4), (4, 8)]) == 1  # read once

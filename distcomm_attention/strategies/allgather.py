@@ -117,8 +117,9 @@ def reduce_scatter_kv(dk_all, dv_all, group, inverse) -> _Received:
 
 
 def _depth(spans) -> int:
-    """The most of the [start, stop) ``spans`` that share a row."""
-    edges = sorted([(a, 1) for a, b in spans if b > a] + [(b, -1) for a, b in spans if b > a])
+    """The most of the [start, stop) ``spans`` (any iterable) that share a row."""
+    spans = [(a, b) for a, b in spans if b > a]
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
     depth = most = 0
     for _, step in edges:  # a stop sorts before a start at the same row: [a, b) and [b, c) share none
         depth += step
