@@ -450,6 +450,72 @@ def test_sparse_gradients_go_home_in_the_inputs_dtype():
     assert same >= 3 and rounded >= 1, (same, rounded)
 
 
+def _poisoned_rank(rank, world, plans):
+    """Each plan's float64 fwd+bwd with the all-gather and the whole-span kernels while every new tensor of a
+    floating dtype made by ``torch.empty``, ``torch.empty_like`` or ``Tensor.new_empty`` starts as NaN (memory
+    the code leaves unset, such as the buffer rows of own keys the forward does not place, Note [Sparse
+    gather]): the float64 reference's errors, and how many rows the forward left unplaced."""
+    import distcomm_attention as da
+    from distcomm_attention.kernels import dispatch
+    from distcomm_attention.planning import balance, layouts
+    from distcomm_attention.strategies import allgather
+    from tests.counting import reference_errors
+
+    fwd, bwd = _whole_span_kernels([])
+    dispatch.select_kernels = lambda backend, q, vis=None, softcap=0.0: ("fa4", fwd, bwd)
+    unplaced, forward_plan = [], allgather.AllGatherKV._forward_plan
+
+    def counting(self):
+        plan, place = forward_plan(self)
+        if place is not None:
+            unplaced.append(sum(n for _, _, n in self.sparse.own_runs) - sum(n for _, _, n in place))
+        return plan, place
+
+    allgather.AllGatherKV._forward_plan = counting
+    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    out = []
+    for i, (layout, (causal, window, docs)) in enumerate(plans):
+        seq_len = world * 24
+        g = torch.Generator().manual_seed(400 + i)
+        q, k, v = (torch.randn(1, seq_len, h, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
+        dout = torch.randn(1, seq_len, 4, 8, dtype=torch.float64, generator=g)
+        concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
+        pos = layouts.positions(concrete, seq_len, world, rank)
+        local = [t[:, pos].clone().requires_grad_() for t in (q, k, v)]
+        torch.empty = lambda *a, **kw: poison(empty(*a, **kw))
+        torch.empty_like = lambda *a, **kw: poison(empty_like(*a, **kw))
+        torch.Tensor.new_empty = lambda self, *a, **kw: poison(new_empty(self, *a, **kw))
+        try:
+            o = da.context_parallel_attn(*local, causal=causal, window_size=window, cu_seqlens=docs, layout=layout,
+                                         strategy="allgather")
+            o.backward(dout[:, pos])
+        finally:
+            torch.empty, torch.empty_like, torch.Tensor.new_empty = empty, empty_like, new_empty
+        out.append(reference_errors(q, k, v, dout, pos, o, local, causal=causal, window=window, docs=docs,
+                                    mask=None))
+    return {"errors": out, "unplaced": sum(unplaced)}
+
+
+def test_allgather_reads_no_unset_memory():
+    """The all-gather over random plans (documents crossing ranks, one-token documents, windows, every layout)
+    with every new floating tensor starting as NaN: out, dq, dk, dv still equal the float64 reference, so no
+    row the code leaves unset (buffer rows of own keys the forward does not place, sums' rows no term reaches)
+    is read; and the forward did leave own rows unplaced."""
+    from tests.test_exchange import _random_plans
+
+    world = 4
+    plans = _random_plans(world, 24, 12, seed=9)
+    got = run_world(_poisoned_rank, world, plans, timeout=240)
+    for r in range(world):
+        for plan, errors in zip(plans, got[r]["errors"]):
+            assert max(errors) < 1e-10, (r, plan, errors)
+    assert sum(g["unplaced"] for g in got) > 0
+
+
 def _fused_sums_rank(rank, world, plans):
     import distcomm_attention as da
     from distcomm_attention.kernels import dispatch, triton_rows

@@ -37,18 +37,19 @@ Note [All-gather KV]
                   the shard (``_own_sums``, a ``RowSum`` each); else step 0 adds into the buffer's own rows,
                   which the wait reads and adds with what came back (Note [Sparse gather])
 
-    dQ accumulates over both steps in one fp32 accumulator, dK, dV in fp32, and each is rounded to the input
-    dtype once, as before. With packing kernels (flash-attn-4) the calls write into their sums where they can
-    (Note [Packed steps]: slots): the forward's outputs into the rank's state and the backward's dq into its
-    dQ sum, over both steps; with the sparse exchange and own rows by runs, step 0 reads the shard's own rows
-    (``own_keys_in_shard``, its blocks split at the runs), so that its dK/dV are rows of the shard's sums and are
-    written there, and step 1's terms on own rows go to those sums as the kernel returned them, the buffer (in the
-    dtype they travel in) holding only the rows that go home. Every rank posts the reduction at the same place
-    (after its step 1, whatever its blocks), so the collectives match. What overlaps is step 0's work: for causal
-    attention the diagonal blocks (of a contiguous rank r's pairs 1 in 2r + 1, of a zigzag rank's about 1 in 2W),
-    with windows or documents the blocks inside the rank's own keys, on a rank with none nothing. The price: with
-    packing kernels (Note [Packed steps]) the two steps are packed apart, possibly into more calls than one step's,
-    and K, V are freed after step 0, no longer before the reduction's send buffers are made.
+    dQ accumulates over both steps in one fp32 accumulator, dK, dV in fp32, and each is rounded to the input dtype
+    once, as before. With packing kernels (flash-attn-4) the calls write into their sums where they can (Note
+    [Packed steps]: slots): the forward's outputs into the rank's state and the backward's dq into its dQ sum, over
+    both steps; with the sparse exchange and own rows by runs, step 0 reads the shard's own rows
+    (``own_keys_in_shard``, its blocks split at the runs; in the forward too, whose buffer then gets only the own
+    rows step 1 reads: ``_forward_plan``), so that its dK/dV are rows of the shard's sums and are written there, and
+    step 1's terms on own rows go to those sums as the kernel returned them, the buffer (in the dtype they travel
+    in) holding only the rows that go home. Every rank posts the reduction at the same place (after its step 1,
+    whatever its blocks), so the collectives match. What overlaps is step 0's work: for causal attention the
+    diagonal blocks (of a contiguous rank r's pairs 1 in 2r + 1, of a zigzag rank's about 1 in 2W), with windows or
+    documents the blocks inside the rank's own keys, on a rank with none nothing. The price: with packing kernels
+    (Note [Packed steps]) the two steps are packed apart, possibly into more calls than one step's, and K, V are
+    freed after step 0, no longer before the reduction's send buffers are made.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from torch.autograd.function import once_differentiable
 from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention import transport
-from distcomm_attention.kernels.contract import RowSum, Slots, call_spans, slot_order
+from distcomm_attention.kernels.contract import RowSum, Slots, _runs, call_spans, slot_order
 from distcomm_attention.planning.exchange import Exchange, gather_keeps, split_block
 from distcomm_attention.planning.plans import (gathered_in_natural_order, natural_inverse, natural_order, own_rows,
                                                 split_local)
@@ -244,6 +245,30 @@ class AllGatherKV:
 
         return self.plan.cached("own keys in shard rows", make)
 
+    def _forward_plan(self) -> tuple[RingPlan, tuple | None]:
+        """(plan, own rows to place) of the sparse forward. Where the backward runs its blocks on own keys over
+        the shard's rows (own rows by runs, ``own_keys_in_shard``), the forward does too: its step 0 those
+        blocks, step 1 ``own_keys_first``'s rest on the buffer, and the buffer gets only the own rows step 1's
+        blocks read ((shard row, buffer row, length) runs; the backward's step 1 reads no other: the same
+        blocks; cached on the in-shard plan). Else ``own_keys_first`` on the buffer, every own row placed (None)."""
+        sparse = self.sparse
+        in_shard = self.own_keys_in_shard() if sparse.own_all and sparse.returns_by_runs else None
+        if in_shard is None:
+            return self.own_keys_first(), None
+
+        def make():
+            plan = self.own_keys_first()
+            read = _runs((b.kv.start, b.kv.stop) for b in plan.blocks[1])
+            place = []
+            for a, at, length in sparse.own_runs:
+                for lo, hi in read:
+                    lo, hi = max(lo, at), min(hi, at + length)
+                    if lo < hi:
+                        place.append((a + lo - at, lo, hi - lo))
+            return RingPlan((0, 1), (in_shard.blocks[0], plan.blocks[1]), plan.documents), tuple(place)
+
+        return in_shard.cached("sparse forward", make)
+
     @staticmethod
     def _own_slots(plan: RingPlan, spans) -> tuple | None:
         """Which of ``own_keys_in_shard``'s packed calls write their dK/dV straight into the own keys' sums, as a
@@ -329,14 +354,19 @@ class AllGatherKV:
             return ring_forward(q, k_all, v_all, km_all, self.one, self.plan, self.softcap, self.scale, self.fwd,
                                 slots)
         # the blocks on own keys run while the other ranks' keys arrive (Note [Sparse gather])
+        plan, place = self._forward_plan()
         with torch.no_grad():
-            arrival = self.sparse.post(k, v, key_mask)
-        k_own, v_own, km_own = arrival.local()
-        plan = self.own_keys_first()
-        km_own = None if km_own is None else km_own.view(torch.bool)
-        slots = self._row_slots(plan, tuple(self._spans(plan, i, km_own, q, k_own, backward=False) for i in (0, 1)))
-        out, lse = ring_forward(q, k_own, v_own, km_own, _Arriving(arrival), plan, self.softcap, self.scale, self.fwd,
-                                slots)
+            arrival = self.sparse.post(k, v, key_mask, own=place)
+        k_buf, v_buf, km_buf = arrival.local()
+        km_buf = None if km_buf is None else km_buf.view(torch.bool)
+        if place is None:  # step 0 on the buffer's own rows
+            first = (k_buf, v_buf, km_buf)
+        else:  # step 0 on the shard's rows
+            first = (k, v, key_mask)
+        spans = (self._spans(plan, 0, first[2], q, first[0], backward=False),
+                 self._spans(plan, 1, km_buf, q, k_buf, backward=False))
+        out, lse = ring_forward(q, *first, _Arriving(arrival), plan, self.softcap, self.scale, self.fwd,
+                                self._row_slots(plan, spans))
         if self.sparse.keep:
             k_all, v_all, km_all = arrival.wait()
             self._kept = (k_all, v_all, None if km_all is None else km_all.view(torch.bool))

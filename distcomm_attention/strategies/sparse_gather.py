@@ -10,6 +10,10 @@ Note [Sparse gather]
                  ... blocks that read own rows only run here (``plans.split_local``) ...
                  buffer[remote] = what arrived                    (wait)
 
+    Where those blocks read the shard itself (own rows by runs: ``AllGatherKV.own_keys_in_shard``, forward and
+    backward), only the own rows the other blocks read (documents crossing into the shard) are placed; the
+    buffer's other own rows stay unset, read by nothing.
+
     The backward is the adjoint: the buffer's dK/dV rows go back to their owners (all-to-all-v with the
     splits exchanged), and each owner adds every rank's contribution to its rows (``index_add_``, in fp32).
     It is posted and waited apart (``post_scatter_add``): the remote rows leave at the post, the own rows are
@@ -157,8 +161,10 @@ class SparseGather:
         own[self.place_own] = True
         return own
 
-    def post(self, *tensors: torch.Tensor | None) -> _Arrival:
-        """Start gathering (B, n, ...) local tensors into (B, m, ...) buffers of the needed keys."""
+    def post(self, *tensors: torch.Tensor | None, own: tuple | None = None) -> _Arrival:
+        """Start gathering (B, n, ...) local tensors into (B, m, ...) buffers of the needed keys. ``own``: the own
+        rows to place, (shard row, buffer row, length) runs inside ``own_runs`` (the other own rows of the
+        buffers left unset, for a caller that reads none of them); default every own row."""
         present = [t for t in tensors if t is not None]
         device = present[0].device
         buffers, handles, bools, shards = [], [], [], []
@@ -181,8 +187,8 @@ class SparseGather:
         for rows, buffer in zip(shards, buffers):
             if rows is None:
                 continue
-            if self.own_runs is not None:
-                for a, at, length in self.own_runs:
+            if own is not None or self.own_runs is not None:
+                for a, at, length in self.own_runs if own is None else own:
                     buffer[at:at + length] = rows[a:a + length]
             else:
                 buffer[self._index("place_own", device)] = rows.index_select(0, self._index("own_index", device))
