@@ -265,10 +265,22 @@ def _owns(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
+def _plan_inputs(rank, world, layout, docs, seed, batch=1, dtype=torch.float64):
+    """Random inputs of one plan over ``world`` ranks of 24 tokens (batch, heads 4 / kv heads 2, head_dim 8):
+    (q, k, v, dout) of the whole sequence and this rank's positions under ``layout``."""
+    from distcomm_attention.planning import balance, layouts
+
+    seq_len = world * 24
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, seq_len, h, 8, dtype=dtype, generator=g) for h in (4, 2, 2))
+    dout = torch.randn(batch, seq_len, 4, 8, dtype=dtype, generator=g)
+    concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
+    return q, k, v, dout, layouts.positions(concrete, seq_len, world, rank)
+
+
 def _slots_rank(rank, world, plans, dtype_name, batch=1, ignore=False):
     import distcomm_attention as da
     from distcomm_attention.kernels import dispatch
-    from distcomm_attention.planning import balance, layouts
     from distcomm_attention.strategies import allgather
     from tests.counting import counted, reference_errors
 
@@ -278,12 +290,7 @@ def _slots_rank(rank, world, plans, dtype_name, batch=1, ignore=False):
     dtype = getattr(torch, dtype_name)
     out = []
     for i, (layout, (causal, window, docs)) in enumerate(plans):
-        seq_len = world * 24
-        g = torch.Generator().manual_seed(100 + i)
-        q, k, v = (torch.randn(batch, seq_len, h, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
-        dout = torch.randn(batch, seq_len, 4, 8, dtype=torch.float64, generator=g)
-        concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
-        pos = layouts.positions(concrete, seq_len, world, rank)
+        q, k, v, dout, pos = _plan_inputs(rank, world, layout, docs, 100 + i, batch)
         kwargs = dict(causal=causal, window_size=window, cu_seqlens=docs, layout=layout, strategy="allgather")
         runs = {}
         for name, in_place in (("slots", True), ("plain", False)):
@@ -370,7 +377,7 @@ def _return_rank(rank, world, plans):
     reference's errors."""
     import distcomm_attention as da
     from distcomm_attention.kernels import dispatch
-    from distcomm_attention.planning import balance, layouts
+    from distcomm_attention.planning import balance
     from distcomm_attention.planning.exchange import gathered_exchange
     from distcomm_attention.planning.visibility import Visibility
     from distcomm_attention.strategies import allgather
@@ -389,12 +396,7 @@ def _return_rank(rank, world, plans):
     allgather._depth = recording
     out = []
     for i, (layout, (causal, window, docs)) in enumerate(plans):
-        seq_len = world * 24
-        g = torch.Generator().manual_seed(300 + i)
-        q, k, v = (torch.randn(1, seq_len, h, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
-        dout = torch.randn(1, seq_len, 4, 8, dtype=torch.float64, generator=g)
-        concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
-        pos = layouts.positions(concrete, seq_len, world, rank)
+        q, k, v, dout, pos = _plan_inputs(rank, world, layout, docs, 300 + i)
         runs = {}
         for name, wire in (("bf16", shipped), ("fp32", lambda dtype: torch.float32)):
             allgather.return_dtype, summed[:] = wire, []
@@ -408,6 +410,7 @@ def _return_rank(rank, world, plans):
                 allgather.return_dtype = shipped
             runs[name] = {"grads": [o.detach()] + [t.grad for t in local], "sent": sum(c.total for c in made),
                           "summed": any(summed)}
+        concrete = balance.resolve(layout, world * 24, world, docs) if layout == "balanced" else layout
         ex = gathered_exchange(concrete, Visibility(causal, window, docs), world, 24)
         errors = reference_errors(q, k, v, dout, pos, runs["bf16"]["grads"][0].double(),
                                   [_Grad(t) for t in runs["bf16"]["grads"][1:]], causal=causal, window=window,
@@ -457,7 +460,6 @@ def _poisoned_rank(rank, world, plans):
     gather]): the float64 reference's errors, and how many rows the forward left unplaced."""
     import distcomm_attention as da
     from distcomm_attention.kernels import dispatch
-    from distcomm_attention.planning import balance, layouts
     from distcomm_attention.strategies import allgather
     from tests.counting import reference_errors
 
@@ -479,12 +481,7 @@ def _poisoned_rank(rank, world, plans):
 
     out = []
     for i, (layout, (causal, window, docs)) in enumerate(plans):
-        seq_len = world * 24
-        g = torch.Generator().manual_seed(400 + i)
-        q, k, v = (torch.randn(1, seq_len, h, 8, dtype=torch.float64, generator=g) for h in (4, 2, 2))
-        dout = torch.randn(1, seq_len, 4, 8, dtype=torch.float64, generator=g)
-        concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
-        pos = layouts.positions(concrete, seq_len, world, rank)
+        q, k, v, dout, pos = _plan_inputs(rank, world, layout, docs, 400 + i)
         local = [t[:, pos].clone().requires_grad_() for t in (q, k, v)]
         torch.empty = lambda *a, **kw: poison(empty(*a, **kw))
         torch.empty_like = lambda *a, **kw: poison(empty_like(*a, **kw))
@@ -519,7 +516,6 @@ def test_allgather_reads_no_unset_memory():
 def _fused_sums_rank(rank, world, plans):
     import distcomm_attention as da
     from distcomm_attention.kernels import dispatch, triton_rows
-    from distcomm_attention.planning import balance, layouts
 
     fwd, bwd = _whole_span_kernels([], False)
     dispatch.select_kernels = lambda backend, q, vis=None, softcap=0.0: ("fa4", fwd, bwd)
@@ -527,12 +523,7 @@ def _fused_sums_rank(rank, world, plans):
     triton_rows.sum_rows = lambda *a: ran.append(1) or real(*a)
     out = []
     for i, (layout, (causal, window, docs)) in enumerate(plans):
-        seq_len = world * 24
-        g = torch.Generator().manual_seed(200 + i)
-        q, k, v = (torch.randn(1, seq_len, h, 8, generator=g) for h in (4, 2, 2))
-        dout = torch.randn(1, seq_len, 4, 8, generator=g)
-        concrete = balance.resolve(layout, seq_len, world, docs) if layout == "balanced" else layout
-        pos = layouts.positions(concrete, seq_len, world, rank)
+        q, k, v, dout, pos = _plan_inputs(rank, world, layout, docs, 200 + i, dtype=torch.float32)
         kwargs = dict(causal=causal, window_size=window, cu_seqlens=docs, layout=layout, strategy="allgather")
         grads, counts = {}, {}
         for fused in (True, False):
