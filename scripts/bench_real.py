@@ -102,7 +102,8 @@ def _counting_ring(wire: _Wire, device: torch.device):
 
 def plan_minimum(concrete, vis, world, n, rank, kv_heads, d, itemsize) -> int:
     """The exchange plan's bytes for ``rank``: its rows that others need (k, v in the input dtype) out, and
-    the dK, dV of the rows it received (fp32, as the strategies reduce them) back."""
+    the dK, dV of the rows it received back in fp32 (as the ring returns them; the sparse all-gather with
+    flash-attn-4 returns them in the input dtype, below this: Note [Sparse gather], "What goes home")."""
     ex = exchange_plan(concrete, vis, world, n)
     sent, received = ex.remote_rows(rank)
     row = 2 * kv_heads * d

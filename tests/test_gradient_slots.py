@@ -370,27 +370,32 @@ def test_allgather_with_slots_in_bf16():
     assert any(h[0] == "backward" and h[1] for r in range(world) for res in got[r] for h in res["given"])
 
 
-def _return_rank(rank, world, plans):
-    """Each plan's bf16 fwd+bwd with the all-gather, its dK/dV going home in bf16 (as shipped) and in fp32
-    (``allgather.return_dtype`` replaced): out, dq, dk, dv of both, the bytes each sent, the rows this rank
-    received, whether two of its step-1 terms reached one of the rows that go home, and the float64
-    reference's errors."""
+def _return_rank(rank, world, plans, flagged=True, max_runs=None):
+    """Each plan's bf16 fwd+bwd with the all-gather, its dK/dV going home as shipped (``allgather.return_dtype``)
+    and in fp32 (``return_dtype`` replaced), with whole-span kernels that say their dK/dV come in the inputs'
+    dtype (``flagged``) or not, and own rows by runs at most ``max_runs`` (0: never, the buffer's own rows then
+    summing in fp32): out, dq, dk, dv of both, the bytes each sent, the rows this rank received, the depth of
+    its step-1 terms on the rows that go home (None where that path did not run), and the float64 reference's
+    errors."""
     import distcomm_attention as da
     from distcomm_attention.kernels import dispatch
     from distcomm_attention.planning import balance
     from distcomm_attention.planning.exchange import gathered_exchange
     from distcomm_attention.planning.visibility import Visibility
-    from distcomm_attention.strategies import allgather
+    from distcomm_attention.strategies import allgather, sparse_gather
     from tests.counting import counted, reference_errors
 
     fwd, bwd = _whole_span_kernels([])
+    bwd.dkv_in_input_dtype = flagged
     dispatch.select_kernels = lambda backend, q, vis=None, softcap=0.0: ("fa4", fwd, bwd)
+    if max_runs is not None:
+        sparse_gather.MAX_RUNS = max_runs
     shipped, depth = allgather.return_dtype, allgather._depth
-    summed = []
+    depths = []
 
-    def recording(spans):  # whether two step-1 terms reach a row of the other ranks'
+    def recording(spans):  # how many step-1 terms reach a row of the other ranks' at most
         spans = list(spans)
-        summed.append(depth(spans) > 1)
+        depths.append(depth(spans))
         return depth(spans)
 
     allgather._depth = recording
@@ -398,8 +403,8 @@ def _return_rank(rank, world, plans):
     for i, (layout, (causal, window, docs)) in enumerate(plans):
         q, k, v, dout, pos = _plan_inputs(rank, world, layout, docs, 300 + i)
         runs = {}
-        for name, wire in (("bf16", shipped), ("fp32", lambda dtype: torch.float32)):
-            allgather.return_dtype, summed[:] = wire, []
+        for name, wire in (("shipped", shipped), ("fp32", lambda dtype, bwd: torch.float32)):
+            allgather.return_dtype, depths[:] = wire, []
             try:
                 local = [t[:, pos].bfloat16().requires_grad_() for t in (q, k, v)]
                 with counted() as made:
@@ -409,48 +414,61 @@ def _return_rank(rank, world, plans):
             finally:
                 allgather.return_dtype = shipped
             runs[name] = {"grads": [o.detach()] + [t.grad for t in local], "sent": sum(c.total for c in made),
-                          "summed": any(summed)}
+                          "depth": max(depths) if depths else None}
         concrete = balance.resolve(layout, world * 24, world, docs) if layout == "balanced" else layout
         ex = gathered_exchange(concrete, Visibility(causal, window, docs), world, 24)
-        errors = reference_errors(q, k, v, dout, pos, runs["bf16"]["grads"][0].double(),
-                                  [_Grad(t) for t in runs["bf16"]["grads"][1:]], causal=causal, window=window,
+        errors = reference_errors(q, k, v, dout, pos, runs["shipped"]["grads"][0].double(),
+                                  [_Grad(t) for t in runs["shipped"]["grads"][1:]], causal=causal, window=window,
                                   docs=docs, mask=None)
         out.append({"grads": {n: r["grads"] for n, r in runs.items()}, "sent": {n: r["sent"] for n, r in runs.items()},
-                    "received": None if ex is None else ex.remote_rows(rank)[1], "summed": runs["bf16"]["summed"],
+                    "received": None if ex is None else ex.remote_rows(rank)[1], "depth": runs["shipped"]["depth"],
                     "errors": errors})
     return out
 
 
-def test_sparse_gradients_go_home_in_the_inputs_dtype():
-    """bf16 inputs, the all-gather's sparse exchange (Note [Sparse gather], "What goes home"): the dK/dV rows
-    that go home cost 2 bytes an element, not fp32's 4 (the bytes differ by exactly the received rows' k and v
-    at 2 bytes); where each of those rows is one kernel call's output on every rank, the results are the
-    same bits as sending them in fp32; where some rank summed two calls' terms first, the sum is rounded
-    once more (within a bf16 rounding of the largest gradient); every result within bf16 tolerance of float64."""
+@pytest.mark.parametrize("flagged, max_runs", [(True, None), (True, 0), (False, None)])
+def test_sparse_gradients_go_home_in_the_kernels_dtype(flagged, max_runs):
+    """bf16 inputs, the all-gather's sparse exchange (Note [Sparse gather], "What goes home"). With a backward
+    kernel whose dK/dV come in the inputs' dtype (flash-attn-4's contract), the rows that go home cost 2 bytes an
+    element, not fp32's 4 (the bytes differ by exactly the received rows' k and v at 2 bytes); where each of
+    those rows is one kernel call's output on every rank, the results are the same bits as sending them in fp32;
+    where a rank summed two or more calls' terms first (or, with own rows never by runs, summed its rows in fp32
+    before sending), the sum is rounded once more: within a bf16 rounding of the largest gradient. With a kernel
+    whose dK/dV are fp32 sums (Triton, cuDNN or flash-attn-2 with GQA), fp32 travels: the same bytes and bits.
+    Every result within bf16 tolerance of float64."""
     from tests.test_exchange import _random_plans
 
     world = 3
     plans = _random_plans(world, 24, 12, seed=5)
-    got = run_world(_return_rank, world, plans, timeout=240)
+    got = run_world(_return_rank, world, plans, flagged, max_runs, timeout=240)
     same = rounded = 0
+    grad_row = 2 * 2 * 8  # k and v, kv heads 2 x head_dim 8, elements per token
     for i, plan in enumerate(plans):
         results = [got[r][i] for r in range(world)]
         if results[0]["received"] is None:  # the dense all-gather: nothing sparse to send home
             continue
-        exact = not any(res["summed"] for res in results)
+        by_runs = all(res["depth"] is not None for res in results if res["received"])
+        assert by_runs == (max_runs is None) or not any(res["received"] for res in results), plan
+        exact = not flagged or (by_runs and all(res["depth"] is None or res["depth"] <= 1 for res in results))
         for r, res in enumerate(results):
             where = (r, plan)
-            grad_row = 2 * 2 * 8  # k and v, kv heads 2 x head_dim 8, elements per token
-            assert res["sent"]["fp32"] - res["sent"]["bf16"] == res["received"] * grad_row * (4 - 2), where
+            saved = res["received"] * grad_row * (4 - 2) if flagged else 0
+            assert res["sent"]["fp32"] - res["sent"]["shipped"] == saved, where
             assert max(res["errors"]) < 5e-2, (where, res["errors"])
-            for a, b in zip(res["grads"]["bf16"], res["grads"]["fp32"]):
+            for a, b in zip(res["grads"]["shipped"], res["grads"]["fp32"]):
                 if exact:
                     assert torch.equal(a, b), where
                 else:
                     assert float((a.double() - b.double()).abs().max()) <= 2 ** -7 * float(b.double().abs().max())
-        same += exact and any(res["received"] for res in results)
-        rounded += not exact
-    assert same >= 3 and rounded >= 1, (same, rounded)
+        moved = any(res["received"] for res in results)
+        same += exact and moved
+        rounded += not exact and moved
+    if not flagged:  # fp32 on the wire: every plan the same bits
+        assert same >= 3 and rounded == 0, (same, rounded)
+    elif max_runs is None:  # both kinds of row met
+        assert same >= 3 and rounded >= 1, (same, rounded)
+    else:  # every plan through the fp32 buffer, rounded before it left
+        assert same == 0 and rounded >= 3, (same, rounded)
 
 
 def _poisoned_rank(rank, world, plans):
@@ -498,10 +516,10 @@ def _poisoned_rank(rank, world, plans):
 
 
 def test_allgather_reads_no_unset_memory():
-    """The all-gather over random plans (documents crossing ranks, one-token documents, windows, every layout)
-    with every new floating tensor starting as NaN: out, dq, dk, dv still equal the float64 reference, so no
-    row the code leaves unset (buffer rows of own keys the forward does not place, sums' rows no term reaches)
-    is read; and the forward did leave own rows unplaced."""
+    """The all-gather over random plans (documents crossing ranks, one-token documents, windows; contiguous, zigzag
+    and balanced layouts) with every new floating tensor starting as NaN: out, dq, dk, dv still equal the float64
+    reference, so no row the code leaves unset (buffer rows of own keys the forward does not place, sums' rows no
+    term reaches) is read; and the forward did leave own rows unplaced."""
     from tests.test_exchange import _random_plans
 
     world = 4

@@ -3,6 +3,8 @@ first term copied in, later ones added, rows no term reaches zero-filled; many t
 zeros plus every term added, in float64 and for bf16 terms into fp32: the same values, every row written
 (the buffers start as garbage)."""
 
+import random
+
 import pytest
 import torch
 
@@ -171,3 +173,44 @@ def test_depth_counts_the_spans_sharing_a_row():
             rows[i] += 1
     assert _depth(spans) == max(rows) == 3
     assert _depth(iter(spans)) == 3 and _depth(span for span in [(0, 4), (4, 8)]) == 1  # read once
+
+
+def test_rows_going_home_are_rounded_once():
+    """``AllGatherKV._others_sums`` in bf16 (Note [Sparse gather], "What goes home"): every row that goes home
+    equals the float64 sum of the step-1 terms reaching it, rounded once to bf16, whether one, two or more terms
+    reach it (random spans: cases at most two deep and cases three or more deep both met), and whether the terms
+    come in bf16 or as fp32 sums; own rows are left to the own keys' sums (returned apart)."""
+    import types
+
+    from distcomm_attention.strategies.allgather import AllGatherKV, _depth
+
+    m, own = 40, (5, 9)  # buffer rows; one run of own rows at buffer rows [5, 14), shard rows [3, 12)
+    sparse = types.SimpleNamespace(own_runs=((3, own[0], own[1]),),
+                                   own_ranges=lambda k0, k1: [(3 + lo - own[0], 3 + hi - own[0], lo - k0)
+                                                              for lo, hi in [(max(k0, own[0]), min(k1, sum(own)))]
+                                                              if lo < hi])
+    depths = []
+    for seed in range(40):
+        rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+        grads = []
+        for _ in range(rng.randint(1, 9)):
+            a = rng.randrange(m)
+            b = rng.randint(a + 1, m)
+            dtype = torch.bfloat16 if rng.random() < 0.8 else torch.float32
+            grads.append((slice(a, b), *(torch.randn(1, b - a, 2, 4, generator=g).to(dtype) for _ in range(2))))
+        k_all = torch.empty(1, m, 2, 4, dtype=torch.bfloat16)
+        dk, dv, own_terms = AllGatherKV._others_sums(types.SimpleNamespace(sparse=sparse), grads, k_all, k_all,
+                                                     torch.float32, torch.bfloat16)
+        assert dk.dtype == dv.dtype == torch.bfloat16
+        for i, got in ((1, dk), (2, dv)):
+            want = torch.zeros(1, m, 2, 4, dtype=torch.float64)
+            home = torch.zeros(m, dtype=torch.bool)
+            for term in grads:
+                want[:, term[0]] += term[i].double()
+                home[term[0]] = True
+            home[own[0]:sum(own)] = False
+            torch.testing.assert_close(got[:, home].double(), want[:, home].bfloat16().double(), rtol=0, atol=0)
+        for a, z, t_k, _ in own_terms:  # the own rows' parts, for the own keys' sums
+            assert 3 <= a < z <= 3 + own[1] and t_k.shape[1] == z - a
+        depths.append(_depth((t[0].start, t[0].stop) for t in grads))
+    assert min(depths) <= 2 and max(depths) >= 3, depths

@@ -272,9 +272,9 @@ def test_ulysses_prediction_counts_its_row_copies(heads, kv_heads, batch):
 def test_sparse_allgather_prediction_counts_its_exchange_copies():
     """With the sparse exchange (Note [Sparse gather]) a rank's compute includes, for k and v each: its own rows
     placed into the buffer at each gather (read and written in the input dtype), the other ranks' rows its step
-    1 writes copied into the rows that go home (in the input dtype), the pieces coming back for the rows the
-    others read of its keys (read, and summed where several ranks return the same rows) and its own keys' sums
-    written. Checked as
+    1 writes copied into the rows that go home (in the input dtype with packing kernels, flash-attn-4's, else
+    fp32: Note [Sparse gather], "What goes home"), the pieces coming back for the rows the others read of its
+    keys (read, and summed where several ranks return the same rows) and its own keys' sums written. Checked as
     the difference of one rank's predictions that differ only in ``copy_gbps``, against the bytes counted here
     from the exchange plan's rows (each rank's needs of the others); ``predict``'s compute is the largest of
     the ranks' so counted. The forward runs the two steps of the split plan (own keys first), so its calls are
@@ -295,13 +295,14 @@ def test_sparse_allgather_prediction_counts_its_exchange_copies():
         received = sum(rows(s, r) for s in range(world) if s != r)
         sent = sum(rows(r, t) for t in range(world) if t != r)
         assert received != sent or r == 0
-        per_tensor = 2 * item * n * gathers + 2 * item * received + 2 * item * sent + 2 * item * n
-        want = 2 * kv_heads * d * per_tensor * (1 / 100e9 - 1 / 1e18)
-        args = (c, world, r, n, heads, kv_heads)
+        for packs, home in ((False, 4), (True, item)):  # bytes an element of the rows that go home
+            per_tensor = 2 * item * n * gathers + (item + home) * received + 2 * home * sent + 2 * item * n
+            want = 2 * kv_heads * d * per_tensor * (1 / 100e9 - 1 / 1e18)
+            args = (dataclasses.replace(c, packs=packs), world, r, n, heads, kv_heads)
+            times = [cost._gathered_rank_s(*args, hw, received, sent, gathers)[0] for hw in (slow, fast)]
+            assert math.isclose(times[0] - times[1], want, rel_tol=1e-9), (r, packs, times, want)
         for hw in (slow, fast):
-            computed[hw].append(cost._gathered_rank_s(*args, hw, received, sent, gathers)[0])
-        extra = computed[slow][-1] - computed[fast][-1]
-        assert math.isclose(extra, want, rel_tol=1e-9), (r, extra, want)
+            computed[hw].append(cost._gathered_rank_s(c, world, r, n, heads, kv_heads, hw, received, sent, gathers)[0])
         # packed calls: the forward's those of both steps of the split plan, as the strategy runs it
         packed = dataclasses.replace(c, packs=True)
         split = split_local(gathered_plan(balanced, docs, world, r, n), own_rows(balanced, world, r, n))

@@ -817,6 +817,9 @@ class BlockBackward:
     uses_delta = False
     takes_windows = False  # whether ``block`` takes window= and varlen= (Note [Window calls])
     packs = False  # whether ``block`` takes segment lengths and dq=, dk=, dv= (Note [Packed steps])
+    # whether each call's dK/dV are its kernel's own output in the inputs' dtype (no fp32 sum inside the call,
+    # such as over the query heads of a GQA group): what the sparse exchange sends home (Note [Sparse gather])
+    dkv_in_input_dtype = False
 
     def block(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool,
               scale: float, softcap: float, window: tuple[int | None, int | None] | None = None,

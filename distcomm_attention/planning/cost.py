@@ -121,7 +121,7 @@ Note [Cost model]
     Since the all-gather's packed calls write their first terms into their sums (Note [Packed steps]: slots),
     its state term with packing kernels on a plan with documents or windows charges, as that code does, the
     rows two blocks reach (output and dQ sums), and with the sparse exchange the keys likewise plus the rows
-    that go home in fp32 (own keys' first terms are written in place); the ring's and Ulysses' terms are
+    that go home (own keys' first terms are written in place); the ring's and Ulysses' terms are
     unchanged. Against run 13 (docs/bench/emulated.md, one H100, the tree with the slots and f0ee421 before it
     alternating): the all-gather's rows at S = 128k, W = 8 went from +13% to +19% to -10% (a slow-mode run)
     to +12%, 8 of 8 within 15%, picks unchanged. Against the older runs, which measured trees before the
@@ -129,12 +129,14 @@ Note [Cost model]
     row +11% -> -19%, emulated_run4.json 4 -> 2 of 6 rows within 15%, the W = 16 packs on the mesh 15 -> 14
     of 16; every pick unchanged.
 
-    The sparse all-gather's forward runs the split plan's two steps (own keys first), and its calls are counted
-    so; the exchange's own copies and sums (the own rows placed into the buffer, step 1's terms converted into
-    the fp32 rows that go home, the pieces coming back read, the own keys' sums written: ``_exchange_bytes``)
-    are charged at ``copy_gbps``. On the recorded run 15 rows (docs/bench/emulated.md) 24 of 25 predictions within 15% (worst
-    -16%, was -18%), the every-rank pack rows -6% / -15% (were -11% / -20%); on run 16's rows (the own sums
-    summed by one kernel) -5% / -5% (heavy-tailed) and -12% / -12% (log-normal), picks the fastest.
+    The sparse all-gather's forward runs the split plan's two steps (own keys first), and its calls are counted so;
+    the exchange's own copies and sums (the own rows placed into the buffer, step 1's terms converted into the rows
+    that go home, the pieces coming back read, the own keys' sums written: ``_exchange_bytes``) are charged at
+    ``copy_gbps``. (Since run 20 the rows that go home are in the input dtype with flash-attn-4, ``_home_bytes``,
+    and the forward places only the own rows its other blocks read where its blocks on own keys read the shard; the
+    copies still charge every own row.) On the recorded run 15 rows (docs/bench/emulated.md) 24 of 25 predictions
+    within 15% (worst -16%, was -18%), the every-rank pack rows -6% / -15% (were -11% / -20%); on run 16's rows (the
+    own sums summed by one kernel) -5% / -5% (heavy-tailed) and -12% / -12% (log-normal), picks the fastest.
 """
 
 from __future__ import annotations
@@ -431,15 +433,21 @@ def _twice(spans) -> int:
     return sum(b - a for a, b in spans) - covered
 
 
+def _home_bytes(c: Call) -> int:
+    """Bytes an element of the dK/dV rows the sparse exchange sends home: the input dtype's with packing kernels
+    (flash-attn-4, whose dK/dV come in it), else fp32 (Note [Sparse gather], "What goes home")."""
+    return c.itemsize if c.packs else 4
+
+
 def _exchange_bytes(c: Call, kv_heads: int, local_len: int, remote_keys: int, sent_rows: int, gathers: int = 1) -> int:
     """Bytes the sparse exchange's own copies and sums read and write on one rank (Note [Sparse gather]), for k
     and v each: its own rows placed into the buffer at each gather (read and written in the input dtype), step
-    1's terms on the other ranks' rows (``remote_keys``) copied into the rows that go home (in the input dtype,
-    "What goes home"), the pieces coming back for its keys (``sent_rows``: the rows the others read, once per
+    1's terms on the other ranks' rows (``remote_keys``) copied into the rows that go home (``_home_bytes``),
+    the pieces coming back for its keys (``sent_rows``: the rows the others read, once per
     reader) read, and summed first where several ranks return the same rows, and the own keys' sums (one kernel
     over the kept terms: ``RowSum``) writing its rows in the input dtype, read where a kernel wrote them in place."""
-    i = c.itemsize
-    per_row = 2 * i * local_len * gathers + 2 * i * remote_keys + 2 * i * sent_rows + 2 * i * local_len
+    i, home = c.itemsize, _home_bytes(c)
+    per_row = 2 * i * local_len * gathers + (i + home) * remote_keys + 2 * home * sent_rows + 2 * i * local_len
     return 2 * c.batch * kv_heads * c.head_dim * per_row
 
 
@@ -469,7 +477,7 @@ def _gathered_rank_s(c: Call, ranks: int, rank: int, local_len: int, heads: int,
         own_q = _twice((b.q.start, b.q.stop) for b in split.blocks[0])
         if remote_keys is not None:
             # the rows that go home, in the input dtype: the state term counts fp32 rows
-            keys = remote_keys * c.itemsize // 4 + _twice((b.kv.start, b.kv.stop) for b in plan.blocks[0])
+            keys = remote_keys * _home_bytes(c) // 4 + _twice((b.kv.start, b.kv.stop) for b in plan.blocks[0])
             own_kv = _twice((b.kv.start, b.kv.stop) for b in split.blocks[0])
     own = _compute_s(own_work._replace(calls=_issued(split, 0, c.packs, True), rows=own_q, keys=own_kv), c, heads,
                      kv_heads, hw)
@@ -500,7 +508,7 @@ def _gathered_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, 
         moved = [max(ex.remote_rows(r)) * row / 2 for r in range(ranks)]
         one = [2 * _transfer_s(m * c.itemsize, hw.a2a_gbps, hw) for m in moved]
         gather = [max(0.0, g - own_fwd) + (gathers - 1) * g for g, (_, own_fwd, _) in zip(one, per_rank)]
-        reduce = [2 * _transfer_s(m * c.itemsize, hw.a2a_gbps, hw) for m in moved]  # in the input dtype
+        reduce = [2 * _transfer_s(m * _home_bytes(c), hw.a2a_gbps, hw) for m in moved]
     comm = max(g + max(0.0, d - own_bwd) for g, d, (_, _, own_bwd) in zip(gather, reduce, per_rank))
     return max(compute for compute, _, _ in per_rank), comm if ranks > 1 else 0.0
 

@@ -12,13 +12,13 @@ Note [All-gather KV]
                    dQ, dK, dV      =  block calls; dK, dV summed in fp32 over the whole buffer
                    dk, dv          <- reduce_scatter(dK, dV) in fp32, then rounded to the input dtype once
 
-    The partial dK/dV sums cross the wire in fp32, the ring's rule: a bf16 reduce-scatter rounds at every hop (the
-    sparse exchange's rows go home in the inputs' dtype instead: each is one partial, summed once by its owner, Note
-    [Sparse gather]). Measured on exact partial gradients of causal attention (docs/bench/strategies.md, "Reduction
-    precision"): a bf16 reduction's max error is 1.5-2.5x that of fp32-then-round at W = 2-8 and 8.2x at W = 16, for
-    twice the reduce-scatter bytes. Compared with the ring: the same FLOPs, no chain of W dependent hops, fewer and
-    larger kernel calls (a contiguous rank makes 2, a zigzag rank 4), and S x Hkv x D of key/value memory per rank
-    during the call instead of n x Hkv x D.
+    The partial dK/dV sums cross the wire in fp32, the ring's rule: a bf16 reduce-scatter rounds at every hop (with
+    flash-attn-4 the sparse exchange's rows go home in the inputs' dtype instead: each is one partial, summed once
+    by its owner, Note [Sparse gather]). Measured on exact partial gradients of causal attention
+    (docs/bench/strategies.md, "Reduction precision"): a bf16 reduction's max error is 1.5-2.5x that of
+    fp32-then-round at W = 2-8 and 8.2x at W = 16, for twice the reduce-scatter bytes. Compared with the ring: the
+    same FLOPs, no chain of W dependent hops, fewer and larger kernel calls (a contiguous rank makes 2, a zigzag
+    rank 4), and S x Hkv x D of key/value memory per rank during the call instead of n x Hkv x D.
 
     The backward runs "others first", so that the reduction overlaps with the rest of it. The plan is split
     (``split_local``, cached on the plan as "own keys first", the split the sparse forward runs in that
@@ -128,10 +128,14 @@ def _depth(spans) -> int:
     return most
 
 
-def return_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the sparse exchange's dK/dV rows travel home in, for inputs of ``dtype``: that dtype (Note
-    [Sparse gather], "What goes home")."""
-    return dtype
+def return_dtype(dtype: torch.dtype, bwd) -> torch.dtype:
+    """The dtype the sparse exchange's dK/dV rows travel home in, for inputs of ``dtype`` and backward kernel
+    ``bwd`` (Note [Sparse gather], "What goes home"): that dtype where the kernel returns its dK/dV in it
+    (``dkv_in_input_dtype``), else the accumulation dtype. The kernel is the same on every rank (chosen from the
+    call's arguments and the device kind), so every rank sends and receives in one dtype."""
+    if getattr(bwd, "dkv_in_input_dtype", False):
+        return dtype
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def local_backward(dout, q, k, v, out, lse, key_mask, plan: RingPlan, softcap: float, scale: float, bwd):
@@ -245,6 +249,11 @@ class AllGatherKV:
 
         return self.plan.cached("own keys in shard rows", make)
 
+    def _by_runs(self) -> bool:
+        """Whether the sparse exchange's own rows and what comes back for them go by runs (Note [Sparse gather]):
+        then the blocks on own keys read the shard's rows (``own_keys_in_shard``), forward and backward alike."""
+        return self.sparse is not None and self.sparse.own_all and self.sparse.returns_by_runs
+
     def _forward_plan(self) -> tuple[RingPlan, tuple | None]:
         """(plan, own rows to place) of the sparse forward. Where the backward runs its blocks on own keys over
         the shard's rows (own rows by runs, ``own_keys_in_shard``), the forward does too: its step 0 those
@@ -252,7 +261,7 @@ class AllGatherKV:
         blocks read ((shard row, buffer row, length) runs; the backward's step 1 reads no other: the same
         blocks; cached on the in-shard plan). Else ``own_keys_first`` on the buffer, every own row placed (None)."""
         sparse = self.sparse
-        in_shard = self.own_keys_in_shard() if sparse.own_all and sparse.returns_by_runs else None
+        in_shard = self.own_keys_in_shard() if self._by_runs() else None
         if in_shard is None:
             return self.own_keys_first(), None
 
@@ -379,7 +388,7 @@ class AllGatherKV:
         k_all, v_all, km_all = self._gather(k, v, key_mask)
         plan = self.own_keys_first()
         dout, acc_dtype, delta, dq = backward_start(dout, q, out, self.bwd)
-        by_runs = self.sparse is not None and self.sparse.own_all and self.sparse.returns_by_runs
+        by_runs = self._by_runs()
         in_shard = self.own_keys_in_shard() if by_runs else None
         # step 0 (own keys): over the shard's rows where it can, else the buffer's
         own = (k.contiguous(), v.contiguous(), key_mask, in_shard) if in_shard is not None else \
@@ -390,7 +399,7 @@ class AllGatherKV:
         step = (dout, q, k_all, v_all, out, lse, delta, km_all, dq, plan)
         kernel = (self.softcap, self.scale, self.bwd, acc_dtype)
         own1 = None  # step 1's terms on own rows, (shard rows, dK, dV), where they skip the buffer
-        wire = return_dtype(k.dtype)
+        wire = return_dtype(k.dtype, self.bwd)
         if by_runs:
             dk_all, dv_all, own1 = self._others_sums(block_grads(*step, 1, *kernel), k_all, v_all, acc_dtype, wire)
         else:

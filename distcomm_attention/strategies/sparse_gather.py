@@ -44,13 +44,15 @@ Note [Sparse gather]
     reads) land in one tensor and are summed by one reduction (in fp32) before they meet the owner's sums.
 
     What goes home. A rank's gradient for another rank's key row is one partial, sent once and summed by the
-    owner in fp32 with the others' and its own (no chain of hops adding to it, as in the ring's or a
-    reduce-scatter's), so it travels in the inputs' dtype (``allgather.return_dtype``), half the bytes of fp32
-    for bf16 and fp16. Where one kernel call wrote the row (block kernels such as flash-attn-4 return their
-    dK/dV in the inputs' dtype) the partial crosses unchanged, the same values as in fp32; where two or more
-    calls reached it (windows, a rank's two runs of one document) they are summed in fp32 and the sum is
-    rounded once, as each kernel call already rounds its own output. The dense all-gather's reduce-scatter
-    keeps fp32 (Note [All-gather KV]).
+    owner in fp32 with the others' and its own (no chain of hops adds to it, as in the ring's or a
+    reduce-scatter's). Where the backward kernel returns its dK/dV in the inputs' dtype (``dkv_in_input_dtype``:
+    flash-attn-4, which sums a GQA group's query heads inside, in fp32) the partial travels in that dtype
+    (``allgather.return_dtype``), half the bytes of fp32 for bf16 and fp16: a row one kernel call wrote crosses
+    unchanged, the same values as in fp32; a row two calls reached is one addition in that dtype (computed in
+    fp32, rounded once), three or more are summed in fp32 and rounded once (windows, a rank's two runs of one
+    document). With other kernels (Triton, cuDNN, flash-attn-2, torch: their dK/dV are fp32 sums) it travels in
+    fp32, as before. The kernel is the same on every rank, so every rank sends and receives in one dtype. The
+    dense all-gather's reduce-scatter keeps fp32 (Note [All-gather KV]).
 """
 
 from __future__ import annotations
