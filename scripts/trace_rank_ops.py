@@ -75,6 +75,7 @@ class StandInBackward(BlockBackward):
 
     takes_windows = True
     packs = True
+    dkv_in_input_dtype = True
 
     def block(self, dout, q, k, v, out, lse, *, causal, scale, softcap, window=None, varlen=None, dq=None, dk=None,
               dv=None):

@@ -569,3 +569,35 @@ def test_allgather_sums_finished_by_one_kernel_give_the_same_bits():
             assert all(res["same"]), (r, plans[i], res["same"])
             assert res["ran"][False] == 0, (r, plans[i])
     assert sum(res["ran"][True] for r in range(world) for res in got[r]) > 0
+
+
+def _mixed_return_rank(rank, world, strategy):
+    import distcomm_attention as da
+    from distcomm_attention.kernels import dispatch
+
+    fwd, bwd = _whole_span_kernels([])
+    bwd.dkv_in_input_dtype = rank == 0  # one rank's backward would send bf16 home, the others' fp32
+    dispatch.select_kernels = lambda backend, q, vis=None, softcap=0.0: ("fa4", fwd, bwd)
+    docs = (0, 5, 40, 72)
+    q, k, v, dout, pos = _plan_inputs(rank, world, "contiguous", docs, 1)
+    local = [t[:, pos].bfloat16().requires_grad_() for t in (q, k, v)]
+    try:
+        o = da.context_parallel_attn(*local, causal=True, cu_seqlens=docs, layout="contiguous", strategy=strategy)
+        o.backward(dout[:, pos].bfloat16())
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("strategy", ["allgather", "ring"])
+def test_ranks_disagreeing_on_what_goes_home_get_one_error(strategy):
+    """Ranks whose backward kernels differ in the dtype the sparse exchange sends dK/dV home in (Note [Sparse
+    gather], "What goes home") get the same error on every rank, naming the field, before any exchange (no hang,
+    no crash); a strategy without that exchange does not care."""
+    got = run_world(_mixed_return_rank, 3, strategy, timeout=120)
+    if strategy == "ring":
+        assert got == [None] * 3, got
+        return
+    assert got[0] is not None and "sparse dK/dV home in" in got[0], got
+    assert "the inputs' dtype (backend 'fa4')" in got[0] and "fp32 (backend 'fa4')" in got[0], got[0]
+    assert got[0] == got[1] == got[2]

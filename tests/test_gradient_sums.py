@@ -179,7 +179,18 @@ def test_rows_going_home_are_rounded_once():
     """``AllGatherKV._others_sums`` in bf16 (Note [Sparse gather], "What goes home"): every row that goes home
     equals the float64 sum of the step-1 terms reaching it, rounded once to bf16, whether one, two or more terms
     reach it (random spans: cases at most two deep and cases three or more deep both met), and whether the terms
-    come in bf16 or as fp32 sums; own rows are left to the own keys' sums (returned apart)."""
+    come in bf16 or as fp32 sums of two bf16 values (as several window calls give; one case puts such a sum and a
+    bf16 term on the same rows, which rounding the sum alone first would round twice); own rows are left to the own
+    keys' sums (returned apart). The values are bf16 of magnitude 2^-6 to 8, so that every sum here is exact in fp32
+    and float64 alike: one rounding, and one answer."""
+
+    def values(shape, g, dtype):  # bf16 values of magnitude [2^-6, 8]; an fp32 term is two of them summed
+        def one():
+            x = torch.randn(shape, generator=g).clamp(-8, 8)
+            return torch.where(x.abs() < 2 ** -6, torch.full_like(x, 2 ** -6), x).bfloat16()
+
+        return one() if dtype == torch.bfloat16 else one().float() + one().float()
+
     import types
 
     from distcomm_attention.strategies.allgather import AllGatherKV, _depth
@@ -193,11 +204,14 @@ def test_rows_going_home_are_rounded_once():
     for seed in range(40):
         rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
         grads = []
-        for _ in range(rng.randint(1, 9)):
+        if seed == 0:  # an fp32 sum and a bf16 term on the same rows: rounding the first alone would round twice
+            grads = [(slice(20, 36), *(values((1, 16, 2, 4), g, torch.float32) for _ in range(2))),
+                     (slice(24, 40), *(values((1, 16, 2, 4), g, torch.bfloat16) for _ in range(2)))]
+        for _ in range(rng.randint(1, 9) if seed else 0):
             a = rng.randrange(m)
             b = rng.randint(a + 1, m)
             dtype = torch.bfloat16 if rng.random() < 0.8 else torch.float32
-            grads.append((slice(a, b), *(torch.randn(1, b - a, 2, 4, generator=g).to(dtype) for _ in range(2))))
+            grads.append((slice(a, b), *(values((1, b - a, 2, 4), g, dtype) for _ in range(2))))
         k_all = torch.empty(1, m, 2, 4, dtype=torch.bfloat16)
         dk, dv, own_terms = AllGatherKV._others_sums(types.SimpleNamespace(sparse=sparse), grads, k_all, k_all,
                                                      torch.float32, torch.bfloat16)
@@ -212,5 +226,7 @@ def test_rows_going_home_are_rounded_once():
             torch.testing.assert_close(got[:, home].double(), want[:, home].bfloat16().double(), rtol=0, atol=0)
         for a, z, t_k, _ in own_terms:  # the own rows' parts, for the own keys' sums
             assert 3 <= a < z <= 3 + own[1] and t_k.shape[1] == z - a
-        depths.append(_depth((t[0].start, t[0].stop) for t in grads))
-    assert min(depths) <= 2 and max(depths) >= 3, depths
+        fp32 = any(t[1].dtype == torch.float32 for t in grads)
+        depths.append((_depth((t[0].start, t[0].stop) for t in grads), fp32))
+    assert min(d for d, _ in depths) <= 2 and max(d for d, _ in depths) >= 3, depths
+    assert sum(d == 2 and fp32 for d, fp32 in depths) >= 3, depths  # (where a term of another dtype forces fp32)

@@ -817,8 +817,9 @@ class BlockBackward:
     uses_delta = False
     takes_windows = False  # whether ``block`` takes window= and varlen= (Note [Window calls])
     packs = False  # whether ``block`` takes segment lengths and dq=, dk=, dv= (Note [Packed steps])
-    # whether each call's dK/dV are its kernel's own output in the inputs' dtype (no fp32 sum inside the call,
-    # such as over the query heads of a GQA group): what the sparse exchange sends home (Note [Sparse gather])
+    # whether every call returns its dK/dV in the inputs' dtype, each row rounded once from the kernel's own
+    # accumulation (no fp32 partial handed back, no second rounding of a sum made outside the kernel): then a
+    # row one call wrote goes home in that dtype unchanged (Note [Sparse gather], "What goes home")
     dkv_in_input_dtype = False
 
     def block(self, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool,

@@ -182,7 +182,7 @@ class FA4Backward(BlockBackward):
 
     takes_windows = True
     packs = True
-    dkv_in_input_dtype = True  # (GQA's query heads summed in fp32 inside the kernel, rounded once)
+    dkv_in_input_dtype = True  # (a GQA group's query heads are summed in fp32 inside the kernel, rounded once)
 
     def __init__(self):
         self._bwd = _interface()._flash_attn_bwd

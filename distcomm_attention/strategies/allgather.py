@@ -131,8 +131,8 @@ def _depth(spans) -> int:
 def return_dtype(dtype: torch.dtype, bwd) -> torch.dtype:
     """The dtype the sparse exchange's dK/dV rows travel home in, for inputs of ``dtype`` and backward kernel
     ``bwd`` (Note [Sparse gather], "What goes home"): that dtype where the kernel returns its dK/dV in it
-    (``dkv_in_input_dtype``), else the accumulation dtype. The kernel is the same on every rank (chosen from the
-    call's arguments and the device kind), so every rank sends and receives in one dtype."""
+    (``dkv_in_input_dtype``), else the accumulation dtype. The ranks verify that they agree on it (``prepare``),
+    so every rank sends and receives in one dtype."""
     if getattr(bwd, "dkv_in_input_dtype", False):
         return dtype
     return torch.float64 if dtype == torch.float64 else torch.float32

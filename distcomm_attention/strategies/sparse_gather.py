@@ -50,8 +50,9 @@ Note [Sparse gather]
     (``allgather.return_dtype``), half the bytes of fp32 for bf16 and fp16: a row one kernel call wrote crosses
     unchanged, the same values as in fp32; a row two calls reached is one addition in that dtype (computed in
     fp32, rounded once), three or more are summed in fp32 and rounded once (windows, a rank's two runs of one
-    document). With other kernels (Triton, cuDNN, flash-attn-2, torch: their dK/dV are fp32 sums) it travels in
-    fp32, as before. The kernel is the same on every rank, so every rank sends and receives in one dtype. The
+    document). With the other kernels it travels in fp32, as before (Triton and torch return fp32 dK/dV; cuDNN
+    and flash-attn-2 sum a GQA group's heads in fp32 outside the kernel). The ranks verify that their kernels
+    agree on it (``prepare``'s field "sparse dK/dV home in"), so every rank sends and receives in one dtype. The
     dense all-gather's reduce-scatter keeps fp32 (Note [All-gather KV]).
 """
 
