@@ -1465,3 +1465,31 @@ def test_a_finalizer_inside_on_device_does_not_deadlock():
     kept = torch.arange(6)
     assert torch.equal(_device.on_device(kept, torch.device("cpu"), copy=collecting_copy), kept)
     assert _device._cached_copies() == before  # one dropped, one added
+
+
+def test_sparse_return_bytes_follow_the_kernel():
+    """The sparse all-gather's return in the cost model (Note [Sparse gather], "What goes home"): with packing
+    kernels (flash-attn-4, dK/dV in the inputs' dtype) each rank's dK/dV going home cost 2 bytes an element in
+    bf16, else fp32's 4. Over a slow link, where the return is exposed on every rank, the exposed communication
+    is each rank's gather plus its return beyond its blocks on own keys, the largest over the ranks; counted here
+    from the exchange plan's rows."""
+    world, n, d, heads, kv_heads = 4, 512, 64, 8, 2
+    docs = Visibility(causal=True, cu_seqlens=(0, 300, 1100, 1500, 2048))
+    balanced = balance.resolve("balanced", world * n, world, docs.cu_seqlens)
+    ex = gathered_exchange(balanced, docs, world, n)
+    assert ex is not None and not ex.moves_nothing
+    hw = cost.Hardware(a2a_gbps=0.01, latency_s=0.0)  # 10 MB/s: every transfer far longer than any compute
+    row = 2 * kv_heads * d  # k and v elements of one token
+    for packs, home in ((True, 2), (False, 4)):
+        c = dataclasses.replace(_call(world=world, heads=heads, kv_heads=kv_heads, layout=balanced, vis=docs,
+                                      local_len=n, head_dim=d, itemsize=2), packs=packs)
+        _, gathers, per_rank = cost._gathered_ranks_s(c, world, n, heads, kv_heads, hw)
+        assert cost._home_bytes(c) == home
+        exposed = []
+        for r, (_, own_fwd, own_bwd) in enumerate(per_rank):
+            moved = max(ex.remote_rows(r)) * row / 2  # elements of k (or v) on the busier direction of its link
+            gather = 2 * moved * 2 / (hw.a2a_gbps * 1e9)  # k and v, bf16
+            back = 2 * moved * home / (hw.a2a_gbps * 1e9)  # dK and dV
+            assert gather > own_fwd and back > own_bwd
+            exposed.append((gather - own_fwd) + (gathers - 1) * gather + (back - own_bwd))
+        assert math.isclose(cost._gathered_s(c, world, n, heads, kv_heads, hw)[1], max(exposed), rel_tol=1e-9)
