@@ -403,7 +403,7 @@ def _return_rank(rank, world, plans, flagged=True, max_runs=None):
     for i, (layout, (causal, window, docs)) in enumerate(plans):
         q, k, v, dout, pos = _plan_inputs(rank, world, layout, docs, 300 + i)
         runs = {}
-        for name, wire in (("shipped", shipped), ("fp32", lambda dtype, bwd: torch.float32)):
+        for name, wire in (("shipped", shipped), ("fp32", lambda dtype, acc_dtype, bwd: torch.float32)):
             allgather.return_dtype, depths[:] = wire, []
             try:
                 local = [t[:, pos].bfloat16().requires_grad_() for t in (q, k, v)]

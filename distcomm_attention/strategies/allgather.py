@@ -128,14 +128,12 @@ def _depth(spans) -> int:
     return most
 
 
-def return_dtype(dtype: torch.dtype, bwd) -> torch.dtype:
+def return_dtype(dtype: torch.dtype, acc_dtype: torch.dtype, bwd) -> torch.dtype:
     """The dtype the sparse exchange's dK/dV rows travel home in, for inputs of ``dtype`` and backward kernel
     ``bwd`` (Note [Sparse gather], "What goes home"): that dtype where the kernel returns its dK/dV in it
     (``dkv_in_input_dtype``), else the accumulation dtype. The ranks verify that they agree on it (``prepare``),
     so every rank sends and receives in one dtype."""
-    if getattr(bwd, "dkv_in_input_dtype", False):
-        return dtype
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    return dtype if getattr(bwd, "dkv_in_input_dtype", False) else acc_dtype
 
 
 def local_backward(dout, q, k, v, out, lse, key_mask, plan: RingPlan, softcap: float, scale: float, bwd):
@@ -399,7 +397,7 @@ class AllGatherKV:
         step = (dout, q, k_all, v_all, out, lse, delta, km_all, dq, plan)
         kernel = (self.softcap, self.scale, self.bwd, acc_dtype)
         own1 = None  # step 1's terms on own rows, (shard rows, dK, dV), where they skip the buffer
-        wire = return_dtype(k.dtype, self.bwd)
+        wire = return_dtype(k.dtype, acc_dtype, self.bwd)
         if by_runs:
             dk_all, dv_all, own1 = self._others_sums(block_grads(*step, 1, *kernel), k_all, v_all, acc_dtype, wire)
         else:

@@ -127,11 +127,11 @@ def prepare(
     # the dtype the all-gather's sparse exchange sends dK/dV home in follows the backward kernel (Note [Sparse
     # gather], "What goes home"): its ranks must agree, or one would send what another does not expect ("auto"
     # verifies the strategy it picked)
-    home = "not used"
+    home = _validation.Shown("not used", "not used")
     if fields["strategy"] in ("allgather", "hybrid_allgather") and checked is not None:
-        home = "the inputs' dtype" if getattr(bwd, "dkv_in_input_dtype", False) else "fp32"
-        home = f"{home} (backend {_name!r})"
-    fields["sparse dK/dV home in"] = _validation.Shown(home.split(" (")[0], home)
+        dtype = "the inputs' dtype" if getattr(bwd, "dkv_in_input_dtype", False) else "fp32"
+        home = _validation.Shown(dtype, f"{dtype} (backend {_name!r})")
+    fields["sparse dK/dV home in"] = home
     _validation.verify_across_ring(op, comm, {"q": q, "k": k, "v": v}, extra=fields,
                                    error=local_error, mesh=bool(fields["mesh"]))
     resolved.raise_if_ambiguous(op)

@@ -187,11 +187,12 @@ class SparseGather:
                 send = _take(rows, self.back_runs, lambda: self._index("send_index", device))
                 handle = self.transport.all_to_all_v(send, self.send_splits, self.recv_splits)
             buffers.append(buffer), handles.append(handle), bools.append(t.dtype == torch.bool), shards.append(rows)
+        runs = self.own_runs if own is None else own
         for rows, buffer in zip(shards, buffers):
             if rows is None:
                 continue
-            if own is not None or self.own_runs is not None:
-                for a, at, length in self.own_runs if own is None else own:
+            if runs is not None:
+                for a, at, length in runs:
                     buffer[at:at + length] = rows[a:a + length]
             else:
                 buffer[self._index("place_own", device)] = rows.index_select(0, self._index("own_index", device))
