@@ -51,28 +51,35 @@ def test_gather_rows_refuses_what_it_would_misread():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("empty_only", [False, True])
-def test_nan_rows_marks_exactly_the_rows_holding_a_nan(device, dtype, empty_only):
+@pytest.mark.parametrize("s", [45, 4100])
+def test_nan_rows_marks_exactly_the_rows_holding_a_nan(device, dtype, empty_only, s):
     """lse becomes NaN where the output row holds a NaN, anywhere in the head dimension; with ``empty_only`` only
     where lse is -inf (a row reported as having seen no key): a NaN row with a finite lse keeps it, an empty row
     without a NaN stays -inf. Rows of +-inf values are not NaN rows; lse given as a transposed view (the packed
-    calls' layout) is written in place."""
+    calls' layout) is written in place. 4100 rows: programs walking several blocks of rows, the last one
+    partly past the end."""
     g = torch.Generator().manual_seed(2)
-    b, s, h, d = 2, 45, 3, 24
+    b, h, d = 2, 3, 24
     out = torch.randn(b, s, h, d, generator=g)
     out[0, 3, 1, 0] = out[1, 44, 2, 23] = out[1, 10, 0, 11] = out[0, 20, 2, 5] = float("nan")
     out[0, 5, 0, :] = float("inf")
     out[0, 6, 2, 3] = -float("inf")
     out = out.to(dtype)
     lse32 = torch.randn(h, b, s, generator=g)
-    for b_, s_, h_ in [(0, 3, 1), (1, 44, 2), (1, 10, 0), (0, 5, 0), (0, 6, 2), (1, 30, 1)]:
-        lse32[h_, b_, s_] = float("-inf")  # reported empty: three hold a NaN, two +-inf, one nothing odd
+    empty = [(0, 3, 1), (1, 44, 2), (1, 10, 0), (0, 5, 0), (0, 6, 2), (1, 30, 1)]
+    if s > 45:  # one more reported empty and holding a NaN, in the last block of rows
+        out[1, s - 2, 1, 7] = float("nan")
+        empty.append((1, s - 2, 1))
+    for b_, s_, h_ in empty:
+        lse32[h_, b_, s_] = float("-inf")  # reported empty: three (four) hold a NaN, two +-inf, one nothing odd
     want = lse32.transpose(0, 1).double()
     bad = out.double().isnan().any(-1).transpose(1, 2)
     want.masked_fill_(bad & (want == float("-inf")) if empty_only else bad, float("nan"))
     lse = lse32.to(device).transpose(0, 1)  # (B, H, S), not contiguous
     got = triton_rows.nan_rows_(out.to(device), lse, empty_only=empty_only)
     assert got is lse
-    assert torch.equal(got.isnan().cpu(), want.isnan()) and int(want.isnan().sum()) == (3 if empty_only else 4)
+    assert torch.equal(got.isnan().cpu(), want.isnan())
+    assert int(want.isnan().sum()) == (3 if empty_only else 4) + (s > 45)
     assert float(got[0, 2, 20]).__eq__(float(lse32[2, 0, 20])) == empty_only, "a NaN row with a finite lse"
     assert int((want == float("-inf")).sum()) == 3
     torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=0, equal_nan=True, check_dtype=False)

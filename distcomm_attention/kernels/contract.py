@@ -88,7 +88,7 @@ from distcomm_attention._device import on_device
 from distcomm_attention.planning.calls import Fit, PackedCall, packed_calls
 from distcomm_attention.planning.visibility import BlockMask, Piece, Visibility, pieces_of
 
-__all__ = ["BlockForward", "BlockBackward", "MergeState", "RowSum", "merge_block", "call_features",
+__all__ = ["BlockForward", "BlockBackward", "MergeState", "RowSum", "merge_block", "call_features", "copy_all",
            "WindowCall", "window_calls", "Varlen", "PackedCall", "packed_calls"]
 
 
@@ -233,6 +233,16 @@ class _Packed(NamedTuple):
             return k.index_select(1, self.key_index), v.index_select(1, self.key_index)
         lo, hi = self.key_span
         return k[:, lo:hi], v[:, lo:hi]
+
+
+def copy_all(dsts, srcs) -> None:
+    """``dst.copy_(src)`` for each pair, as one launch where they allow it (``torch._foreach_copy_``: contiguous
+    pairs of one dtype, e.g. runs of rows of (1, n, ...) tensors), not a copy each: a copy of a few rows takes
+    a few microseconds, as long as the gap after it (eight runs of rows, 33 us, one H100)."""
+    if len(dsts) == 1:
+        dsts[0].copy_(srcs[0])
+    elif dsts:
+        torch._foreach_copy_(list(dsts), list(srcs))
 
 
 def _on(x: Tensor | None, device: torch.device) -> Tensor | None:

@@ -85,27 +85,31 @@ def gather_rows(x: Tensor, index: Tensor, out: Tensor | None = None, config: tup
 
 @triton.jit
 def _nan_kernel(out, lse, R, H, D, s_ob, s_or, s_oh, s_lb, s_lh, s_lr,
-                BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, EMPTY_ONLY: tl.constexpr):
-    # One program: BLOCK_R rows of one (batch element, head).
-    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+                BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, EMPTY_ONLY: tl.constexpr, STEPS: tl.constexpr):
+    # One program: STEPS blocks of BLOCK_R rows of one (batch element, head).
     h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
-    in_r = rows < R
-    at = lse + b * s_lb + h * s_lh + rows * s_lr
-    if EMPTY_ONLY:  # only the rows reported empty are read
-        empty = in_r & (tl.load(at, mask=in_r, other=0.0) == float("-inf"))
-    else:
-        empty = in_r
-    tile = empty[:, None] & (cols[None, :] < D)
-    vals = tl.load(out + b * s_ob + h * s_oh + rows[:, None] * s_or + cols[None, :], mask=tile, other=0.0).to(tl.float32)
-    bad = tl.max((vals != vals).to(tl.int32), axis=1) > 0
-    tl.store(at, float("nan"), mask=empty & bad)
+    for step in range(STEPS):
+        rows = ((tl.program_id(0) * STEPS + step) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        in_r = rows < R
+        at = lse + b * s_lb + h * s_lh + rows * s_lr
+        if EMPTY_ONLY:  # only the rows reported empty are read
+            empty = in_r & (tl.load(at, mask=in_r, other=0.0) == float("-inf"))
+        else:
+            empty = in_r
+        tile = empty[:, None] & (cols[None, :] < D)
+        vals = tl.load(out + b * s_ob + h * s_oh + rows[:, None] * s_or + cols[None, :], mask=tile,
+                       other=0.0).to(tl.float32)
+        bad = tl.max((vals != vals).to(tl.int32), axis=1) > 0
+        tl.store(at, float("nan"), mask=empty & bad)
 
 
 def nan_rows_(out: Tensor, lse: Tensor, empty_only: bool = False) -> Tensor:
     """lse (B, H, S) set to NaN in place where out (B, S, H, D) (head dimension contiguous) holds a NaN; with
     ``empty_only`` only on the rows whose lse is -inf (reported as having seen no key; Note [Merging block
-    outputs]), whose outputs alone are read."""
+    outputs]), whose outputs alone are read: a program then walks 16 blocks of rows, since it reads little
+    more than their lse (one block each, 16384 programs of 32 rows for 16k rows of 32 heads, took 21 us on
+    an H100 for 2 MB of lse)."""
     b, s, h, d = out.shape
     if out.stride(-1) != 1:
         raise ValueError(f"nan_rows_: the head dimension of out must be contiguous (strides {tuple(out.stride())})")
@@ -113,9 +117,10 @@ def nan_rows_(out: Tensor, lse: Tensor, empty_only: bool = False) -> Tensor:
         return lse
     block_d = triton.next_power_of_2(d)
     block_r = max(1, 8192 // (block_d * out.element_size()))
-    grid = (triton.cdiv(s, block_r), h, b)
+    steps = 16 if empty_only else 1
+    grid = (triton.cdiv(s, block_r * steps), h, b)
     _nan_kernel[grid](out, lse, s, h, d, *out.stride()[:3], *lse.stride(), BLOCK_R=block_r, BLOCK_D=block_d,
-                      EMPTY_ONLY=empty_only, num_warps=4)
+                      EMPTY_ONLY=empty_only, STEPS=steps, num_warps=4)
     return lse
 
 

@@ -406,7 +406,7 @@ class AllGatherKV:
             del step, k_all, v_all, km_all
         with torch.no_grad():
             if self.sparse is not None:
-                pending = [self.sparse.post_scatter_add(x, k.shape[1], wire) for x in (dk_all, dv_all)]
+                pending = self.sparse.post_scatter_add((dk_all, dv_all), k.shape[1], wire)
             else:
                 received = reduce_scatter_kv(dk_all, dv_all, self.group, self.inverse)
                 del dk_all, dv_all

@@ -44,7 +44,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from distcomm.ring import RingComm
-from distcomm_attention.kernels.contract import MergeState, RowSum, _runs, _split_runs, _zero_untouched
+from distcomm_attention.kernels.contract import MergeState, RowSum, _runs, _split_runs, _zero_untouched, copy_all
 from distcomm_attention.planning.calls import step_calls
 from distcomm_attention.planning.visibility import RingPlan
 
@@ -254,6 +254,7 @@ def _sum_terms(accs: tuple[torch.Tensor, ...], grads, unread=()) -> None:
             for acc, term in zip(accs, terms):
                 _add_into(acc, kv, term)
         return
+    into, firsts, adds = [], [], []  # each row's first term copied (all at once), then the later ones added
     for kv, *terms in grads:
         start, stop, _ = kv.indices(n)
         if start >= stop:
@@ -262,10 +263,13 @@ def _sum_terms(accs: tuple[torch.Tensor, ...], grads, unread=()) -> None:
             for acc, term in zip(accs, terms):
                 part = term[:, a - start:z - start]
                 if seen:
-                    acc[:, a:z].add_(part)
+                    adds.append((acc[:, a:z], part))
                 else:
-                    acc[:, a:z].copy_(part)
+                    into.append(acc[:, a:z]), firsts.append(part)
         written = _runs(written + ((start, stop),))
+    copy_all(into, firsts)
+    for rows, part in adds:
+        rows.add_(part)
     for acc in accs:
         _zero_untouched(acc, _runs(written + tuple(unread)))
 

@@ -65,6 +65,7 @@ import torch
 from distcomm_attention.planning import layouts
 from distcomm_attention.planning.exchange import Exchange
 from distcomm_attention._device import on_device
+from distcomm_attention.kernels.contract import copy_all
 
 __all__ = ["SparseGather"]
 
@@ -122,8 +123,8 @@ class _Arrival:
             else:
                 (recv,) = handle.wait()
                 if isinstance(self._place, tuple):  # runs: (arrived row, buffer row, length)
-                    for a, at, length in self._place:
-                        self._buffers[i][at:at + length] = recv[a:a + length]
+                    copy_all([self._buffers[i][at:at + length] for _, at, length in self._place],
+                             [recv[a:a + length] for a, _, length in self._place])
                 else:  # one row scatter (an index put would read every element through the index)
                     self._buffers[i].index_copy_(0, self._place, recv)
         self._handles = []
@@ -170,32 +171,25 @@ class SparseGather:
         buffers left unset, for a caller that reads none of them); default every own row."""
         present = [t for t in tensors if t is not None]
         device = present[0].device
-        buffers, handles, bools, shards = [], [], [], []
-        for t in tensors:  # every transfer posted first, the own rows placed while they travel
+        buffers, bools, shards = [], [], []
+        for t in tensors:
             if t is None:
-                buffers.append(None), handles.append(None), bools.append(False), shards.append(None)
+                buffers.append(None), bools.append(False), shards.append(None)
                 continue
             rows = t.view(torch.uint8) if t.dtype == torch.bool else t
             rows = rows.transpose(0, 1)
-            buffer = rows.new_empty((self.buffer_len,) + tuple(rows.shape[1:]))
-            handle = None
-            if self.pieces is not None:
-                sent, received = self.pieces
-                handle = self.transport.exchange([(peer, rows[a:a + length]) for peer, a, length in sent],
-                                                 [(peer, buffer[at:at + length]) for peer, at, length in received])
-            elif not self.skip:
-                send = _take(rows, self.back_runs, lambda: self._index("send_index", device))
-                handle = self.transport.all_to_all_v(send, self.send_splits, self.recv_splits)
-            buffers.append(buffer), handles.append(handle), bools.append(t.dtype == torch.bool), shards.append(rows)
+            buffers.append(rows.new_empty((self.buffer_len,) + tuple(rows.shape[1:])))
+            bools.append(t.dtype == torch.bool), shards.append(rows)
+        handles = self._send(shards, buffers)  # every transfer posted first, the own rows placed while they travel
         runs = self.own_runs if own is None else own
-        for rows, buffer in zip(shards, buffers):
-            if rows is None:
-                continue
-            if runs is not None:
-                for a, at, length in runs:
-                    buffer[at:at + length] = rows[a:a + length]
-            else:
-                buffer[self._index("place_own", device)] = rows.index_select(0, self._index("own_index", device))
+        if runs is not None:  # one launch for every run of every tensor
+            pairs = [(buffer[at:at + length], rows[a:a + length]) for rows, buffer in zip(shards, buffers)
+                     if rows is not None for a, at, length in runs]
+            copy_all([dst for dst, _ in pairs], [src for _, src in pairs])
+        else:
+            for rows, buffer in zip(shards, buffers):
+                if rows is not None:
+                    buffer[self._index("place_own", device)] = rows.index_select(0, self._index("own_index", device))
         if self.pieces is not None:  # arrived in their slices: nothing to place
             place = None
         elif self.place_runs is not None and len(self.place_runs) <= MAX_RUNS:
@@ -204,44 +198,86 @@ class SparseGather:
             place = self._index("place", device)
         return _Arrival(buffers, handles, place, bools)
 
+    def _send(self, shards, buffers) -> list:
+        """Post the transfers of the (n, ...) ``shards`` (None: absent) into their (m, ...) ``buffers``: with
+        direct pieces one exchange for the tensors of each dtype (k and v travel as one group of transfers, one
+        launch and one latency), else an all-to-all-v each; the handle of each tensor (shared; None where
+        nothing moves)."""
+        handles = [None] * len(shards)
+        if self.pieces is not None:
+            sent, received = self.pieces
+            for which in _by_dtype(shards):
+                handle = self.transport.exchange(
+                    [(peer, shards[i][a:a + length]) for i in which for peer, a, length in sent],
+                    [(peer, buffers[i][at:at + length]) for i in which for peer, at, length in received])
+                for i in which:
+                    handles[i] = handle
+        elif not self.skip:
+            for i, rows in enumerate(shards):
+                if rows is not None:
+                    send = _take(rows, self.back_runs, lambda: self._index("send_index", rows.device))
+                    handles[i] = self.transport.all_to_all_v(send, self.send_splits, self.recv_splits)
+        return handles
+
     def gather(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         """(B, n, ...) local tensors -> (B, m, ...) buffers of the needed keys (None stays None)."""
         got = self.post(*tensors).wait()
         return tuple(None if g is None else (g.view(torch.bool) if t.dtype == torch.bool else g).contiguous()
                      for g, t in zip(got, tensors))
 
-    def post_scatter_add(self, grad: torch.Tensor, local_len: int, wire: torch.dtype | None = None) -> _Returning:
-        """Start sending the other ranks' rows of (B, m, ...) buffer gradients home (not to change before the
-        wait: with direct pieces in ``grad``'s dtype they leave as views), in ``wire``'s dtype (default
-        ``grad``'s; every rank of the exchange must pass the same); ``wait()`` gives (B, n, ...) this rank's
-        rows, every rank's contributions summed in ``grad``'s dtype (the adjoint of :meth:`gather`). ``grad``'s
-        own rows are read at the wait: the caller may add to them meanwhile (Note [All-gather KV])."""
-        device = grad.device
-        rows = grad.transpose(0, 1)
-        wire = grad.dtype if wire is None else wire
-        if wire != grad.dtype:  # one conversion of the whole buffer (its own rows too, their copy unread)
-            rows = rows.to(wire)
-        handle = None
+    def post_scatter_add(self, grads, local_len: int, wire: torch.dtype | None = None) -> list[_Returning]:
+        """Start sending the other ranks' rows of (B, m, ...) buffer gradients (``grads``, a sequence: dK and dV
+        travel together, as one group of transfers with direct pieces) home (not to change before the wait: with
+        direct pieces in a gradient's dtype they leave as views), in ``wire``'s dtype (default each gradient's;
+        every rank of the exchange must pass the same); each result's ``wait()`` gives (B, n, ...) this rank's
+        rows, every rank's contributions summed in the gradient's dtype (the adjoint of :meth:`gather`). The
+        gradients' own rows are read at the wait: the caller may add to them meanwhile (Note [All-gather KV])."""
+        shards = []
+        for grad in grads:
+            rows = grad.transpose(0, 1)
+            if wire is not None and wire != grad.dtype:  # one conversion of the whole buffer (own rows unread)
+                rows = rows.to(wire)
+            shards.append(rows)
+        handles = [None] * len(shards)
         if self.pieces is not None:  # each received piece's rows back to its owner, each sent piece's home
             sent, received = self.pieces
-            # the pieces that come back for the same rows (from several ranks) land in one tensor, summed at once
-            groups, back = [], [None] * len(sent)
-            for _, length, which in self.back_groups:
-                groups.append(rows.new_empty((len(which), length) + tuple(rows.shape[1:]), dtype=wire))
+            for which in _by_dtype(shards):
+                sends, recvs, groups = [], [], []
+                for i in which:
+                    rows = shards[i]
+                    # the pieces that come back for the same rows (from several ranks) land in one tensor, summed
+                    # at once
+                    mine, back = [], [None] * len(sent)
+                    for _, length, which_pieces in self.back_groups:
+                        mine.append(rows.new_empty((len(which_pieces), length) + tuple(rows.shape[1:])))
+                        for j, piece in enumerate(which_pieces):
+                            back[piece] = mine[-1][j]
+                    sends += [(peer, rows[at:at + length]) for peer, at, length in received]
+                    recvs += list(zip((peer for peer, _, _ in sent), back))
+                    groups.append(mine)
+                handle = self.transport.exchange(sends, recvs)
                 for j, i in enumerate(which):
-                    back[i] = groups[-1][j]
-            handle = self.transport.exchange([(peer, rows[at:at + length]) for peer, at, length in received],
-                                             list(zip((peer for peer, _, _ in sent), back)))
-            handle = _Grouped(handle, groups)
+                    handles[i] = _Grouped(handle, groups[j], j * len(sent), (j + 1) * len(sent))
         elif not self.skip:
-            remote = _take(rows, None if self.place_runs is None else tuple((at, a, n) for a, at, n in self.place_runs),
-                           lambda: self._index("place", device))
-            handle = self.transport.all_to_all_v(remote, self.recv_splits, self.send_splits)
-        return _Returning(self, grad.transpose(0, 1), handle, local_len)
+            runs = None if self.place_runs is None else tuple((at, a, n) for a, at, n in self.place_runs)
+            for i, rows in enumerate(shards):
+                remote = _take(rows, runs, lambda: self._index("place", rows.device))
+                handles[i] = self.transport.all_to_all_v(remote, self.recv_splits, self.send_splits)
+        return [_Returning(self, grad.transpose(0, 1), handle, local_len) for grad, handle in zip(grads, handles)]
 
     def scatter_add(self, grad: torch.Tensor, local_len: int) -> torch.Tensor:
-        """``post_scatter_add(grad, local_len).wait()``."""
-        return self.post_scatter_add(grad, local_len).wait()
+        """``post_scatter_add([grad], local_len)[0].wait()``."""
+        return self.post_scatter_add([grad], local_len)[0].wait()
+
+
+def _by_dtype(tensors) -> list[list[int]]:
+    """The indices of the present ``tensors`` (None: absent) grouped by dtype, in order of first appearance: the
+    tensors one exchange can carry together (a simulated link's stand-in data is copied element by element)."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t is not None:
+            groups.setdefault(t.dtype, []).append(i)
+    return list(groups.values())
 
 
 class _Returning:
@@ -257,8 +293,8 @@ class _Returning:
         shape = (self._local_len,) + tuple(rows.shape[1:])
         if sparse.own_all:  # every row of the shard is an own row, in runs: copied, nothing left to zero
             out = torch.empty(shape, dtype=rows.dtype, device=device)
-            for a, at, length in sparse.own_runs:
-                out[a:a + length] = rows[at:at + length]
+            copy_all([out[a:a + length] for a, _, length in sparse.own_runs],
+                     [rows[at:at + length] for _, at, length in sparse.own_runs])
         else:
             out = torch.zeros(shape, dtype=rows.dtype, device=device)
             out.index_add_(0, sparse._index("own_index", device),
@@ -290,13 +326,14 @@ class _Returning:
 
 
 class _Grouped:
-    """A transfer's handle and the tensors its received pieces are slices of (``post_scatter_add``)."""
+    """One gradient's part of a transfer's handle (the received pieces [lo, hi) of what it fills) and the tensors
+    those pieces are slices of (``post_scatter_add``)."""
 
-    def __init__(self, handle, groups):
-        self._handle, self.groups = handle, groups
+    def __init__(self, handle, groups, lo: int, hi: int):
+        self._handle, self.groups, self._lo, self._hi = handle, groups, lo, hi
 
     def wait(self):
-        return self._handle.wait()
+        return self._handle.wait()[self._lo:self._hi]
 
 
 @functools.lru_cache(maxsize=256)
