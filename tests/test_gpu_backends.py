@@ -151,3 +151,44 @@ def test_forced_block_backends_refuse_what_they_cannot_run():
     with pytest.raises(ValueError, match=r"backend='fa4'.*attention_mask"):
         da.ring_flash_attn(q, q, q, causal=True, attention_mask=torch.ones(1, 128, dtype=torch.bool, device="cuda"),
                            backend="fa4")
+
+
+@pytest.mark.parametrize("case", [dict(causal=False), dict(causal=True), dict(causal=False, window=(100, 0))],
+                         ids=["full", "causal", "window"])
+def test_fa4_packed_calls_write_only_their_segments(case):
+    """``FA4Forward`` / ``FA4Backward.writes_segments_only``: a packed (varlen) call with segment offsets and
+    lengths apart writes only its segments' rows of the out, lse, dq, dk and dv it is handed (rows between
+    segments keep what they held), so calls whose spans overlap but whose segments do not may write into one
+    buffer (Note [Packed steps]: slots); inside the segments everything is written and finite."""
+    from distcomm_attention.kernels.contract import Varlen
+
+    _usable("fa4", torch.bfloat16, case)
+    fwd, bwd = _fa4.FA4Forward(), _fa4.FA4Backward()
+    assert fwd.writes_segments_only and bwd.writes_segments_only
+    g = torch.Generator(device="cuda").manual_seed(0)
+    heads, kv_heads, d = 32, 8, 128
+    cu_q, used_q = [0, 300, 1000, 2000], [200, 500, 700]
+    cu_k, used_k = [0, 400, 1200, 2400], [300, 700, 900]
+    if case["causal"] or "window" in case:
+        used_k = used_q[:]  # square pieces
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    varlen = Varlen(i32(cu_q), i32(cu_k), max(used_q), max(used_k), i32(used_q), i32(used_k))
+    nq, nk = cu_q[-1], cu_k[-1]
+    q, dout = (torch.randn(nq, heads, d, device="cuda", generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(nk, kv_heads, d, device="cuda", generator=g).bfloat16() for _ in range(2))
+    rows, keys = (torch.zeros(n, dtype=torch.bool, device="cuda") for n in (nq, nk))
+    for mask, starts, used in ((rows, cu_q, used_q), (keys, cu_k, used_k)):
+        for a, u in zip(starts, used):
+            mask[a:a + u] = True
+    mark = 7.0
+    kw = dict(causal=case["causal"], scale=d ** -0.5, softcap=0.0, window=case.get("window"), varlen=varlen)
+    out, lse = torch.full_like(q, mark), torch.full((heads, nq), mark, device="cuda")
+    o, ls = fwd.block(q, k, v, out=out, lse=lse, **kw)
+    assert o.data_ptr() == out.data_ptr() and ls.data_ptr() == lse.data_ptr()
+    assert bool((out[~rows] == mark).all()) and bool((lse[:, ~rows] == mark).all())
+    assert bool(out[rows].isfinite().all()) and bool(lse[:, rows].isfinite().all())
+    dq, dk, dv = torch.full_like(q, mark), torch.full_like(k, mark), torch.full_like(v, mark)
+    got = bwd.block(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **kw)
+    assert [a.data_ptr() for a in got] == [b.data_ptr() for b in (dq, dk, dv)]
+    assert bool((dq[~rows] == mark).all()) and bool((dk[~keys] == mark).all()) and bool((dv[~keys] == mark).all())
+    assert bool(dq[rows].isfinite().all()) and bool(dk[keys].isfinite().all()) and bool(dv[keys].isfinite().all())

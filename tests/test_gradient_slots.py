@@ -51,6 +51,30 @@ def test_chosen_slots_never_overwrite_an_earlier_term():
     assert choose_slots(sparse_first) == (1,)
 
 
+def test_slots_of_kernels_writing_only_their_segments():
+    """With (span, runs, written = runs) (``writes_segments_only``): no taken call writes a row a taken call before
+    it wrote, every call left out conflicts with a taken one by the rows they write, and two calls whose spans
+    overlap but whose runs do not are both taken (a whole-span kernel gets one of them)."""
+    rng = random.Random(1)
+    for _ in range(400):
+        calls = [(span, runs, runs) for span, runs in _random_calls(rng, 48, rng.randint(1, 7))]
+        taken = choose_slots(calls)
+        for i in taken:
+            for j in taken:
+                if j < i:
+                    assert not any(_meets(r, calls[j][1]) for r in calls[i][2]), (calls, taken)
+        for i, (span, runs, _) in enumerate(calls):
+            if i in taken or span is None or not runs:
+                continue
+            # a taken call before it holds a run in the rows it writes, or one after it writes a row of its runs
+            assert any(any(_meets(r, calls[j][1]) for r in calls[i][2]) if j < i else
+                       any(_meets(r, calls[i][1]) for r in calls[j][2]) for j in taken), (calls, i)
+    apart = [((0, 100), ((0, 10), (90, 100))), ((5, 95), ((10, 90),))]
+    assert choose_slots([c + (c[1],) for c in apart]) == (0, 1)
+    assert slot_order([c + (c[1],) for c in apart]) == (((0, 100), True), ((5, 95), True))
+    assert len(choose_slots(apart)) == 1
+
+
 def _kernel_term(span, runs, shape, dtype, gen, into=None):
     """A call's term as a kernel makes it: its whole span written (NaN outside the runs), into ``into`` if given."""
     lo, hi = span
@@ -234,25 +258,31 @@ def test_merge_state_slots_equal_merging_every_block():
 
 
 # ------------------------------------------------------------------------------------ the strategy, on gloo
-def _whole_span_kernels(given, ignore=False):
+def _whole_span_kernels(given, ignore=False, segments=False):
     """(forward, backward) FlashAttention stand-ins (exact, tests/test_backends.py) that fill every output buffer
     they are handed with NaN before writing their segments (a kernel may write its whole span), and record
     which of out (forward) and dq, dk, dv (backward) they were handed; with ``ignore``, kernels that then
-    write into buffers of their own instead (the contract allows it)."""
+    write into buffers of their own instead (the contract allows it); with ``segments``, kernels that say they
+    write only their segments' rows (``writes_segments_only``, as flash-attn-4 does) and do: rows of a buffer
+    outside the segments keep what they held."""
     from tests.test_backends import WindowedExactBackward, WindowedExactForward
 
     class WholeSpanForward(WindowedExactForward):
+        writes_segments_only = segments
+
         def block(self, *args, out=None, **kwargs):
             given.append(("forward", out is not None))
-            if out is not None:
+            if out is not None and not segments:
                 out.fill_(float("nan"))
             return super().block(*args, out=None if ignore else out, **kwargs)
 
     class WholeSpan(WindowedExactBackward):
+        writes_segments_only = segments
+
         def block(self, *args, dq=None, dk=None, dv=None, **kwargs):
             given.append(("backward", *(t is not None for t in (dq, dk, dv))))
             for t in (dq, dk, dv):
-                if t is not None:
+                if t is not None and not segments:
                     t.fill_(float("nan"))
             if ignore:
                 dq = dk = dv = None
@@ -278,14 +308,14 @@ def _plan_inputs(rank, world, layout, docs, seed, batch=1, dtype=torch.float64):
     return q, k, v, dout, layouts.positions(concrete, seq_len, world, rank)
 
 
-def _slots_rank(rank, world, plans, dtype_name, batch=1, ignore=False):
+def _slots_rank(rank, world, plans, dtype_name, batch=1, ignore=False, segments=False):
     import distcomm_attention as da
     from distcomm_attention.kernels import dispatch
     from distcomm_attention.strategies import allgather
     from tests.counting import counted, reference_errors
 
     given: list = []
-    fwd, bwd = _whole_span_kernels(given, ignore)
+    fwd, bwd = _whole_span_kernels(given, ignore, segments)
     dispatch.select_kernels = lambda backend, q, vis=None, softcap=0.0: ("fa4", fwd, bwd)
     dtype = getattr(torch, dtype_name)
     out = []
@@ -318,6 +348,30 @@ def _slots_rank(rank, world, plans, dtype_name, batch=1, ignore=False):
                     "given": runs["slots"]["given"], "given_plain": runs["plain"]["given"],
                     "owned": runs["slots"]["owned"]})
     return out
+
+
+def test_allgather_slots_for_kernels_writing_only_their_segments():
+    """Kernels that write only their segments' rows (flash-attn-4's varlen calls, ``writes_segments_only``) are
+    granted slots whose spans overlap where their runs do not (a rank's two steps, the own keys' calls and the
+    calls across its boundaries, each spanning most of its rows): over random plans on 4 ranks out, dq, dk, dv
+    equal the float64 reference and the plain path's, the bytes are the same, and more buffers are handed
+    than to kernels that write their whole span."""
+    from tests.test_exchange import _random_plans
+
+    world = 4
+    plans = _random_plans(world, 24, 10, seed=11)
+    handed = {}
+    for segments in (False, True):
+        got = run_world(_slots_rank, world, plans, "float64", 1, False, segments, timeout=240)
+        handed[segments] = 0
+        for r in range(world):
+            for i, res in enumerate(got[r]):
+                where = f"segments {segments}, rank {r}, plan {plans[i]}"
+                assert max(res["errors"]) < 1e-10, (where, res["errors"])
+                assert max(res["apart"]) < 1e-12, (where, res["apart"])
+                assert res["sent"][0] == res["sent"][1] and res["owned"], where
+                handed[segments] += sum(any(h[1:]) for h in res["given"])
+    assert handed[True] > handed[False] > 0, handed
 
 
 class _Grad:

@@ -149,36 +149,48 @@ def _runs(spans) -> tuple[tuple[int, int], ...]:
     return tuple((a, b) for a, b in runs)
 
 
+def _written(call) -> tuple[tuple[int, int], ...]:
+    """The rows a call's kernel writes, from (span, runs) or (span, runs, written): ``written`` where given (a
+    kernel that writes its segments' rows only, ``writes_segments_only``: its runs), else its whole span."""
+    if len(call) > 2 and call[2] is not None:
+        return tuple(call[2])
+    return () if call[0] is None else (tuple(call[0]),)
+
+
+def _meet(rows, runs) -> bool:
+    """Whether two lists of [a, b) row ranges share a row."""
+    return any(a < z and x < b for a, b in rows for x, z in runs)
+
+
 def choose_slots(calls) -> tuple[int, ...]:
     """Which calls write their terms straight into the sum's buffer (``RowSum.slot``, ``packed_step``'s
-    ``dkv_into``), from ``calls``: (span, runs) of every call adding to it, in the order they run, where a
-    call's kernel writes its whole span (None: it cannot be given a slot) and its terms are its runs. Largest
-    runs first, a call is taken when no taken call that runs before it has a run in its span and it has no run
-    in the span of a taken call that runs after it: a slot never overwrites an earlier one's term, and the
-    terms of the calls not taken are added after every slot is written. The taken calls' indices, sorted."""
+    ``dkv_into``), from ``calls``: (span, runs) or (span, runs, written) of every call adding to it, in the
+    order they run, where a call's kernel is handed its span (None: it cannot be given a slot), writes its
+    whole span (or only ``written``: its runs, for a kernel that writes its segments' rows only) and its terms
+    are its runs. Largest runs first, a call is taken when no taken call that runs before it has a run in the
+    rows it writes and it has no run in the rows a taken call that runs after it writes: a slot never
+    overwrites an earlier one's term, and the terms of the calls not taken are added after every slot is
+    written. The taken calls' indices, sorted."""
     taken: list[int] = []
     order = sorted(range(len(calls)), key=lambda i: -sum(b - a for a, b in calls[i][1]))
-
-    def meets(span, runs) -> bool:
-        return any(a < span[1] and span[0] < b for a, b in runs)
-
     for i in order:
-        span, runs = calls[i]
+        span, runs = calls[i][0], calls[i][1]
         if span is None or span[1] <= span[0] or not runs:
             continue
-        if all(not meets(span, calls[j][1]) if j < i else not meets(calls[j][0], runs) for j in taken):
+        if all(not _meet(_written(calls[i]), calls[j][1]) if j < i else not _meet(_written(calls[j]), runs)
+               for j in taken):
             taken.append(i)
     return tuple(sorted(taken))
 
 
 def slot_order(calls) -> tuple[tuple[tuple[int, int], bool], ...] | None:
-    """``choose_slots``' answer for ``calls`` ((span, runs) in the order they run; span None: the call asks for
-    no slot) as the (span, granted) of each call that asks, in that order (``Slots``); None where no call
-    is granted (the sum then runs without slots)."""
+    """``choose_slots``' answer for ``calls`` ((span, runs[, written]) in the order they run; span None: the
+    call asks for no slot) as the (span, granted) of each call that asks, in that order (``Slots``); None where
+    no call is granted (the sum then runs without slots)."""
     taken = set(choose_slots(calls))
     if not taken:
         return None
-    return tuple((span, i in taken) for i, (span, _) in enumerate(calls) if span is not None)
+    return tuple((call[0], i in taken) for i, call in enumerate(calls) if call[0] is not None)
 
 
 class Slots:
@@ -199,10 +211,12 @@ class Slots:
         return self.order[i][1]
 
 
-def _granted(slots: Slots | None, touched, r0: int, r1: int) -> bool:
+def _granted(slots: Slots | None, touched, r0: int, r1: int, written=None) -> bool:
     """Whether a call asking for rows [r0, r1) of a sum gets a slot: ``slots`` grants the request (which counts
-    it) and no term written in place before (``touched``) holds one of those rows."""
-    return slots is not None and slots.grant(r0, r1) and r1 > r0 and not any(a < r1 and r0 < z for a, z in touched)
+    it) and no term written in place before (``touched``) holds a row the kernel writes (``written``: its
+    segments' rows, for a kernel that writes only those; else the whole span)."""
+    return (slots is not None and slots.grant(r0, r1) and r1 > r0
+            and not _meet(((r0, r1),) if written is None else written, touched))
 
 
 def _owns(term: Tensor) -> bool:
@@ -413,10 +427,10 @@ class MergeState:
         self.slots: Slots | None = None
         self.deferred: list[tuple[Tensor, Tensor, slice]] = []
 
-    def slot(self, r0: int, r1: int, dtype: torch.dtype, lse_dtype: torch.dtype) -> Tensor | None:
+    def slot(self, r0: int, r1: int, dtype: torch.dtype, lse_dtype: torch.dtype, written=None) -> Tensor | None:
         """Rows [r0, r1) of ``out`` (B, r1 - r0, H, D), contiguous, for a packed call to write its output into
         (then merged with ``merge_block`` as usual: recorded, not copied), or None (as ``RowSum.slot``)."""
-        if not _granted(self.slots, self.touched, r0, r1):
+        if not _granted(self.slots, self.touched, r0, r1, written):
             return None
         if self.out is not None and (self.out.dtype != dtype or self.lse.dtype != lse_dtype):
             return None
@@ -470,12 +484,13 @@ class RowSum:
         self.deferred: list[tuple[Tensor, tuple[tuple[int, int], ...], int]] = []  # add_runs before a base
         self.slots: Slots | None = None  # the calls that may write into the kept rows (until ``result``)
 
-    def slot(self, r0: int, r1: int, dtype: torch.dtype) -> Tensor | None:
+    def slot(self, r0: int, r1: int, dtype: torch.dtype, written=None) -> Tensor | None:
         """Rows [r0, r1) of the kept rows (B, r1 - r0, ...), contiguous, for a kernel call to write its term of
         those rows into (then pass that term to ``add``/``add_runs`` as usual: it is recorded, not copied), or
         None: ``slots`` does not grant this request, the kept rows have another dtype, or a term written in
-        place before holds one of its rows."""
-        if not _granted(self.slots, self.touched, r0, r1):
+        place before holds one of the rows the kernel writes (``written``: its segments' rows, for a kernel
+        that writes only those, ``writes_segments_only``; else the whole span)."""
+        if not _granted(self.slots, self.touched, r0, r1, written):
             return None
         if self.base is not None and self.base.dtype != dtype:
             return None
@@ -737,6 +752,8 @@ class BlockForward:
 
     takes_windows = False  # whether ``block`` takes window= and varlen= (Note [Window calls])
     packs = False  # whether ``block`` takes segment lengths and out=, lse= (Note [Packed steps])
+    # whether a packed call writes only its segments' rows of out= (else anywhere in the rows it is handed)
+    writes_segments_only = False
 
     def block(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, softcap: float,
               window: tuple[int | None, int | None] | None = None,
@@ -792,7 +809,7 @@ class BlockForward:
             rows = q[:, r_lo:r_hi]
             kk, vv = packed.call_keys(k, v)
             lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-            slot = state.slot(r_lo, r_hi, q.dtype, lse_dtype)
+            slot = state.slot(r_lo, r_hi, q.dtype, lse_dtype, packed.rows if self.writes_segments_only else None)
             out, lse = self.block(_pack(rows), _pack(kk), _pack(vv), causal=False, scale=scale, softcap=softcap,
                                   window=call.window, varlen=packed.varlen,
                                   **({} if slot is None else {"out": _pack(slot)}))
@@ -827,6 +844,8 @@ class BlockBackward:
     uses_delta = False
     takes_windows = False  # whether ``block`` takes window= and varlen= (Note [Window calls])
     packs = False  # whether ``block`` takes segment lengths and dq=, dk=, dv= (Note [Packed steps])
+    # whether a packed call writes only its segments' rows of dq=, dk=, dv= (else anywhere in those handed)
+    writes_segments_only = False
     # whether every call returns its dK/dV in the inputs' dtype, each row rounded once from the kernel's own
     # accumulation (no fp32 partial handed back, no second rounding of a sum made outside the kernel): then a
     # row one call wrote goes home in that dtype unchanged (Note [Sparse gather], "What goes home")
@@ -880,9 +899,10 @@ class BlockBackward:
         """The backward of a step as ``calls`` (Note [Packed steps]): dq added into ``dq_acc`` (B, n, H, D, or a
         ``RowSum``, whose slots the kernel may write into) on the rows each call wrote; returns (key rows, dk,
         dv) for each run of keys a call wrote, as the kernel returned them (the caller converts or sums them in
-        its accumulation dtype). ``dkv_into(lo, hi)``: (dk, dv) buffers (B, hi - lo, Hkv, D) for a call handed
-        keys [lo, hi) of the step's (not gathered ones) to write into, or None (the kernel makes its own); the
-        returned terms are then views of them."""
+        its accumulation dtype). ``dkv_into(lo, hi, written)``: (dk, dv) buffers (B, hi - lo, Hkv, D) for a call
+        handed keys [lo, hi) of the step's (not gathered ones) to write into, or None (the kernel makes its own);
+        the returned terms are then views of them. ``written``: the key runs the kernel writes where it writes
+        only its segments' (``writes_segments_only``), else None (its whole span)."""
         b, n, h, _ = q.shape
         nk = k.shape[1]
         grads = []
@@ -893,9 +913,11 @@ class BlockBackward:
             qq, (kk, vv) = q[:, rows], packed.call_keys(k, v)
             lse_rows = lse[:, :, rows].transpose(0, 1).reshape(h, b * (r_hi - r_lo))
             into = {}
-            if isinstance(dq_acc, RowSum) and (slot := dq_acc.slot(r_lo, r_hi, q.dtype)) is not None:
+            rows_written, keys_written = (packed.rows, packed.keys) if self.writes_segments_only else (None, None)
+            if isinstance(dq_acc, RowSum) and (slot := dq_acc.slot(r_lo, r_hi, q.dtype, rows_written)) is not None:
                 into["dq"] = _pack(slot)
-            if dkv_into is not None and packed.key_index is None and (dkv := dkv_into(*packed.key_span)) is not None:
+            if dkv_into is not None and packed.key_index is None and \
+                    (dkv := dkv_into(*packed.key_span, keys_written)) is not None:
                 into["dk"], into["dv"] = _pack(dkv[0]), _pack(dkv[1])
             dq, dk, dv = self.block(_pack(dout[:, rows]), _pack(qq), _pack(kk), _pack(vv), _pack(out[:, rows]),
                                     lse_rows, causal=False, scale=scale, softcap=softcap, window=call.window,

@@ -167,6 +167,7 @@ class FA4Forward(BlockForward):
 
     takes_windows = True
     packs = True
+    writes_segments_only = True  # (tests/test_gpu_backends.py::test_fa4_packed_calls_write_only_their_segments)
 
     def __init__(self):
         self._fwd = _interface()._flash_attn_fwd
@@ -182,6 +183,7 @@ class FA4Backward(BlockBackward):
 
     takes_windows = True
     packs = True
+    writes_segments_only = True  # (tests/test_gpu_backends.py::test_fa4_packed_calls_write_only_their_segments)
     dkv_in_input_dtype = True  # (a GQA group's query heads are summed in fp32 inside the kernel, rounded once)
 
     def __init__(self):

@@ -218,15 +218,18 @@ class AllGatherKV:
         return plan.cached(("call spans", i, backward, b, n, nk), lambda: call_spans(calls, b, n, nk))
 
     @staticmethod
-    def _row_slots(plan: RingPlan, spans) -> Slots | None:
+    def _row_slots(plan: RingPlan, spans, kernel) -> Slots | None:
         """The slots of the rank's state or dQ sum (``MergeState.slot``, ``RowSum.slot``): which packed calls
-        (``spans``: each step's ``call_spans`` in the order they run, or None) write their output or dq straight
-        into it (``slot_order``); None where no call does."""
+        (``spans``: each step's ``call_spans`` in the order they run, or None) of ``kernel`` write their output or
+        dq straight into it (``slot_order``; a kernel writing only its segments' rows, ``writes_segments_only``,
+        may be granted spans that overlap where their runs do not); None where no call does."""
+        segments = getattr(kernel, "writes_segments_only", False)
+
         def make():
-            return slot_order([(row_span, rows) for step in spans if step is not None
+            return slot_order([(row_span, rows, rows if segments else None) for step in spans if step is not None
                                for row_span, rows, _, _ in step])
 
-        order = plan.cached(("row slots", tuple(spans)), make)
+        order = plan.cached(("row slots", tuple(spans), segments), make)
         return None if order is None else Slots(order)
 
     def own_keys_in_shard(self) -> RingPlan | None:
@@ -277,11 +280,13 @@ class AllGatherKV:
         return in_shard.cached("sparse forward", make)
 
     @staticmethod
-    def _own_slots(plan: RingPlan, spans) -> tuple | None:
-        """Which of ``own_keys_in_shard``'s packed calls write their dK/dV straight into the own keys' sums, as a
-        ``slot_order`` over their shard-row key spans (one ``Slots`` of it for each of dK and dV), or None."""
-        return plan.cached(("own slots", spans),
-                           lambda: slot_order([(key_span, keys) for _, _, key_span, keys in spans]))
+    def _own_slots(plan: RingPlan, spans, kernel) -> tuple | None:
+        """Which of ``own_keys_in_shard``'s packed calls of ``kernel`` write their dK/dV straight into the own keys'
+        sums, as a ``slot_order`` over their shard-row key spans (one ``Slots`` of it for each of dK and dV), or
+        None."""
+        segments = getattr(kernel, "writes_segments_only", False)
+        return plan.cached(("own slots", spans, segments), lambda: slot_order(
+            [(key_span, keys, keys if segments else None) for _, _, key_span, keys in spans]))
 
     def _others_sums(self, grads, k_all, v_all, acc_dtype, wire):
         """Step 1's terms (kv rows of the buffer, dK, dV) summed on the other ranks' rows into buffers in the
@@ -357,7 +362,8 @@ class AllGatherKV:
             k_all, v_all, km_all = self._gather(k, v, key_mask)
             if self.keep_gathered:
                 self._kept = (k_all, v_all, km_all)
-            slots = self._row_slots(self.plan, (self._spans(self.plan, 0, km_all, q, k_all, backward=False),))
+            slots = self._row_slots(self.plan, (self._spans(self.plan, 0, km_all, q, k_all, backward=False),),
+                                    self.fwd)
             return ring_forward(q, k_all, v_all, km_all, self.one, self.plan, self.softcap, self.scale, self.fwd,
                                 slots)
         # the blocks on own keys run while the other ranks' keys arrive (Note [Sparse gather])
@@ -373,7 +379,7 @@ class AllGatherKV:
         spans = (self._spans(plan, 0, first[2], q, first[0], backward=False),
                  self._spans(plan, 1, km_buf, q, k_buf, backward=False))
         out, lse = ring_forward(q, *first, _Arriving(arrival), plan, self.softcap, self.scale, self.fwd,
-                                self._row_slots(plan, spans))
+                                self._row_slots(plan, spans, self.fwd))
         if self.sparse.keep:
             k_all, v_all, km_all = arrival.wait()
             self._kept = (k_all, v_all, None if km_all is None else km_all.view(torch.bool))
@@ -393,7 +399,7 @@ class AllGatherKV:
             (k_all, v_all, km_all, plan)
         spans = (self._spans(plan, 1, km_all, q, k_all), self._spans(own[3], 0, own[2], q, own[0]))
         if isinstance(dq, RowSum):
-            dq.slots = self._row_slots(plan, spans)
+            dq.slots = self._row_slots(plan, spans, self.bwd)
         step = (dout, q, k_all, v_all, out, lse, delta, km_all, dq, plan)
         kernel = (self.softcap, self.scale, self.bwd, acc_dtype)
         own1 = None  # step 1's terms on own rows, (shard rows, dK, dV), where they skip the buffer
@@ -413,13 +419,13 @@ class AllGatherKV:
             into = None
             if by_runs:
                 acc = (RowSum(k.shape, acc_dtype, k.device), RowSum(v.shape, acc_dtype, v.device))
-                order = None if in_shard is None or spans[1] is None else self._own_slots(in_shard, spans[1])
+                order = None if in_shard is None or spans[1] is None else self._own_slots(in_shard, spans[1], self.bwd)
                 # every term not written in place is kept for the result, which sums them at once (``RowSum``)
                 acc[0].slots, acc[1].slots = Slots(order or ()), Slots(order or ())
                 if order is not None:  # the kernels write into the sums' rows
 
-                    def into(lo, hi):
-                        dk_b, dv_b = (a.slot(lo, hi, x.dtype) for a, x in zip(acc, (k, v)))
+                    def into(lo, hi, written):
+                        dk_b, dv_b = (a.slot(lo, hi, x.dtype, written) for a, x in zip(acc, (k, v)))
                         return None if dk_b is None or dv_b is None else (dk_b, dv_b)
             own_grads = block_grads(dout, q, own[0], own[1], out, lse, delta, own[2], dq, own[3], 0, *kernel,
                                     dkv_into=into)
