@@ -159,7 +159,8 @@ def test_fa4_packed_calls_write_only_their_segments(case):
     """``FA4Forward`` / ``FA4Backward.writes_segments_only``: a packed (varlen) call with segment offsets and
     lengths apart writes only its segments' rows of the out, lse, dq, dk and dv it is handed (rows between
     segments keep what they held), so calls whose spans overlap but whose segments do not may write into one
-    buffer (Note [Packed steps]: slots); inside the segments everything is written and finite."""
+    buffer (Note [Packed steps]: slots); an lse handed as columns of a larger buffer is written in place; inside
+    the segments everything is written and finite."""
     from distcomm_attention.kernels.contract import Varlen
 
     _usable("fa4", torch.bfloat16, case)
@@ -182,10 +183,13 @@ def test_fa4_packed_calls_write_only_their_segments(case):
             mask[a:a + u] = True
     mark = 7.0
     kw = dict(causal=case["causal"], scale=d ** -0.5, softcap=0.0, window=case.get("window"), varlen=varlen)
-    out, lse = torch.full_like(q, mark), torch.full((heads, nq), mark, device="cuda")
+    # lse: columns of a larger (H, S) buffer, as the rank's state hands them (row stride S)
+    out, state_lse = torch.full_like(q, mark), torch.full((heads, nq + 700), mark, device="cuda")
+    lse = state_lse[:, 300:300 + nq]
     o, ls = fwd.block(q, k, v, out=out, lse=lse, **kw)
-    assert o.data_ptr() == out.data_ptr() and ls.data_ptr() == lse.data_ptr()
+    assert o.data_ptr() == out.data_ptr() and ls.data_ptr() == lse.data_ptr() and ls.stride() == lse.stride()
     assert bool((out[~rows] == mark).all()) and bool((lse[:, ~rows] == mark).all())
+    assert bool((state_lse[:, :300] == mark).all()) and bool((state_lse[:, 300 + nq:] == mark).all())
     assert bool(out[rows].isfinite().all()) and bool(lse[:, rows].isfinite().all())
     dq, dk, dv = torch.full_like(q, mark), torch.full_like(k, mark), torch.full_like(v, mark)
     got = bwd.block(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, **kw)

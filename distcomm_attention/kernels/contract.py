@@ -45,7 +45,12 @@ Note [Packed steps]
     runs first, so that no call's span holds a row an earlier slot already wrote (checked again at each
     slot); every other call's result waits until the sum is read and is merged or added then, so that no
     later slot overwrites it. The sums are those without slots: a row's first term is still kept as the
-    kernel wrote it and every later one summed in fp32, in another order at most.
+    kernel wrote it and every later one summed in fp32, in another order at most. A kernel that writes only
+    its segments' rows (``writes_segments_only``: flash-attn-4, whose varlen calls leave the rows between
+    segments as they were, tests/test_gpu_backends.py) is checked by its runs instead of its span, so calls
+    whose spans overlap but whose runs do not both write in place (the all-gather's calls on own keys and
+    across the rank's boundaries each span most of its rows). The forward's slot takes the lse too, for one
+    batch element: the state's (H, n) rows of the span, a strided view the kernel writes its runs into.
 
 Note [Merging block outputs]
     A block backend normalises each block on its own: it returns out_b = softmax(S_b) V_b and
@@ -223,6 +228,12 @@ def _owns(term: Tensor) -> bool:
     """Whether ``term`` is the whole of its memory (a kernel's own output), so that adopting it as a sum's buffer
     keeps nothing else alive and returns a contiguous tensor."""
     return term.is_contiguous() and term.untyped_storage().nbytes() == term.numel() * term.element_size()
+
+
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same memory (shape, strides, first element, dtype)."""
+    return (a.shape == b.shape and a.dtype == b.dtype and a.data_ptr() == b.data_ptr()
+            and all(x == y for x, y, n in zip(a.stride(), b.stride(), a.shape) if n > 1))
 
 
 def _rows_at(term: Tensor, buffer: Tensor, r0: int) -> bool:
@@ -709,9 +720,12 @@ def merge_block(state: MergeState, out_b: Tensor, lse_b: Tensor, rows: slice = s
         return
     if state.slots is not None:  # slots open: written in place (its lse copied), or kept for ``settle``
         if state.out is not None and _rows_at(out_b, state.out, r0):
-            state.lse[:, :, r0:r1] = lse_b
+            if not _same_view(lse_b, state.lse[:, :, r0:r1]):  # (else the kernel wrote it there too)
+                state.lse[:, :, r0:r1] = lse_b
             state.touched = list(_runs(state.touched + [(r0, r1)]))
-        else:
+        else:  # (a kernel that wrote its lse, not its output, into the state's rows: the lse kept apart)
+            if state.lse is not None and lse_b.untyped_storage().data_ptr() == state.lse.untyped_storage().data_ptr():
+                lse_b = lse_b.clone()
             state.deferred.append((out_b, lse_b, slice(r0, r1)))
         return
     if state.out is None:
@@ -759,7 +773,9 @@ class BlockForward:
               window: tuple[int | None, int | None] | None = None,
               varlen: Varlen | None = None) -> tuple[Tensor, Tensor]:
         """One block: out (B, Sq, H, D) in q's dtype, lse (B, H, Sq) float32. With ``varlen``, q (total_q, H, D)
-        and k, v (total_k, Hkv, D) are packed and the result is out (total_q, H, D), lse (H, total_q)."""
+        and k, v (total_k, Hkv, D) are packed and the result is out (total_q, H, D), lse (H, total_q). A packing
+        backend (``packs``) also takes ``out=`` and ``lse=`` to write into: ``lse`` may be a view of columns of a
+        larger (H, S) buffer (row stride S), the rank's state."""
         raise NotImplementedError
 
     def _window_call(self, q: Tensor, k: Tensor, v: Tensor, call: WindowCall, *, scale: float,
@@ -810,9 +826,13 @@ class BlockForward:
             kk, vv = packed.call_keys(k, v)
             lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
             slot = state.slot(r_lo, r_hi, q.dtype, lse_dtype, packed.rows if self.writes_segments_only else None)
+            into = {}
+            if slot is not None:  # the output, and for one batch element the lse: rows [r_lo, r_hi) of the state's
+                into["out"] = _pack(slot)
+                if b == 1:
+                    into["lse"] = state.lse[0, :, r_lo:r_hi]
             out, lse = self.block(_pack(rows), _pack(kk), _pack(vv), causal=False, scale=scale, softcap=softcap,
-                                  window=call.window, varlen=packed.varlen,
-                                  **({} if slot is None else {"out": _pack(slot)}))
+                                  window=call.window, varlen=packed.varlen, **into)
             out, lse = out.view(rows.shape), lse.view(h, b, r_hi - r_lo).transpose(0, 1)
             if state.out is None and state.slots is None and (r_lo, r_hi) == (0, n) and packed.rows:
                 # adopted (its gaps unset); not while slots are open: a slot may be granted these rows
