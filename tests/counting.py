@@ -49,6 +49,13 @@ def counted_attention(rank, world, n, layout, causal, window, docs, masked, seed
     return {"errors": errors, "sent": sum(c.total for c in made), "transports": len(made)}
 
 
+def max_diff(a, b) -> float:
+    """The largest |a - b|, and inf where either holds a NaN (``max`` over a list of errors passes over a NaN:
+    every comparison with it is False)."""
+    diff = (a - b).abs().max()
+    return float("inf") if bool(diff.isnan()) else float(diff)
+
+
 def reference_errors(q, k, v, dout, pos, out, local, *, causal, window, docs, mask) -> list[float]:
     """Largest differences of a rank's out, dq, dk, dv (``local``: its leaves, at global positions ``pos``)
     from the float64 single-process reference over the whole sequence."""
@@ -57,5 +64,5 @@ def reference_errors(q, k, v, dout, pos, out, local, *, causal, window, docs, ma
     ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = attention_reference(*ref_in, causal=causal, window_size=window, cu_seqlens=docs, attention_mask=mask)
     ref.backward(dout)
-    return [float((a.detach() - b[:, pos]).abs().max()) for a, b in
+    return [max_diff(a.detach(), b[:, pos]) for a, b in
             zip([out] + [t.grad for t in local], [ref.detach()] + [t.grad for t in ref_in])]

@@ -202,9 +202,10 @@ OVERLAP = [  # (layout, causal, window, documents, key padding, world, sparse ex
 def test_dkv_reduction_is_posted_before_the_own_key_blocks(layout, causal, window, docs, masked, world, sparse,
                                                            runs, pieces):
     """In the backward, the dK/dV reduction (reduce-scatter, or the sparse exchange's direct pieces, dK's and dV's
-    in one group of transfers, or its all-to-all-v) is the last thing posted; every block reading another rank's key runs before it is posted,
-    every block reading only this rank's keys after it and before its wait: that is the overlap. Out, dQ, dK, dV stay exact, with the
-    sparse exchange's own rows summed per shard row (by runs: ``_own_sums``) or in the buffer (by index)."""
+    in one group of transfers, or its all-to-all-v) is the last thing posted; every block reading another rank's
+    key runs before it is posted, every block reading only this rank's keys after it and before its wait: that
+    is the overlap. Out, dQ, dK, dV stay exact, with the sparse exchange's own rows summed per shard row (by runs:
+    ``_own_sums``) or in the buffer (by index)."""
     got = run_world(_overlap_rank, world, layout, causal, window, docs, masked, sparse, runs, pieces, timeout=90)
     reduction = ("exchange" if pieces else "all_to_all_v") if sparse else "reduce_scatter"
     for r, g in enumerate(got):

@@ -11,6 +11,7 @@ import torch
 from distcomm_attention.api import context_parallel_attn
 from distcomm_attention.planning import layouts
 from tests.dist_harness import run_world
+from tests.counting import max_diff
 
 STRATS = ("ulysses", "allgather")
 OPTIONS = dict(causal=True, window_size=(5, 0), softcap=3.0, cu_seqlens=[0, 7, 9, 32])
@@ -44,7 +45,7 @@ def _compare(strategy, layout, q, k, v, mask):
     attend = _attend_with(strategy, layout)
     eager = _values_and_grads(attend, q, k, v, mask)
     compiled = _values_and_grads(torch.compile(attend, fullgraph=True, backend="aot_eager"), q, k, v, mask)
-    return [float((a - b).abs().max()) for a, b in zip(eager, compiled)]
+    return [max_diff(a, b) for a, b in zip(eager, compiled)]
 
 
 @pytest.mark.parametrize("strategy", ["ulysses", "allgather", "auto"])

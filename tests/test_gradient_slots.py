@@ -312,7 +312,7 @@ def _slots_rank(rank, world, plans, dtype_name, batch=1, ignore=False, segments=
     import distcomm_attention as da
     from distcomm_attention.kernels import dispatch
     from distcomm_attention.strategies import allgather
-    from tests.counting import counted, reference_errors
+    from tests.counting import counted, max_diff, reference_errors
 
     given: list = []
     fwd, bwd = _whole_span_kernels(given, ignore, segments)
@@ -326,23 +326,34 @@ def _slots_rank(rank, world, plans, dtype_name, batch=1, ignore=False, segments=
         for name, in_place in (("slots", True), ("plain", False)):
             before = len(given)
             cls = allgather.AllGatherKV
-            saved = tuple(vars(cls)[name] for name in ("own_keys_in_shard", "_row_slots", "_own_slots"))
+            attrs = ("own_keys_in_shard", "_row_slots", "_own_slots", "_home_slots")
+            saved = tuple(vars(cls)[attr] for attr in attrs)
             if not in_place:  # step 0 over the buffer's rows, no slot
-                cls.own_keys_in_shard = lambda *a: None
+                cls.own_keys_in_shard = cls._home_slots = lambda *a: None
                 cls._row_slots = cls._own_slots = staticmethod(lambda *a: None)
+            else:  # step 1's dK/dV written into the buffers that go home: recorded
+                home_slots = saved[3]
+
+                def recording(self, *args):
+                    home = home_slots(self, *args)
+                    given.append(("home", home is not None))
+                    return home
+
+                cls._home_slots = recording
             try:
                 local = [t[:, pos].to(dtype).requires_grad_() for t in (q, k, v)]
                 with counted() as made:
                     o = da.context_parallel_attn(*local, **kwargs)
                     o.backward(dout[:, pos].to(dtype))
             finally:
-                cls.own_keys_in_shard, cls._row_slots, cls._own_slots = saved
+                for attr, method in zip(attrs, saved):
+                    setattr(cls, attr, method)
             runs[name] = {"grads": [o.detach()] + [t.grad for t in local], "sent": sum(c.total for c in made),
                           "given": given[before:], "owned": all(_owns(t.grad) for t in local)}
         errors = reference_errors(q, k, v, dout, pos, runs["slots"]["grads"][0].double(),
                                   [_Grad(t) for t in runs["slots"]["grads"][1:]], causal=causal, window=window,
                                   docs=docs, mask=None)
-        apart = [float((a.double() - b.double()).abs().max()) for a, b in zip(runs["slots"]["grads"],
+        apart = [max_diff(a.double(), b.double()) for a, b in zip(runs["slots"]["grads"],
                                                                                runs["plain"]["grads"])]
         out.append({"errors": errors, "apart": apart, "sent": (runs["slots"]["sent"], runs["plain"]["sent"]),
                     "given": runs["slots"]["given"], "given_plain": runs["plain"]["given"],
@@ -387,12 +398,13 @@ def test_allgather_with_slots_matches_float64(world, batch, ignore):
     layout) with a kernel that writes its whole span: out, dq, dk, dv equal the float64 reference and the
     plain path's (step 0 over the buffer's rows, no slot), the bytes sent are the same, every gradient is
     contiguous and the whole of its memory, and kernels were handed output, dq and dk/dv slots (none on the
-    plain path); at batch 2 (whole spans only) and with a kernel that ignores the buffers it is handed, too."""
+    plain path), step 1's calls the buffers that go home; at batch 2 (whole spans only) and with a kernel that
+    ignores the buffers it is handed, too."""
     from tests.test_exchange import _random_plans
 
     plans = _random_plans(world, 24, 10, seed=world)
     got = run_world(_slots_rank, world, plans, "float64", batch, ignore, timeout=240)
-    handed = [0, 0, 0]  # outputs, dq, dk and dv written into slots
+    handed = [0, 0, 0, 0]  # outputs, dq, dk and dv written into slots, step 1's dK/dV into the buffers going home
     for r in range(world):
         for i, res in enumerate(got[r]):
             where = f"rank {r}, plan {plans[i]}"
@@ -404,6 +416,7 @@ def test_allgather_with_slots_matches_float64(world, batch, ignore):
             handed[0] += sum(h[1] for h in res["given"] if h[0] == "forward")
             handed[1] += sum(h[1] for h in res["given"] if h[0] == "backward")
             handed[2] += sum(h[2] and h[3] for h in res["given"] if h[0] == "backward")
+            handed[3] += sum(h[1] for h in res["given"] if h[0] == "home")
     assert min(handed) > 0, handed
 
 

@@ -213,8 +213,8 @@ def test_rows_going_home_are_rounded_once():
             dtype = torch.bfloat16 if rng.random() < 0.8 else torch.float32
             grads.append((slice(a, b), *(values((1, b - a, 2, 4), g, dtype) for _ in range(2))))
         k_all = torch.empty(1, m, 2, 4, dtype=torch.bfloat16)
-        dk, dv, own_terms = AllGatherKV._others_sums(types.SimpleNamespace(sparse=sparse), grads, k_all, k_all,
-                                                     torch.float32, torch.bfloat16)
+        this = types.SimpleNamespace(sparse=sparse, _buffers=AllGatherKV._buffers)
+        dk, dv, own_terms = AllGatherKV._others_sums(this, grads, k_all, k_all, torch.float32, torch.bfloat16)
         assert dk.dtype == dv.dtype == torch.bfloat16
         for i, got in ((1, dk), (2, dv)):
             want = torch.zeros(1, m, 2, 4, dtype=torch.float64)

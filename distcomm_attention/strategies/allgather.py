@@ -62,7 +62,8 @@ from torch.autograd.function import once_differentiable
 from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention import transport
-from distcomm_attention.kernels.contract import RowSum, Slots, _runs, call_spans, slot_order
+from distcomm_attention.kernels.contract import (RowSum, Slots, _runs, _same_view, _zero_untouched, call_spans,
+                                                 copy_all, slot_order)
 from distcomm_attention.planning.exchange import Exchange, gather_keeps, split_block
 from distcomm_attention.planning.plans import (gathered_in_natural_order, natural_inverse, natural_order, own_rows,
                                                 split_local)
@@ -288,12 +289,49 @@ class AllGatherKV:
         return plan.cached(("own slots", spans, segments), lambda: slot_order(
             [(key_span, keys, keys if segments else None) for _, _, key_span, keys in spans]))
 
-    def _others_sums(self, grads, k_all, v_all, acc_dtype, wire):
+    @staticmethod
+    def _buffers(k_all, v_all, dtype):
+        """Uninitialised (B, m, Hkv, D) buffers shaped like the gathered keys and values, in ``dtype``."""
+        if k_all.shape == v_all.shape:
+            return torch.empty((2, *k_all.shape), dtype=dtype, device=k_all.device).unbind(0)
+        return tuple(torch.empty(x.shape, dtype=dtype, device=x.device) for x in (k_all, v_all))
+
+    def _home_slots(self, plan: RingPlan, spans, k_all, v_all, wire):
+        """(dK, dV buffers in ``wire``, the ``dkv_into`` that hands step 1's calls their rows) where step 1's
+        packed calls (``spans``) can all write their dK/dV straight into the buffers that go home: the kernel
+        returns them in ``wire`` (its inputs' dtype), no two calls' key runs share a row (each row one term,
+        sent as the kernel wrote it) and ``slot_order`` grants every call (a kernel writing its whole span:
+        spans apart); else None (the terms are summed into them, ``_others_sums``)."""
+        if spans is None or wire != k_all.dtype:
+            return None
+        segments = getattr(self.bwd, "writes_segments_only", False)
+
+        def make():
+            if any(key_span is None for _, _, key_span, _ in spans) or \
+                    _depth(run for _, _, _, keys in spans for run in keys) > 1:
+                return None
+            order = slot_order([(key_span, keys, keys if segments else None) for _, _, key_span, keys in spans])
+            return order if order is not None and all(granted for _, granted in order) else None
+
+        order = plan.cached(("home slots", spans, segments), make)
+        if order is None:
+            return None
+        dk_all, dv_all = self._buffers(k_all, v_all, wire)
+        slots = Slots(order)
+
+        def into(lo, hi, written):
+            return (dk_all[:, lo:hi], dv_all[:, lo:hi]) if slots.grant(lo, hi) else None
+
+        return dk_all, dv_all, into
+
+    def _others_sums(self, grads, k_all, v_all, acc_dtype, wire, home=None):
         """Step 1's terms (kv rows of the buffer, dK, dV) summed on the other ranks' rows into buffers in the
         ``wire`` dtype (what goes home; own rows left unset: nothing reads them), each row rounded once (through
         fp32 buffers where three or more terms reach a row or the terms are in another dtype), and their parts
         on own rows, (shard rows, dK, dV) in the kernel's dtype, for the own keys' sums (``_own_sums``): copied
-        once, into one tensor each, not into the buffer."""
+        once, into one tensor each, not into the buffer. With ``home`` (``_home_slots``) every term was written
+        into those buffers by its kernel: nothing is summed or copied (the other ranks' rows no term reached are
+        zeroed), and the parts on own rows are read where the kernel wrote them."""
         sparse, n = self.sparse, k_all.shape[1]
         others, own = [], []
         for kv, dk_b, dv_b in grads:
@@ -306,16 +344,22 @@ class AllGatherKV:
                 pos = k0 + off + z - a
             if k1 > pos:
                 others.append((slice(pos, k1), dk_b[:, pos - k0:], dv_b[:, pos - k0:]))
+        own_rows = tuple((at, at + length) for _, at, length in sparse.own_runs)
+        if home is not None:  # one term a row: in place, or copied where a kernel wrote a buffer of its own
+            dk_all, dv_all, _ = home
+            pairs = [(buffer[:, rows], term) for rows, *terms in others for buffer, term in zip((dk_all, dv_all), terms)
+                     if not _same_view(term, buffer[:, rows])]
+            copy_all([dst for dst, _ in pairs], [src for _, src in pairs])
+            reached = _runs([(rows.start, rows.stop) for rows, _, _ in others] + list(own_rows))
+            for buffer in (dk_all, dv_all):
+                _zero_untouched(buffer, reached)
+            return dk_all, dv_all, own
         # terms in ``wire`` that reach a row at most twice: one addition there (computed in fp32, rounded once);
         # else sums in fp32, rounded once at the end
         deep = _depth((rows.start, rows.stop) for rows, _, _ in others) > 2 or \
             any(g.dtype != wire for _, dk_b, dv_b in others for g in (dk_b, dv_b))
         dtype = acc_dtype if deep else wire
-        if k_all.shape == v_all.shape:
-            dk_all, dv_all = torch.empty((2, *k_all.shape), dtype=dtype, device=k_all.device).unbind(0)
-        else:
-            dk_all, dv_all = (torch.empty(x.shape, dtype=dtype, device=x.device) for x in (k_all, v_all))
-        own_rows = tuple((at, at + length) for _, at, length in sparse.own_runs)
+        dk_all, dv_all = self._buffers(k_all, v_all, dtype)
         _sum_terms((dk_all, dv_all), others, unread=own_rows)
         if deep:  # rounded once, whole (own rows unset: converted, never read)
             dk_all, dv_all = dk_all.to(wire), dv_all.to(wire)
@@ -404,8 +448,10 @@ class AllGatherKV:
         kernel = (self.softcap, self.scale, self.bwd, acc_dtype)
         own1 = None  # step 1's terms on own rows, (shard rows, dK, dV), where they skip the buffer
         wire = return_dtype(k.dtype, acc_dtype, self.bwd)
-        if by_runs:
-            dk_all, dv_all, own1 = self._others_sums(block_grads(*step, 1, *kernel), k_all, v_all, acc_dtype, wire)
+        if by_runs:  # step 1's dK/dV straight into the buffers that go home where its calls allow it
+            home = self._home_slots(plan, spans[0], k_all, v_all, wire)
+            grads = block_grads(*step, 1, *kernel, dkv_into=None if home is None else home[2])
+            dk_all, dv_all, own1 = self._others_sums(grads, k_all, v_all, acc_dtype, wire, home)
         else:
             dk_all, dv_all = step_grads(*step, 1, *kernel)
         if in_shard is not None:  # the gathered keys are read no more
