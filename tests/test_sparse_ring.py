@@ -246,3 +246,50 @@ def test_schedules_derived_once_serve_every_later_call(monkeypatch):
         assert a.recv != b.recv  # the two packs' schedules differ on this rank
     finally:
         exchange.sparse_ring.cache_clear()
+
+
+def _home_rank(rank, world, docs, flagged):
+    """bf16 fwd+bwd of the ring (sparse sends) with flash-attn-4 stand-ins whose dK/dV come in the inputs' dtype
+    (``flagged``) or not: out, dq, dk, dv, the bytes this rank sent and the float64 reference's errors."""
+    import distcomm_attention as da
+    from distcomm_attention.kernels import dispatch
+    from tests.counting import counted, reference_errors
+    from tests.test_gradient_slots import _Grad, _plan_inputs, _whole_span_kernels
+
+    fwd, bwd = _whole_span_kernels([])
+    bwd.dkv_in_input_dtype = flagged
+    dispatch.select_kernels = lambda backend, q, vis=None, softcap=0.0: ("fa4", fwd, bwd)
+    q, k, v, dout, pos = _plan_inputs(rank, world, "contiguous", docs, 5)
+    local = [t[:, pos].bfloat16().requires_grad_() for t in (q, k, v)]
+    with counted() as made:
+        o = da.context_parallel_attn(*local, causal=True, cu_seqlens=docs, layout="contiguous", strategy="ring")
+        o.backward(dout[:, pos].bfloat16())
+    grads = [o.detach()] + [t.grad for t in local]
+    errors = reference_errors(q, k, v, dout, pos, grads[0].double(), [_Grad(t) for t in grads[1:]], causal=True,
+                              window=(-1, -1), docs=docs, mask=None)
+    return {"grads": grads, "sent": sum(c.total for c in made), "errors": errors}
+
+
+def test_sparse_ring_gradients_go_home_in_the_kernels_dtype():
+    """With a backward kernel whose dK/dV come in the inputs' dtype (flash-attn-4), each step's dK, dV go back to
+    their source in bf16 (Note [Sparse ring], "What goes home"): every rank sends exactly 2 bytes an element
+    less for the rows it returns than with a kernel returning fp32, and both runs are within bf16 tolerance of
+    float64 and of each other (one rounding of each returned row apart)."""
+    world = 3
+    docs = (0, 5, 13, 40, 41, 72)  # documents across both boundaries of the contiguous shards (24 tokens each)
+    flagged = run_world(_home_rank, world, docs, True, timeout=120)
+    fp32 = run_world(_home_rank, world, docs, False, timeout=120)
+    vis = Visibility(True, cu_seqlens=docs)
+    returned = 0
+    for r in range(world):
+        sp = sparse_ring("contiguous", vis, world, r, 24)
+        assert sp is not None, "the case must take the sparse ring"
+        elements = 2 * sp.rows_received() * 2 * 8  # the dK and dV rows it returns: kv heads 2 x head_dim 8
+        assert fp32[r]["sent"] - flagged[r]["sent"] == 2 * elements, (r, fp32[r]["sent"], flagged[r]["sent"])
+        returned += sp.rows_received()
+        for res in (flagged[r], fp32[r]):
+            assert max(res["errors"]) < 5e-2, (r, res["errors"])
+        apart = [float((a.double() - b.double()).abs().max()) for a, b in zip(flagged[r]["grads"], fp32[r]["grads"])]
+        assert apart[0] == apart[1] == 0.0, (r, apart)  # the forward and dq do not depend on what goes home
+        assert max(apart[2:]) < 2e-2, (r, apart)
+    assert returned > 0

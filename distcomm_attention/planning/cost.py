@@ -393,7 +393,7 @@ def _ring_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: 
             rows = [sum(b - a for a, b in runs) for runs in sparse.recv] + [0]
             kv_bytes = 0 if sparse.keep else c.itemsize  # k, v again in the backward unless kept
             grad_rows = [0] + rows[1:]
-            home = _transfer_s(row * rows[-2] * 4, hw.p2p_gbps, hw)  # the last step's dK, dV
+            home = _transfer_s(row * rows[-2] * _home_bytes(c), hw.p2p_gbps, hw)  # the last step's dK, dV
         compute = total = 0.0
         hops = len(plan.steps) > 1
         for i, costs in enumerate(_step_costs(plan, c.packs)):
@@ -406,7 +406,7 @@ def _ring_s(c: Call, ranks: int, local_len: int, heads: int, kv_heads: int, hw: 
             # step's k, v (relay: with the accumulators) and the previous step's dK, dV (sparse)
             nxt, prev = rows[i + 1], grad_rows[i - 1] if i > 0 else 0
             hop_fwd = _transfer_s(row * nxt * c.itemsize, hw.p2p_gbps, hw) if nxt else 0.0
-            moved = row * (nxt * kv_bytes + prev * 4)
+            moved = row * (nxt * kv_bytes + prev * _home_bytes(c))  # (relay: no prev)
             hop_bwd = _transfer_s(moved, hw.p2p_gbps, hw) if moved else 0.0
             total += max(step / 3.5, hop_fwd) + max(step * 2.5 / 3.5, hop_bwd)
         total += home if hops else 0.0

@@ -71,7 +71,7 @@ from distcomm_attention.planning.visibility import RingPlan
 from distcomm_attention._device import on_device
 from distcomm_attention.strategies.sparse_gather import SparseGather
 from distcomm_attention.strategies.ring import (_dq_result, _no_autocast, _sum_terms, backward_start, block_grads,
-                                                packed, ring_forward, step_grads)
+                                                packed, return_dtype, ring_forward, step_grads)
 
 __all__ = ["AllGatherKV", "allgather_attention", "gather_kv", "local_backward"]
 
@@ -127,14 +127,6 @@ def _depth(spans) -> int:
         depth += step
         most = max(most, depth)
     return most
-
-
-def return_dtype(dtype: torch.dtype, acc_dtype: torch.dtype, bwd) -> torch.dtype:
-    """The dtype the sparse exchange's dK/dV rows travel home in, for inputs of ``dtype`` and backward kernel
-    ``bwd`` (Note [Sparse gather], "What goes home"): that dtype where the kernel returns its dK/dV in it
-    (``dkv_in_input_dtype``), else the accumulation dtype. The ranks verify that they agree on it (``prepare``),
-    so every rank sends and receives in one dtype."""
-    return dtype if getattr(bwd, "dkv_in_input_dtype", False) else acc_dtype
 
 
 def local_backward(dout, q, k, v, out, lse, key_mask, plan: RingPlan, softcap: float, scale: float, bwd):

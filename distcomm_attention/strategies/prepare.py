@@ -124,11 +124,11 @@ def prepare(
         from distcomm_attention.strategies.dispatch import STRATEGIES  # (dispatch imports this module)
 
         fields["strategy"] = STRATEGIES[fields["strategy"]]
-    # the dtype the all-gather's sparse exchange sends dK/dV home in follows the backward kernel (Note [Sparse
-    # gather], "What goes home"): its ranks must agree, or one would send what another does not expect ("auto"
-    # verifies the strategy it picked)
+    # the dtype the sparse exchanges (the all-gather's, the sparse ring's) send dK/dV home in follows the backward
+    # kernel (Note [Sparse gather], "What goes home"; Note [Sparse ring]): the ranks must agree, or one would send
+    # what another does not expect ("auto" verifies the strategy it picked)
     home = _validation.Shown("not used", "not used")
-    if fields["strategy"] in ("allgather", "hybrid_allgather") and checked is not None:
+    if fields["strategy"] in ("allgather", "hybrid_allgather", "ring", "hybrid") and checked is not None:
         dtype = "the inputs' dtype" if getattr(bwd, "dkv_in_input_dtype", False) else "fp32"
         home = _validation.Shown(dtype, f"{dtype} (backend {_name!r})")
     fields["sparse dK/dV home in"] = home

@@ -144,6 +144,14 @@ def _add_dq(dq, rows: slice, dq_b: torch.Tensor) -> None:
         dq.add(start, stop, dq_b)
 
 
+def return_dtype(dtype: torch.dtype, acc_dtype: torch.dtype, bwd) -> torch.dtype:
+    """The dtype the sparse exchanges' dK/dV rows travel home in (the all-gather's, Note [Sparse gather], "What
+    goes home", and the sparse ring's, Note [Sparse ring]), for inputs of ``dtype`` and backward kernel ``bwd``:
+    that dtype where the kernel returns its dK/dV in it (``dkv_in_input_dtype``), else the accumulation dtype.
+    The ranks verify that they agree on it (``prepare``), so every rank sends and receives in one dtype."""
+    return dtype if getattr(bwd, "dkv_in_input_dtype", False) else acc_dtype
+
+
 def backward_start(dout, q, out, bwd):
     """(dout contiguous, the accumulation dtype, D = rowsum(dout * out) as (B, H, n) or None for kernels that
     compute it themselves, the dQ accumulator): what every backward loop starts from."""

@@ -18,8 +18,8 @@ Note [Sparse ring]
         backward:                                  the same sends (or the forward's buffers, kept when every
                                                    rank's buffers total at most RING_KEEP_ROWS shards), and each
                                                    step's dK, dV of the received rows straight back to src
-                                                   (shift -t, fp32, at most two in flight), added into src's own
-                                                   accumulators
+                                                   (shift -t, at most two in flight), added into src's own
+                                                   fp32 accumulators
 
     Every send's size is known to both ends from the exchange plan alone (Note [Exchange plan]: the rows of
     src some query of the receiver sees, which is what its block reads), so nothing but the rows moves, and each
@@ -31,6 +31,12 @@ Note [Sparse ring]
     row counts and rows as a slice or a device index; each step's packed calls or block list) is made once
     per schedule and device and kept on it (``SparseRing.cached``, ``RingPlan.cached``): a call issues its
     sends, views and kernels and builds no index tensor or table.
+
+    What goes home: each step's dK, dV are one partial per row, sent once and summed by the source in fp32 (no
+    chain of hops adds to them), so they travel as the all-gather's do (Note [Sparse gather], "What goes home",
+    ``ring.return_dtype``): in the inputs' dtype where the backward kernel returns its dK/dV in it
+    (flash-attn-4), the step's fp32 sum rounded once (a row one call wrote: the kernel's own values), else in
+    fp32. The ranks verify that they agree on it (``prepare``'s field "sparse dK/dV home in").
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from distcomm_attention._device import to_device
 from distcomm_attention.planning.exchange import SparseRing, sparse_ring
 from distcomm_attention.planning.visibility import ring_plan
 from distcomm_attention.strategies.ring import (_as_bytes, _dq_result, _no_autocast, backward_start, forward_step,
-                                                ring_attention, step_grads)
+                                                return_dtype, ring_attention, step_grads)
 
 __all__ = ["sparse_ring_attention", "ring_planner", "run_ring"]
 
@@ -82,12 +88,12 @@ def _rows(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
 
 
 def _add_rows(acc: torch.Tensor, move: _Move, x: torch.Tensor) -> None:
-    """acc[:, the move's rows] += x (x: those rows concatenated)."""
+    """acc[:, the move's rows] += x (x: those rows concatenated, in acc's dtype or one that widens into it)."""
     if isinstance(move.send, slice):
         if move.sent:
             acc[:, move.send].add_(x)
     else:
-        acc.index_add_(1, move.send, x)
+        acc.index_add_(1, move.send, x.to(acc.dtype))
 
 
 def _count(runs) -> int:
@@ -131,6 +137,7 @@ def sparse_ring_backward(dout, q, k, v, out, lse, km, t, sp: SparseRing, kept, s
     plan = sp.plan
     moves = _moves(sp, k.device)
     dout, acc_dtype, delta, dq = backward_start(dout, q, out, bwd)
+    wire = return_dtype(k.dtype, acc_dtype, bwd)  # what each step's dK, dV go home in
     steps = plan.steps
     # the forward's rows, unless a backward already took them (a second backward through the same graph,
     # retain_graph: every rank's were taken alike, so every rank sends the rows again)
@@ -152,7 +159,7 @@ def sparse_ring_backward(dout, q, k, v, out, lse, km, t, sp: SparseRing, kept, s
             handle = _post_rows(t, k, v, km, moves[i + 1]) if i + 1 < len(steps) else None
         dk, dv = step_grads(dout, q, kb, vb, out, lse, delta, mb, dq, plan, i, softcap, scale, bwd, acc_dtype)
         shape = (k.shape[0], moves[i].sent, *k.shape[2:])
-        back.append((moves[i], t.send_recv((dk, dv), -steps[i], [shape, shape])))
+        back.append((moves[i], t.send_recv((dk.to(wire), dv.to(wire)), -steps[i], [shape, shape])))
         if len(back) > 2:
             land(*back.pop(0))
     for move, h in back:
