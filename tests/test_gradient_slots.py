@@ -270,11 +270,12 @@ def _whole_span_kernels(given, ignore=False, segments=False):
     class WholeSpanForward(WindowedExactForward):
         writes_segments_only = segments
 
-        def block(self, *args, out=None, **kwargs):
+        def block(self, *args, out=None, lse=None, **kwargs):
             given.append(("forward", out is not None))
-            if out is not None and not segments:
-                out.fill_(float("nan"))
-            return super().block(*args, out=None if ignore else out, **kwargs)
+            for t in (out, lse):  # (lse: the state's rows of the span, handed beside out for one batch element)
+                if t is not None and not segments:
+                    t.fill_(float("nan"))
+            return super().block(*args, out=None if ignore else out, lse=lse, **kwargs)
 
     class WholeSpan(WindowedExactBackward):
         writes_segments_only = segments

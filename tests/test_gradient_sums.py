@@ -230,3 +230,50 @@ def test_rows_going_home_are_rounded_once():
         depths.append((_depth((t[0].start, t[0].stop) for t in grads), fp32))
     assert min(d for d, _ in depths) <= 2 and max(d for d, _ in depths) >= 3, depths
     assert sum(d == 2 and fp32 for d, fp32 in depths) >= 3, depths  # (where a term of another dtype forces fp32)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_rows_going_home_from_terms_written_in_place(in_place):
+    """``AllGatherKV._others_sums`` with ``home`` (step 1's calls writing their dK/dV straight into the buffers
+    that go home, one term a row, ``_home_slots``): the other ranks' rows hold exactly their term, in place or
+    copied in where a kernel wrote a buffer of its own (``in_place`` False), rows no term reached are zero (the
+    buffers start as NaN), and the own rows' parts are returned as they are: views of the buffers when written
+    there, copies (one tensor each) when not."""
+    import types
+
+    from distcomm_attention.strategies.allgather import AllGatherKV
+
+    m, own = 40, (5, 9)  # buffer rows; one run of own rows at buffer rows [5, 14), shard rows [3, 12)
+    sparse = types.SimpleNamespace(own_runs=((3, own[0], own[1]),),
+                                   own_ranges=lambda k0, k1: [(3 + lo - own[0], 3 + hi - own[0], lo - k0)
+                                                              for lo, hi in [(max(k0, own[0]), min(k1, sum(own)))]
+                                                              if lo < hi])
+    this = types.SimpleNamespace(sparse=sparse, _buffers=AllGatherKV._buffers)
+    g = torch.Generator().manual_seed(3)
+    k_all = torch.empty(1, m, 2, 4, dtype=torch.bfloat16)
+    dk_all, dv_all = (torch.full((1, m, 2, 4), float("nan"), dtype=torch.bfloat16) for _ in range(2))
+    spans = [(2, 10), (10, 20), (26, 33)]  # rows 0-1, 20-25 and 33-39 reached by no term; 5-13 own
+    grads = []
+    for a, b in spans:
+        terms = [torch.randn(1, b - a, 2, 4, generator=g).bfloat16() for _ in range(2)]
+        if in_place:  # the kernel wrote them into the buffers' rows
+            dk_all[:, a:b], dv_all[:, a:b] = terms
+            terms = [dk_all[:, a:b], dv_all[:, a:b]]
+        grads.append((slice(a, b), *terms))
+    dk, dv, own_terms = AllGatherKV._others_sums(this, grads, k_all, k_all, torch.float32, torch.bfloat16,
+                                                 (dk_all, dv_all, None))
+    assert dk is dk_all and dv is dv_all
+    for i, got in ((1, dk), (2, dv)):
+        want = torch.zeros(1, m, 2, 4, dtype=torch.bfloat16)
+        for term in grads:
+            want[:, term[0]] = term[i]
+        others = torch.ones(m, dtype=torch.bool)
+        others[own[0]:sum(own)] = False
+        assert torch.equal(got[:, others], want[:, others])  # (a NaN left in an unreached row fails)
+    assert [(a, z) for a, z, _, _ in own_terms] == [(3, 8), (8, 12)]
+    for (a, z, t_k, t_v), (rows, g_k, g_v) in zip(own_terms, grads[:2]):
+        start = rows.start + (0 if rows.start >= own[0] else own[0] - rows.start)
+        lo = start - rows.start
+        assert torch.equal(t_k, g_k[:, lo:lo + z - a]) and torch.equal(t_v, g_v[:, lo:lo + z - a])
+        shares = t_k.untyped_storage().data_ptr() == dk_all.untyped_storage().data_ptr()
+        assert shares == in_place  # views where written in place, else one copy (the kernels' buffers go)

@@ -479,9 +479,10 @@ class RowSum:
 
     With ``slots`` (``Slots``: which calls, in the order they ask, ``slot_order``) a kernel call may write its
     term straight into the kept rows (``slot``: no copy at all); every other term then waits until ``result``
-    (nothing is adopted meanwhile), so that no call writing into a slot can overwrite it (a kernel writes
-    its whole span, rows outside its segments included). A slot is refused where an earlier slot's term
-    already holds a row of the span.
+    (nothing is adopted meanwhile), so that no call writing into a slot can overwrite it (a kernel may write
+    its whole span, rows outside its segments included; one that writes only its segments' rows,
+    ``writes_segments_only``, is checked by them). A slot is refused where an earlier slot's term already holds
+    a row the kernel writes.
     """
 
     __slots__ = ("shape", "dtype", "device", "base", "acc", "touched", "in_acc", "deferred", "slots")
@@ -718,7 +719,7 @@ def merge_block(state: MergeState, out_b: Tensor, lse_b: Tensor, rows: slice = s
     r0, r1, _ = rows.indices(sq)
     if r1 <= r0:
         return
-    if state.slots is not None:  # slots open: written in place (its lse copied), or kept for ``settle``
+    if state.slots is not None:  # slots open: written in place (its lse too, or copied), or kept for ``settle``
         if state.out is not None and _rows_at(out_b, state.out, r0):
             if not _same_view(lse_b, state.lse[:, :, r0:r1]):  # (else the kernel wrote it there too)
                 state.lse[:, :, r0:r1] = lse_b

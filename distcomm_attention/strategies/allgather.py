@@ -118,6 +118,16 @@ def reduce_scatter_kv(dk_all, dv_all, group, inverse) -> _Received:
     return _Received([t.reduce_scatter(_rows(_reordered(x, inverse))) for x in (dk_all, dv_all)])
 
 
+def _kept_once(own):
+    """Step 1's parts on own rows, (shard rows a, z, dK, dV), copied once into one tensor each (n rows at most),
+    so that the kernels' buffers, up to the whole gathered span, can go now."""
+    if not own:
+        return own
+    kept = [torch.cat([part[i] for part in own], 1) for i in (2, 3)]
+    at = list(itertools.accumulate((z - a for a, z, _, _ in own), initial=0))
+    return [(a, z, *(x[:, at[i]:at[i + 1]] for x in kept)) for i, (a, z, _, _) in enumerate(own)]
+
+
 def _depth(spans) -> int:
     """The most of the [start, stop) ``spans`` (any iterable) that share a row."""
     spans = [(a, b) for a, b in spans if b > a]
@@ -290,17 +300,19 @@ class AllGatherKV:
 
     def _home_slots(self, plan: RingPlan, spans, k_all, v_all, wire):
         """(dK, dV buffers in ``wire``, the ``dkv_into`` that hands step 1's calls their rows) where step 1's
-        packed calls (``spans``) can all write their dK/dV straight into the buffers that go home: the kernel
-        returns them in ``wire`` (its inputs' dtype), no two calls' key runs share a row (each row one term,
-        sent as the kernel wrote it) and ``slot_order`` grants every call (a kernel writing its whole span:
-        spans apart); else None (the terms are summed into them, ``_others_sums``)."""
+        packed calls (``spans``) can all write their dK/dV straight into the buffers that go home: ``wire`` is the
+        inputs' dtype (the kernel's, ``return_dtype``; a term in another would be copied), no two calls' key runs
+        share a row (each row one term, sent as the kernel wrote it) and ``slot_order`` grants every call (a
+        kernel writing its whole span: spans apart); else None (the terms are summed into them,
+        ``_others_sums``)."""
         if spans is None or wire != k_all.dtype:
             return None
         segments = getattr(self.bwd, "writes_segments_only", False)
 
         def make():
+            runs = [run for _, _, _, keys in spans for run in keys]
             if any(key_span is None for _, _, key_span, _ in spans) or \
-                    _depth(run for _, _, _, keys in spans for run in keys) > 1:
+                    sum(b - a for a, b in runs) != sum(b - a for a, b in _runs(runs)):  # a row two calls write
                 return None
             order = slot_order([(key_span, keys, keys if segments else None) for _, _, key_span, keys in spans])
             return order if order is not None and all(granted for _, granted in order) else None
@@ -318,12 +330,13 @@ class AllGatherKV:
 
     def _others_sums(self, grads, k_all, v_all, acc_dtype, wire, home=None):
         """Step 1's terms (kv rows of the buffer, dK, dV) summed on the other ranks' rows into buffers in the
-        ``wire`` dtype (what goes home; own rows left unset: nothing reads them), each row rounded once (through
+        ``wire`` dtype (what goes home; the buffers' own rows are not sent), each row rounded once (through
         fp32 buffers where three or more terms reach a row or the terms are in another dtype), and their parts
         on own rows, (shard rows, dK, dV) in the kernel's dtype, for the own keys' sums (``_own_sums``): copied
-        once, into one tensor each, not into the buffer. With ``home`` (``_home_slots``) every term was written
-        into those buffers by its kernel: nothing is summed or copied (the other ranks' rows no term reached are
-        zeroed), and the parts on own rows are read where the kernel wrote them."""
+        once, into one tensor each, not into the buffer. With ``home`` (``_home_slots``: one term a row) the
+        kernels wrote their terms into those buffers: nothing is summed, a term a kernel wrote into a buffer of
+        its own is copied in, the other ranks' rows no term reached are zeroed, and the parts on own rows are
+        read where the kernel wrote them (copied once as above where a kernel wrote them elsewhere)."""
         sparse, n = self.sparse, k_all.shape[1]
         others, own = [], []
         for kv, dk_b, dv_b in grads:
@@ -337,6 +350,7 @@ class AllGatherKV:
             if k1 > pos:
                 others.append((slice(pos, k1), dk_b[:, pos - k0:], dv_b[:, pos - k0:]))
         own_rows = tuple((at, at + length) for _, at, length in sparse.own_runs)
+        depth = _depth((rows.start, rows.stop) for rows, _, _ in others)
         if home is not None:  # one term a row: in place, or copied where a kernel wrote a buffer of its own
             dk_all, dv_all, _ = home
             pairs = [(buffer[:, rows], term) for rows, *terms in others for buffer, term in zip((dk_all, dv_all), terms)
@@ -345,21 +359,20 @@ class AllGatherKV:
             reached = _runs([(rows.start, rows.stop) for rows, _, _ in others] + list(own_rows))
             for buffer in (dk_all, dv_all):
                 _zero_untouched(buffer, reached)
-            return dk_all, dv_all, own
+            mine = [x.untyped_storage().data_ptr() for x in (dk_all, dv_all)]
+            if all([dk_b.untyped_storage().data_ptr(), dv_b.untyped_storage().data_ptr()] == mine
+                   for _, _, dk_b, dv_b in own):  # written where they are read
+                return dk_all, dv_all, own
+            return dk_all, dv_all, _kept_once(own)
         # terms in ``wire`` that reach a row at most twice: one addition there (computed in fp32, rounded once);
         # else sums in fp32, rounded once at the end
-        deep = _depth((rows.start, rows.stop) for rows, _, _ in others) > 2 or \
-            any(g.dtype != wire for _, dk_b, dv_b in others for g in (dk_b, dv_b))
+        deep = depth > 2 or any(g.dtype != wire for _, dk_b, dv_b in others for g in (dk_b, dv_b))
         dtype = acc_dtype if deep else wire
         dk_all, dv_all = self._buffers(k_all, v_all, dtype)
         _sum_terms((dk_all, dv_all), others, unread=own_rows)
         if deep:  # rounded once, whole (own rows unset: converted, never read)
             dk_all, dv_all = dk_all.to(wire), dv_all.to(wire)
-        if own:  # one copy of them (n rows at most): the kernels' buffers, up to the whole gathered span, go now
-            kept = [torch.cat([part[i] for part in own], 1) for i in (2, 3)]
-            at = list(itertools.accumulate((z - a for a, z, _, _ in own), initial=0))
-            own = [(a, z, *(x[:, at[i]:at[i + 1]] for x in kept)) for i, (a, z, _, _) in enumerate(own)]
-        return dk_all, dv_all, own
+        return dk_all, dv_all, _kept_once(own)
 
     def _own_sums(self, acc, own_grads, in_shard: bool, step1, pending, k, v):
         """dk, dv of this rank's keys in the inputs' dtypes (Note [Sparse gather]: own rows by runs): every term

@@ -182,10 +182,10 @@ class SparseGather:
             bools.append(t.dtype == torch.bool), shards.append(rows)
         handles = self._send(shards, buffers)  # every transfer posted first, the own rows placed while they travel
         runs = self.own_runs if own is None else own
-        if runs is not None:  # one launch for every run of every tensor
-            pairs = [(buffer[at:at + length], rows[a:a + length]) for rows, buffer in zip(shards, buffers)
-                     if rows is not None for a, at, length in runs]
-            copy_all([dst for dst, _ in pairs], [src for _, src in pairs])
+        if runs is not None:  # one launch for every run of the tensors of each dtype (k and v together)
+            for which in _by_dtype(shards):
+                pairs = [(buffers[i][at:at + length], shards[i][a:a + length]) for i in which for a, at, length in runs]
+                copy_all([dst for dst, _ in pairs], [src for _, src in pairs])
         else:
             for rows, buffer in zip(shards, buffers):
                 if rows is not None:
