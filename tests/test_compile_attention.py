@@ -12,6 +12,7 @@ import torch
 import distcomm_attention as da
 from distcomm_attention._reference import attention_reference
 from tests.dist_harness import run_world
+from tests.counting import max_diff
 
 OPTIONS = dict(causal=True, window_size=(5, 0), softcap=3.0, cu_seqlens=[0, 7, 9, 16])
 
@@ -70,7 +71,7 @@ def _world_rank(rank, world):
         shards = [da.shard_sequence(t, layout) for t in (q, k, v, mask)]
         eager = _values_and_grads(_attend, *shards, layout)
         compiled = _values_and_grads(torch.compile(_attend, fullgraph=True, backend="aot_eager"), *shards, layout)
-        results[layout] = max((a - b).abs().max().item() for a, b in zip(eager, compiled))
+        results[layout] = max(max_diff(a, b) for a, b in zip(eager, compiled))
 
     torch.manual_seed(0)
     layer = da.RingAttention(32, heads=4, dim_head=8, kv_heads=2, causal=True, layout="zigzag",
@@ -87,8 +88,8 @@ def _world_rank(rank, world):
     compiled_layer = torch.compile(layer, fullgraph=True, backend="aot_eager")
     compiled_loss = loss_fn(compiled_layer, x)
     compiled_grads = torch.autograd.grad(compiled_loss, list(layer.parameters()))
-    results["module"] = max([abs(eager_loss.item() - compiled_loss.item())] +
-                            [(a - b).abs().max().item() for a, b in zip(eager_grads, compiled_grads)])
+    results["module"] = max([max_diff(eager_loss.detach(), compiled_loss.detach())] +
+                            [max_diff(a, b) for a, b in zip(eager_grads, compiled_grads)])
 
     # compiled autograd: the backward graph, with the ring's backward op in it, is captured and compiled
     from torch._dynamo.utils import counters
@@ -111,7 +112,7 @@ def _world_rank(rank, world):
         torch._dynamo.config.compiled_autograd = False
     captured = counters["compiled_autograd"]["captures"] - before
     want = _values_and_grads(_attend, *shards, "zigzag")[1:]
-    results["compiled_autograd"] = max((t.grad - w).abs().max().item() for t, w in zip((q_l, k_l, v_l), want))
+    results["compiled_autograd"] = max(max_diff(t.grad, w) for t, w in zip((q_l, k_l, v_l), want))
     results["captures"] = captured
     return results
 

@@ -19,6 +19,7 @@ from distcomm_attention.planning import layouts
 from distcomm_attention._reference import attention_reference
 from tests.dist_harness import run_world
 from tests.optional import require
+from tests.counting import max_diff
 
 FP64 = dict(rtol=1e-10, atol=1e-12)
 FP32 = dict(rtol=1e-4, atol=2e-5)
@@ -69,7 +70,7 @@ def _max_errors(case, got_by_pos):
     errs = {}
     for name, ref in want.items():
         errs[name] = max(
-            (got[name].double() - layouts.shard(ref, case["layout"], case["w"], r, 1)).abs().max().item()
+            max_diff(got[name].double(), layouts.shard(ref, case["layout"], case["w"], r, 1))
             for r, got in enumerate(got_by_pos)
         )
     return errs
