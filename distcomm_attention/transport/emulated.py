@@ -17,7 +17,11 @@ Note [Emulated links]
     those a ring or pairwise algorithm puts on this rank's link: a hop its tensors; an all-to-all(-v) or an
     exchange the larger of what leaves and what arrives (both at the all-to-all's bandwidth); an all-gather
     (n - 1) x its input; a reduce-scatter (n - 1) / n x its input. NCCL also takes a few SMs for its copies;
-    the emulation does not.
+    the emulation does not. Its copy runs after the sleep, so where a kernel posted after the operation holds
+    every SM by then (a flash-attn-4 call), the copy waits until that kernel's blocks drain, where NCCL's
+    kernel, launched at the post, would have held its SMs from the start: seen as 21 us before the sparse
+    all-gather's second forward call on one H100 (docs/bench/emulated.md, run 21). The emulation errs on the
+    slow side there.
 
     What a simulated peer sends is this rank's own data: a hop receives its own tensors (repeated or cut to
     the shapes asked for), an all-to-all(-v) and an all-gather their input's rows repeated or cut to the rows
