@@ -52,26 +52,26 @@ def test_chosen_slots_never_overwrite_an_earlier_term():
 
 
 def test_slots_of_kernels_writing_only_their_segments():
-    """With (span, runs, written = runs) (``writes_segments_only``): no taken call writes a row a taken call before
-    it wrote, every call left out conflicts with a taken one by the rows they write, and two calls whose spans
-    overlap but whose runs do not are both taken (a whole-span kernel gets one of them)."""
+    """With ``segments`` (``writes_segments_only``: a call writes its runs): no taken call writes a row a taken call
+    before it wrote, every call left out conflicts with a taken one by the rows they write, and two calls whose
+    spans overlap but whose runs do not are both taken (a whole-span kernel gets one of them)."""
     rng = random.Random(1)
     for _ in range(400):
-        calls = [(span, runs, runs) for span, runs in _random_calls(rng, 48, rng.randint(1, 7))]
-        taken = choose_slots(calls)
+        calls = _random_calls(rng, 48, rng.randint(1, 7))
+        taken = choose_slots(calls, segments=True)
         for i in taken:
             for j in taken:
                 if j < i:
-                    assert not any(_meets(r, calls[j][1]) for r in calls[i][2]), (calls, taken)
-        for i, (span, runs, _) in enumerate(calls):
+                    assert not any(_meets(r, calls[j][1]) for r in calls[i][1]), (calls, taken)
+        for i, (span, runs) in enumerate(calls):
             if i in taken or span is None or not runs:
                 continue
             # a taken call before it holds a run in the rows it writes, or one after it writes a row of its runs
-            assert any(any(_meets(r, calls[j][1]) for r in calls[i][2]) if j < i else
-                       any(_meets(r, calls[i][1]) for r in calls[j][2]) for j in taken), (calls, i)
+            assert any(any(_meets(r, calls[j][1]) for r in calls[i][1]) if j < i else
+                       any(_meets(r, calls[i][1]) for r in calls[j][1]) for j in taken), (calls, i)
     apart = [((0, 100), ((0, 10), (90, 100))), ((5, 95), ((10, 90),))]
-    assert choose_slots([c + (c[1],) for c in apart]) == (0, 1)
-    assert slot_order([c + (c[1],) for c in apart]) == (((0, 100), True), ((5, 95), True))
+    assert choose_slots(apart, segments=True) == (0, 1)
+    assert slot_order(apart, segments=True) == (((0, 100), True), ((5, 95), True))
     assert len(choose_slots(apart)) == 1
 
 

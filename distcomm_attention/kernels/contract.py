@@ -154,48 +154,40 @@ def _runs(spans) -> tuple[tuple[int, int], ...]:
     return tuple((a, b) for a, b in runs)
 
 
-def _written(call) -> tuple[tuple[int, int], ...]:
-    """The rows a call's kernel writes, from (span, runs) or (span, runs, written): ``written`` where given (a
-    kernel that writes its segments' rows only, ``writes_segments_only``: its runs), else its whole span."""
-    if len(call) > 2 and call[2] is not None:
-        return tuple(call[2])
-    return () if call[0] is None else (tuple(call[0]),)
-
-
 def _meet(rows, runs) -> bool:
     """Whether two lists of [a, b) row ranges share a row."""
     return any(a < z and x < b for a, b in rows for x, z in runs)
 
 
-def choose_slots(calls) -> tuple[int, ...]:
+def choose_slots(calls, segments: bool = False) -> tuple[int, ...]:
     """Which calls write their terms straight into the sum's buffer (``RowSum.slot``, ``packed_step``'s
-    ``dkv_into``), from ``calls``: (span, runs) or (span, runs, written) of every call adding to it, in the
-    order they run, where a call's kernel is handed its span (None: it cannot be given a slot), writes its
-    whole span (or only ``written``: its runs, for a kernel that writes its segments' rows only) and its terms
+    ``dkv_into``), from ``calls``: (span, runs) of every call adding to it, in the order they run, where a
+    call's kernel is handed its span (None: it cannot be given a slot), writes its whole span (only its runs
+    with ``segments``: a kernel that writes its segments' rows only, ``writes_segments_only``) and its terms
     are its runs. Largest runs first, a call is taken when no taken call that runs before it has a run in the
     rows it writes and it has no run in the rows a taken call that runs after it writes: a slot never
     overwrites an earlier one's term, and the terms of the calls not taken are added after every slot is
     written. The taken calls' indices, sorted."""
+    written = [runs if segments else () if span is None else (span,) for span, runs in calls]
     taken: list[int] = []
     order = sorted(range(len(calls)), key=lambda i: -sum(b - a for a, b in calls[i][1]))
     for i in order:
-        span, runs = calls[i][0], calls[i][1]
+        span, runs = calls[i]
         if span is None or span[1] <= span[0] or not runs:
             continue
-        if all(not _meet(_written(calls[i]), calls[j][1]) if j < i else not _meet(_written(calls[j]), runs)
-               for j in taken):
+        if all(not _meet(written[i], calls[j][1]) if j < i else not _meet(written[j], runs) for j in taken):
             taken.append(i)
     return tuple(sorted(taken))
 
 
-def slot_order(calls) -> tuple[tuple[tuple[int, int], bool], ...] | None:
-    """``choose_slots``' answer for ``calls`` ((span, runs[, written]) in the order they run; span None: the
-    call asks for no slot) as the (span, granted) of each call that asks, in that order (``Slots``); None where
-    no call is granted (the sum then runs without slots)."""
-    taken = set(choose_slots(calls))
+def slot_order(calls, segments: bool = False) -> tuple[tuple[tuple[int, int], bool], ...] | None:
+    """``choose_slots``' answer for ``calls`` ((span, runs) in the order they run; span None: the call asks for
+    no slot) as the (span, granted) of each call that asks, in that order (``Slots``); None where no call
+    is granted (the sum then runs without slots)."""
+    taken = set(choose_slots(calls, segments))
     if not taken:
         return None
-    return tuple((call[0], i in taken) for i, call in enumerate(calls) if call[0] is not None)
+    return tuple((span, i in taken) for i, (span, _) in enumerate(calls) if span is not None)
 
 
 class Slots:

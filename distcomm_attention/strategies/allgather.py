@@ -229,8 +229,8 @@ class AllGatherKV:
         segments = getattr(kernel, "writes_segments_only", False)
 
         def make():
-            return slot_order([(row_span, rows, rows if segments else None) for step in spans if step is not None
-                               for row_span, rows, _, _ in step])
+            return slot_order([(row_span, rows) for step in spans if step is not None
+                               for row_span, rows, _, _ in step], segments)
 
         order = plan.cached(("row slots", tuple(spans), segments), make)
         return None if order is None else Slots(order)
@@ -288,8 +288,8 @@ class AllGatherKV:
         sums, as a ``slot_order`` over their shard-row key spans (one ``Slots`` of it for each of dK and dV), or
         None."""
         segments = getattr(kernel, "writes_segments_only", False)
-        return plan.cached(("own slots", spans, segments), lambda: slot_order(
-            [(key_span, keys, keys if segments else None) for _, _, key_span, keys in spans]))
+        return plan.cached(("own slots", spans, segments),
+                           lambda: slot_order([(key_span, keys) for _, _, key_span, keys in spans], segments))
 
     @staticmethod
     def _buffers(k_all, v_all, dtype):
@@ -314,7 +314,7 @@ class AllGatherKV:
             if any(key_span is None for _, _, key_span, _ in spans) or \
                     sum(b - a for a, b in runs) != sum(b - a for a, b in _runs(runs)):  # a row two calls write
                 return None
-            order = slot_order([(key_span, keys, keys if segments else None) for _, _, key_span, keys in spans])
+            order = slot_order([(key_span, keys) for _, _, key_span, keys in spans], segments)
             return order if order is not None and all(granted for _, granted in order) else None
 
         order = plan.cached(("home slots", spans, segments), make)
