@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-__all__ = ["on_device", "to_device"]
+__all__ = ["on_device", "on_device_kept", "to_device"]
 
 # (id of a host index, device) -> _Copy of it on that device
 _COPIES: dict = {}
@@ -82,6 +82,30 @@ def on_device(index: torch.Tensor, device: torch.device, *, copy=to_device) -> t
                 hit.made.record_stream(current)
                 hit.streams.add(current)
         return hit.made
+
+
+def _reader(device: torch.device) -> tuple[int, int] | None:
+    """(device index, current stream's handle) of the CUDA stream about to read an index; None while a graph is
+    captured."""
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return index, torch.cuda.current_stream(index).cuda_stream
+
+
+def on_device_kept(anchor: torch.Tensor, device: torch.device, make):
+    """``make()``: host indices put on ``device`` by ``on_device`` (a tuple of them, say), made once per stream
+    that reads them and kept on ``anchor``, one of those host indices, for as long as it lives; so that a call
+    over the same plan looks its indices up once, not each through ``on_device``. While a CUDA graph is
+    captured nothing is kept (``make()`` each time)."""
+    key = _reader(device) if device.type == "cuda" else None
+    if key is None:
+        return make()
+    kept = anchor.__dict__.setdefault("_on_device_kept", {})
+    hit = kept.get(key)
+    if hit is None:
+        hit = kept[key] = make()
+    return hit
 
 
 def _forget(key, made) -> None:

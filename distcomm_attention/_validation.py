@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import operator
 import struct
 import threading
 import weakref
@@ -125,8 +126,14 @@ def _digest(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
+def _all_ints(values) -> bool:
+    """Whether every element of ``values`` is an int (not a bool)."""
+    kinds = set(map(type, values))
+    return kinds <= {int} or all(isinstance(x, int) and not isinstance(x, bool) for x in values)
+
+
 def _is_ints(value) -> bool:
-    return isinstance(value, tuple) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+    return isinstance(value, tuple) and _all_ints(value)
 
 
 def _encode(value) -> int:
@@ -393,10 +400,26 @@ def _disagreement(op, whole, device, ring_size, rings, by_rank, rows, spans, nam
 _HOST_GROUPS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
+# a process group -> the ring over the whole of it that verification exchanges over, on the host (``_exchange_comm``)
+_EXCHANGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _exchange_comm(comm: RingComm) -> tuple[RingComm, torch.device]:
     """The whole group of ``comm`` as a ring, and the device its small exchanges run on: the host (gloo or an
     in-process group: CPU tensors; NCCL: a gloo twin over the same ranks, made once), so that verification never
-    waits for the GPU (Note [Collective verdicts])."""
+    waits for the GPU (Note [Collective verdicts]). Looked up once per group (on the host: a group's twin and
+    backend do not change while it lives)."""
+    group = comm.group
+    hit = None if group is None else _EXCHANGES.get(group)
+    if hit is not None:
+        return hit, torch.device("cpu")
+    whole, device = _exchange_comm_of(comm)
+    if group is not None and device.type == "cpu":
+        _EXCHANGES[group] = whole
+    return whole, device
+
+
+def _exchange_comm_of(comm: RingComm) -> tuple[RingComm, torch.device]:
     whole = comm if comm.size == _groups.group_size(comm.group) else RingComm(comm.group)
     if whole.size == 1:
         return whole, torch.device("cpu")
@@ -480,15 +503,14 @@ def check_cu_seqlens(cu_seqlens, global_len: int) -> tuple[int, ...] | None:
                 f"shape {tuple(cu_seqlens.shape)} dtype {cu_seqlens.dtype}"
             )
         values = tuple(int(x) for x in cu_seqlens.tolist())
-    elif isinstance(cu_seqlens, (list, tuple)) and all(
-        isinstance(x, int) and not isinstance(x, bool) for x in cu_seqlens
-    ):
+    elif isinstance(cu_seqlens, (list, tuple)) and _all_ints(cu_seqlens):
         values = tuple(cu_seqlens)
     else:
         raise TypeError(f"`cu_seqlens` must be a 1-D integer tensor or a list of ints, got {cu_seqlens!r}")
     if len(values) < 2 or values[0] != 0:
         raise ValueError(f"`cu_seqlens` must start at 0 and hold at least one document, got {list(values)[:8]}")
-    bad = next((i for i in range(1, len(values)) if values[i] <= values[i - 1]), None)
+    bad = None if all(map(operator.lt, values, values[1:])) else \
+        next(i for i in range(1, len(values)) if values[i] <= values[i - 1])
     if bad is not None:
         raise ValueError(
             f"`cu_seqlens` must be strictly increasing (every document at least one token), got "

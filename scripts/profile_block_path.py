@@ -108,9 +108,9 @@ def _site_table(step, calls: int, top: int = 25) -> list[dict]:
     return [{"site": site, "op": op, "s": t, "launches": n} for (site, op), (t, n) in ordered]
 
 
-def cprofile_text(step, calls: int, top: int, sort: str = "cumulative") -> str:
+def cprofile_text(step, calls: int, top: int, sort: str = "cumulative", dump: str | None = None) -> str:
     """cProfile of ``calls`` calls of ``step`` (the GPU drained before and after): the ``top`` functions by
-    ``sort`` ("cumulative" or "tottime", own time)."""
+    ``sort`` ("cumulative" or "tottime", own time); with ``dump``, the statistics also written to that file."""
     torch.cuda.synchronize()
     prof = cProfile.Profile()
     prof.enable()
@@ -118,6 +118,8 @@ def cprofile_text(step, calls: int, top: int, sort: str = "cumulative") -> str:
         step()
     torch.cuda.synchronize()
     prof.disable()
+    if dump is not None:
+        prof.dump_stats(dump)
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats(sort).print_stats(top)
     return s.getvalue()

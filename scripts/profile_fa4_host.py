@@ -15,7 +15,9 @@ the host's waits, which show as ``_cuda_synchronize``):
 
 from __future__ import annotations
 
+import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,35 +34,98 @@ from distcomm_attention.kernels import dispatch  # noqa: E402
 from distcomm_attention.planning.visibility import Visibility  # noqa: E402
 
 
-def profile(name: str, step, calls: int = 5, top: int = 28) -> None:
+def profile(name: str, step, calls: int = 5, top: int = 28, dump: str | None = None) -> None:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
     host = U.host_seconds(step, 0.05, 5, torch.device("cuda"))
-    text = cprofile_text(step, calls, top, sort="tottime")
+    text = cprofile_text(step, calls, top, sort="tottime", dump=dump)
     print(f"===== {name}: host {host * 1e3:.2f} ms per call", flush=True)
     print("\n".join(line[:160] for line in text.splitlines()[:top + 12]), flush=True)
 
 
+class _Timed:
+    """A callable's host seconds and calls, accumulated while ``on``."""
+
+    def __init__(self, fn):
+        self.fn, self.seconds, self.calls, self.on = fn, 0.0, 0, False
+
+    def __call__(self, *args, **kwargs):
+        if not self.on:
+            return self.fn(*args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+
+
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaMemcpyAsync",
+             "cudaMemsetAsync")
+
+
+def launches(step, calls: int = 3) -> float:
+    """CUDA launches (kernels, async copies and memsets) the host issues per call of ``step``."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.key in _LAUNCHES) / calls
+
+
+def split(name: str, step, timed: list[_Timed], iters: int = 7) -> None:
+    """Host time of one call, and the part of it inside the flash-attn-4 interface (``timed``)."""
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    for t in timed:
+        t.seconds, t.calls, t.on = 0.0, 0, True
+    host = U.host_seconds(step, 0.05, iters, torch.device("cuda"))
+    for t in timed:
+        t.on = False
+    fa4 = sum(t.seconds for t in timed) / iters
+    calls = sum(t.calls for t in timed) / iters
+    print(f"##### {name}: host {host * 1e3:.2f} ms per call, of which flash-attn-4's interface {fa4 * 1e3:.2f} ms "
+          f"({calls:.0f} kernel calls), launches {launches(step):.0f} per call", flush=True)
+
+
 def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--docs", default="lognormal", help="document mix of scripts/bench_strategies.py")
+    p.add_argument("--world", type=int, default=8)
+    p.add_argument("--rank", type=int, default=1)
+    p.add_argument("--strategies", default="ring,allgather", help="comma list of ring, allgather, ulysses")
+    p.add_argument("--layout", default="auto")
+    p.add_argument("--no-raw", action="store_true", help="skip the raw flash-attn-4 calls")
+    p.add_argument("--no-cprofile", action="store_true", help="only the host split and the launch counts")
+    p.add_argument("--dump", default=None, help="also write each strategy's cProfile statistics to DIR/<path>.prof")
+    args = p.parse_args()
     dev, dt, d = torch.device("cuda"), torch.bfloat16, 128
     g = torch.Generator(device=dev).manual_seed(0)
     rnd = lambda *shape: torch.randn(*shape, device=dev, dtype=dt, generator=g)  # noqa: E731
-    seq, world = 131072, 8
-    docs = bs.documents("lognormal", seq)
-    profile(f"raw fa4 varlen 128k 4/1 heads ({len(docs) - 1} docs)",
-            bs._fa4_single(rnd(1, seq, 4, d), rnd(1, seq, 1, d), rnd(1, seq, 1, d), True, docs))
-    profile("raw fa4 dense 16k 32/8",
-            bs._fa4_single(rnd(1, 16384, 32, d), rnd(1, 16384, 8, d), rnd(1, 16384, 8, d), True))
+    seq, world = 131072, args.world
+    docs = bs.documents(args.docs, seq)
+    if not args.no_raw:
+        profile(f"raw fa4 varlen 128k 4/1 heads ({len(docs) - 1} docs)",
+                bs._fa4_single(rnd(1, seq, 4, d), rnd(1, seq, 1, d), rnd(1, seq, 1, d), True, docs))
+        profile("raw fa4 dense 16k 32/8",
+                bs._fa4_single(rnd(1, 16384, 32, d), rnd(1, 16384, 8, d), rnd(1, 16384, 8, d), True))
     probe = torch.empty(1, 1, 32, d, device=dev, dtype=dt)
     _, fwd, bwd = dispatch.select_kernels("fa4", probe, Visibility(True), 0.0)
-    _, vis, concrete = be.plan_case(seq, world, "lognormal", "auto")
+    timed = [_Timed(fwd._fwd), _Timed(bwd._bwd)]
+    fwd._fwd, bwd._bwd = timed
+    _, vis, concrete = be.plan_case(seq, world, args.docs, args.layout)
     n = seq // world
     q, k, v, dout = rnd(1, n, 32, d), rnd(1, n, 8, d), rnd(1, n, 8, d), rnd(1, n, 32, d)
-    for strategy in ("ring", "allgather"):
+    for strategy in args.strategies.split(","):
         link = be._Sent(be.EmulatedLink(world, 1, be.LINKS["ideal"]))
-        path, step = be.rank_step(strategy, link, q, k, v, dout, concrete, vis, world, 1, fwd, bwd, d ** -0.5)
-        profile(f"{path} rank 1 lognormal W{world}", step)
+        path, step = be.rank_step(strategy, link, q, k, v, dout, concrete, vis, world, args.rank, fwd, bwd, d ** -0.5)
+        name = f"{path} rank {args.rank} {args.docs} W{world}"
+        split(name, step, timed)
+        if not args.no_cprofile:
+            dump = None if args.dump is None else str(Path(args.dump) / f"{path}_{args.docs}_w{world}.prof")
+            profile(name, step, dump=dump)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
+import importlib
 import io
 import pstats
 import sys
@@ -30,6 +32,33 @@ import bench_strategies as bs  # noqa: E402
 from distcomm_attention import context_parallel_attn, shard_sequence  # noqa: E402
 
 
+class _Sections:
+    """Inclusive host seconds of named functions (``module:Attr.attr``), counted while ``on``: each replaced
+    on its module or class by a timed wrapper (where a module imported a function by name, name that module)."""
+
+    def __init__(self, specs):
+        self.on, self.seconds = False, {spec: 0.0 for spec in specs}
+        for spec in specs:
+            module, path = spec.split(":")
+            *parents, name = path.split(".")
+            parent = importlib.import_module(module)
+            for p in parents:
+                parent = getattr(parent, p)
+            setattr(parent, name, self._wrap(spec, getattr(parent, name)))
+
+    def _wrap(self, spec, fn):
+        def timed(*args, **kwargs):
+            if not self.on:
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[spec] += time.perf_counter() - t0
+
+        return functools.wraps(fn)(timed)
+
+
 def run_rank(rank: int, world: int, cfg: dict) -> dict:
     device = U.rank_device(cfg["backend"])
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -40,6 +69,7 @@ def run_rank(rank: int, world: int, cfg: dict) -> dict:
     q, k, v, dout = (shard_sequence(x, layout, cu_seqlens=docs).contiguous() for x in full)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     out = {}
+    sections = _Sections(cfg["sections"])
     for strategy in cfg["strategies"]:
         def step():
             o = context_parallel_attn(q, k, v, strategy=strategy, causal=True, layout=layout, cu_seqlens=docs)
@@ -53,6 +83,8 @@ def run_rank(rank: int, world: int, cfg: dict) -> dict:
         # the same on every rank: twice the slowest rank's call (none on CPU)
         sleep_s = 2 * max(U.all_max([gpu], device)[0], 1e-3) if device.type == "cuda" else 0.0
         hosts = []
+        sections.on = True
+        sections.seconds = dict.fromkeys(sections.seconds, 0.0)
         for _ in range(cfg["iters"]):
             U.synchronize(device)
             U.all_max([0.0], device)  # the ranks line up: their collectives meet inside the call
@@ -60,6 +92,8 @@ def run_rank(rank: int, world: int, cfg: dict) -> dict:
             t0 = time.perf_counter()
             step()
             hosts.append(time.perf_counter() - t0)
+        sections.on = False
+        parts = {spec: t / cfg["iters"] for spec, t in sections.seconds.items()}
         host = sorted(hosts)[len(hosts) // 2]
         U.synchronize(device)
         U.all_max([0.0], device)
@@ -72,6 +106,8 @@ def run_rank(rank: int, world: int, cfg: dict) -> dict:
             U.synchronize(device)
             prof.disable()
             s = io.StringIO()
+            if cfg["dump"]:
+                prof.dump_stats(f"{cfg['dump']}/{strategy}_{cfg['docs']}_w{world}.prof")
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(cfg["top"])
             text = s.getvalue()
         else:
@@ -79,7 +115,7 @@ def run_rank(rank: int, world: int, cfg: dict) -> dict:
                 step()
             U.synchronize(device)
         gpu_max, host_max = U.all_max([gpu, host], device)
-        out[strategy] = {"gpu_s": gpu_max, "host_s": host_max, "sleep_s": sleep_s, "profile": text}
+        out[strategy] = {"gpu_s": gpu_max, "host_s": host_max, "sleep_s": sleep_s, "profile": text, "sections": parts}
     return out
 
 
@@ -96,18 +132,24 @@ def main():
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--out", default=None)
+    p.add_argument("--sections", default="", help="comma list of module:Attr.attr whose host time per call (mean, "
+                   "inclusive, rank 0) is reported beside the whole call's")
+    p.add_argument("--dump", default=None, help="also write rank 0's cProfile statistics to DIR/<strategy>_...prof")
     a = p.parse_args()
     heads, kv_heads = map(int, a.heads.split("/"))
     cfg = {"seq": U.parse_count(a.seq), "strategies": a.strategies.split(","), "heads": heads, "kv_heads": kv_heads,
            "head_dim": a.head_dim, "iters": a.iters, "top": a.top, "docs": a.docs, "layout": a.layout,
-           "backend": "nccl" if a.device == "cuda" else "gloo"}
+           "backend": "nccl" if a.device == "cuda" else "gloo", "dump": a.dump,
+           "sections": [x for x in a.sections.split(",") if x]}
     res = U.launch(run_rank, a.world, cfg, backend=cfg["backend"], timeout=600)
     if not res:
         return
     lines = []
     for s, m in res[0].items():
         lines.append(f"== {s}: GPU {m['gpu_s'] * 1e3:.2f} ms/call, host {m['host_s'] * 1e3:.2f} ms/call (each call "
-                     f"behind {m['sleep_s'] * 1e3:.1f} ms of GPU sleep)\n{m['profile']}")
+                     f"behind {m['sleep_s'] * 1e3:.1f} ms of GPU sleep)")
+        lines += [f"   {seconds * 1e3:7.3f} ms  {spec}" for spec, seconds in m["sections"].items()]
+        lines.append(m["profile"])
     text = "\n".join(lines)
     print(text)
     if a.out:

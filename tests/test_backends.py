@@ -896,20 +896,24 @@ def test_packed_steps_with_the_balanced_layout(case):
 
 def test_packed_and_window_calls_put_every_index_on_the_device(monkeypatch):
     """A packed call's and a window call's index tensors are cached on the host and reach another device each
-    through ``_device.on_device`` (every one of them: boundaries, segment lengths, the gathered key index);
-    the host cache stays on the host. Checked with a stand-in for on_device that records what it moves."""
+    through ``_device.on_device`` (every one of them: boundaries, segment lengths, the gathered key index),
+    looked up once per stream that reads them (``on_device_kept``; each time while a graph is captured);
+    the host cache stays on the host. Checked with a stand-in for on_device that records what it moves, and
+    stand-in streams."""
+    from distcomm_attention import _device
     from distcomm_attention.kernels import contract
     from distcomm_attention.planning import balance
     from distcomm_attention.planning.plans import gathered_plan
     from distcomm_attention.strategies.ring import packed
 
-    moved = []
+    moved, reader = [], [(0, 1)]
 
     def on_device(index, device):
         moved.append(index)
         return index.to("meta")
 
     monkeypatch.setattr(contract, "on_device", on_device)
+    monkeypatch.setattr(_device, "_reader", lambda device: reader[0])
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     seq, world = 96, 4
     cu = (0, 10, 13, 40, 43, 88, 94, 96)  # rank 0's backward: one call of gathered key runs, one not
@@ -929,6 +933,15 @@ def test_packed_and_window_calls_put_every_index_on_the_device(monkeypatch):
                                          got.key_index)):
                 assert (want is None and t is None) or (t.device.type == "meta" and t.shape == want.shape)
             assert contract._packed_varlen(call, batch, seq // world, seq, cpu) is host  # the host path: as cached
+            moved.clear()
+            assert contract._packed_varlen(call, batch, seq // world, seq, gpu) is got and moved == []  # kept
+            reader[0] = (0, 2)  # another stream: through on_device again (which makes it wait for the copies)
+            again = contract._packed_varlen(call, batch, seq // world, seq, gpu)
+            assert again is not got and len(moved) == len([t for t in tensors if t is not None])
+            reader[0] = None  # a graph being captured: nothing kept
+            assert contract._packed_varlen(call, batch, seq // world, seq, gpu) is not again
+            assert contract._packed_varlen(call, batch, seq // world, seq, gpu) is not again
+            reader[0] = (0, 1)
     window = contract.WindowCall(0, 8, 0, 8, (None, 0), (0, 3, 8), (0, 3, 8))
     moved.clear()
     varlen = contract._varlen(window, 2, gpu)

@@ -115,6 +115,15 @@ def test_sum_rows_adds_each_rows_terms_in_order_and_rounds_once(device, out_dtyp
     assert bool((got[:, 9:11] == 7).all()), "rows in no segment are left as they were"
     with pytest.raises(ValueError, match="a row adds at most"):
         triton_rows.sum_rows(out.to(device), [(0, 1, [(0, 0)] * (triton_rows.SUM_TERMS + 1))], terms[:1])
+    # the same segments over other terms (a later call of the same plan): the segments' table is the one made
+    # before, the terms' addresses this call's
+    made = triton_rows._segment_table.cache_info().misses
+    others = [t * -2 for t in terms]
+    again = triton_rows.sum_rows(torch.full_like(out, 7.0).to(device), segments, [t.to(device) for t in others]).cpu()
+    assert triton_rows._segment_table.cache_info().misses == made
+    want2 = got * -2  # (exact: a power of two scales each term, their sum and its rounding alike)
+    want2[:, 9:11] = 7
+    assert torch.equal(again, want2)
 
 
 class _Mirror:

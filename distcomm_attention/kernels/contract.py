@@ -89,7 +89,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from distcomm_attention._device import on_device
+from distcomm_attention._device import on_device, on_device_kept
 from distcomm_attention.planning.calls import Fit, PackedCall, packed_calls
 from distcomm_attention.planning.visibility import BlockMask, Piece, Visibility, pieces_of
 
@@ -275,11 +275,12 @@ def _varlen_on(varlen: Varlen, device: torch.device) -> Varlen:
 
 
 def _packed_varlen(call: PackedCall, batch: int, n: int, nk: int, device: torch.device) -> _Packed:
-    """``_packed_host``'s arguments with its index tensors on ``device``."""
+    """``_packed_host``'s arguments with its index tensors on ``device`` (looked up once per call and stream)."""
     packed = _packed_host(call, batch, n, nk)
     if device.type == "cpu":
         return packed
-    return packed._replace(varlen=_varlen_on(packed.varlen, device), key_index=_on(packed.key_index, device))
+    return on_device_kept(packed.varlen.cu_q, device, lambda: packed._replace(
+        varlen=_varlen_on(packed.varlen, device), key_index=_on(packed.key_index, device)))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -365,7 +366,8 @@ def window_calls(pieces: tuple[Piece, ...]) -> tuple[WindowCall, ...]:
 
 def _varlen(call: WindowCall, batch: int, device: torch.device) -> Varlen:
     """The call's boundaries for ``batch`` packed batch elements, on ``device``."""
-    return _varlen_on(_varlen_host(call, batch), device)
+    host = _varlen_host(call, batch)
+    return on_device_kept(host.cu_q, device, lambda: _varlen_on(host, device))
 
 
 @functools.lru_cache(maxsize=256)
@@ -613,9 +615,13 @@ class RowSum:
         if not triton_rows.summable(out):
             return None
         cuts = sorted({0, n} | {x for r0, r1, _, _ in sources for x in (r0, r1)})
+        at = {x: i for i, x in enumerate(cuts)}
+        covering: list[list[tuple[int, int]]] = [[] for _ in cuts[1:]]  # each piece's terms, in the sources' order
+        for r0, r1, term, start in sources:
+            for i in range(at[r0], at[r1]):
+                covering[i].append((index[id(term)], -start))
         segments: list[tuple[int, int, list]] = []
-        for a, z in zip(cuts, cuts[1:]):
-            parts = [(index[id(term)], -start) for r0, r1, term, start in sources if r0 <= a and z <= r1]
+        for a, z, parts in zip(cuts, cuts[1:], covering):
             if len(parts) > triton_rows.SUM_TERMS:
                 return None
             if out is self.base and parts == [(index.get(id(out)), 0)]:  # written in place, nothing to add

@@ -21,12 +21,14 @@ They run on CUDA tensors; the callers keep a PyTorch path for every other device
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from distcomm_attention._device import to_device
+from distcomm_attention._device import on_device, to_device
 
 __all__ = ["gather_rows", "take_rows", "nan_rows_", "sum_available", "sum_rows", "summable", "SUM_TERMS"]
 
@@ -221,6 +223,26 @@ def sum_rows(out: Tensor, segments, terms) -> Tensor:
     k = max(1, max(len(s[2]) for s in segments))
     if k > SUM_TERMS:
         raise ValueError(f"sum_rows: a row adds at most {SUM_TERMS} terms, got {k}")
+    table, first = _segment_table(tuple((r0, r1, tuple(parts)) for r0, r1, parts in segments), block_r)
+    # the segments' table depends on the plan alone: made and copied once (``on_device``); the terms' addresses
+    # change with every call and go there by one copy from pinned memory
+    spec = []
+    for t in terms:
+        spec += [t.data_ptr(), t.stride(0), t.stride(1), _CODES[t.dtype]]
+    terms_dev = to_device(torch.tensor(spec, dtype=torch.int64), out.device)
+    grid = (first, triton.cdiv(c, block_c), b)
+    bf16 = out.dtype == torch.bfloat16
+    _sum_kernel[grid](out.view(torch.int16) if bf16 else out, on_device(table, out.device), terms_dev, len(segments),
+                      c, out.stride(0), out.stride(1), K=k, W=_SEGMENT_FIELDS, BLOCK_R=block_r, BLOCK_C=block_c,
+                      OUT_BF16=bf16, num_warps=4)
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _segment_table(segments, block_r: int) -> tuple[Tensor, int]:
+    """``sum_rows``' table of ``segments`` ((first row, stop, ((term, offset), ...)), ...) on the host: per segment
+    its first program, first row, rows, terms and (term, offset) pairs, ``_SEGMENT_FIELDS`` ints; and the programs
+    along the rows in all."""
     table, first = [], 0
     for r0, r1, parts in segments:
         row = [first, r0, r1 - r0, len(parts)]
@@ -228,13 +250,4 @@ def sum_rows(out: Tensor, segments, terms) -> Tensor:
             row += [t, off]
         table += row + [0] * (_SEGMENT_FIELDS - len(row))
         first += triton.cdiv(r1 - r0, block_r)
-    for t in terms:
-        table += [t.data_ptr(), t.stride(0), t.stride(1), _CODES[t.dtype]]
-    table_dev = to_device(torch.tensor(table, dtype=torch.int64), out.device)  # through pinned memory
-    start = len(segments) * _SEGMENT_FIELDS
-    grid = (first, triton.cdiv(c, block_c), b)
-    bf16 = out.dtype == torch.bfloat16
-    _sum_kernel[grid](out.view(torch.int16) if bf16 else out, table_dev, table_dev[start:], len(segments), c,
-                      out.stride(0), out.stride(1), K=k, W=_SEGMENT_FIELDS, BLOCK_R=block_r, BLOCK_C=block_c,
-                      OUT_BF16=bf16, num_warps=4)
-    return out
+    return torch.tensor(table, dtype=torch.int64), first
