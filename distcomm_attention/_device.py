@@ -90,7 +90,8 @@ def _reader(device: torch.device) -> tuple[int, int] | None:
     if torch.cuda.is_current_stream_capturing():
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return index, torch.cuda.current_stream(index).cuda_stream
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (the handle, without making a Stream object)
+    return index, raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
 def on_device_kept(anchor: torch.Tensor, device: torch.device, make):

@@ -247,3 +247,28 @@ def test_backward_is_deterministic():
     first = TritonBackward().step(dout, q, k, v, out, lse, mask=CAUSAL, scale=0.1)
     second = TritonBackward().step(dout, q, k, v, out, lse, mask=CAUSAL, scale=0.1)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_device_indices_kept_per_stream():
+    """``_device.on_device_kept`` on CUDA: a packed call's device indices are looked up once per stream that reads
+    them (the same object again on that stream; on another stream a lookup through ``on_device``, which makes
+    that stream wait for the copies, of the same device copies), and not kept while a graph is captured."""
+    from distcomm_attention.kernels import contract
+    from distcomm_attention.planning.calls import PackedCall
+    from distcomm_attention.planning.visibility import Piece
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    call = PackedCall((Piece(0, 8, 0, 8, None, 0), Piece(8, 20, 8, 20, None, 0)), (None, 0))  # two documents
+    first = contract._packed_varlen(call, 1, 20, 20, dev)
+    assert contract._packed_varlen(call, 1, 20, 20, dev) is first
+    assert first.varlen.cu_q.is_cuda and first.varlen.cu_q.tolist() == [0, 8, 20]
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        other = contract._packed_varlen(call, 1, 20, 20, dev)
+        assert contract._packed_varlen(call, 1, 20, 20, dev) is other
+    assert other is not first and other.varlen.cu_q.data_ptr() == first.varlen.cu_q.data_ptr()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = contract._packed_varlen(call, 1, 20, 20, dev)
+        assert contract._packed_varlen(call, 1, 20, 20, dev) is not captured
+    assert captured.varlen.cu_q.data_ptr() == first.varlen.cu_q.data_ptr()
