@@ -61,6 +61,11 @@ class _Timed:
             self.calls += 1
 
 
+def _method(timed: _Timed):
+    """``timed`` as a method (a plain function, so that it binds to the instance)."""
+    return lambda self, *args, **kwargs: timed(self, *args, **kwargs)
+
+
 _LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaMemcpyAsync",
              "cudaMemsetAsync")
 
@@ -74,20 +79,23 @@ def launches(step, calls: int = 3) -> float:
     return sum(e.count for e in prof.key_averages() if e.key in _LAUNCHES) / calls
 
 
-def split(name: str, step, timed: list[_Timed], iters: int = 7) -> None:
-    """Host time of one call, and the part of it inside the flash-attn-4 interface (``timed``)."""
+def split(name: str, step, timed: list[_Timed], iters: int = 7, phases: dict | None = None) -> None:
+    """Host time of one call, and the part of it inside the flash-attn-4 interface (``timed``) and in each of
+    ``phases`` (name -> _Timed)."""
+    phases = phases or {}
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    for t in timed:
+    for t in timed + list(phases.values()):
         t.seconds, t.calls, t.on = 0.0, 0, True
     host = U.host_seconds(step, 0.05, iters, torch.device("cuda"))
-    for t in timed:
+    for t in timed + list(phases.values()):
         t.on = False
     fa4 = sum(t.seconds for t in timed) / iters
     calls = sum(t.calls for t in timed) / iters
+    parts = "".join(f", {p} {t.seconds / iters * 1e3:.2f} ms" for p, t in phases.items())
     print(f"##### {name}: host {host * 1e3:.2f} ms per call, of which flash-attn-4's interface {fa4 * 1e3:.2f} ms "
-          f"({calls:.0f} kernel calls), launches {launches(step):.0f} per call", flush=True)
+          f"({calls:.0f} kernel calls){parts}, launches {launches(step):.0f} per call", flush=True)
 
 
 def main():
@@ -122,7 +130,14 @@ def main():
         link = be._Sent(be.EmulatedLink(world, 1, be.LINKS["ideal"]))
         path, step = be.rank_step(strategy, link, q, k, v, dout, concrete, vis, world, args.rank, fwd, bwd, d ** -0.5)
         name = f"{path} rank {args.rank} {args.docs} W{world}"
-        split(name, step, timed)
+        phases = {}
+        if path == "sparse_allgather":  # the all-gather's forward and backward, each inclusive
+            for phase in ("forward", "backward"):
+                phases[phase] = _Timed(getattr(be.AllGatherKV, phase))
+                setattr(be.AllGatherKV, phase, _method(phases[phase]))
+        split(name, step, timed, phases=phases)
+        for phase, t in phases.items():
+            setattr(be.AllGatherKV, phase, t.fn)
         if not args.no_cprofile:
             dump = None if args.dump is None else str(Path(args.dump) / f"{path}_{args.docs}_w{world}.prof")
             profile(name, step, dump=dump)
