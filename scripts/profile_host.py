@@ -32,6 +32,24 @@ import bench_strategies as bs  # noqa: E402
 from distcomm_attention import context_parallel_attn, shard_sequence  # noqa: E402
 
 
+def resolve_section(spec: str):
+    """(the module or class holding it, its name) of a section ``module:Attr.attr``; ValueError naming the spec
+    where it is not a callable there."""
+    module, sep, path = spec.partition(":")
+    try:
+        if not sep or not module or not path:
+            raise ValueError("not of the form module:Attr.attr")
+        *parents, name = path.split(".")
+        parent = importlib.import_module(module)
+        for p in parents:
+            parent = getattr(parent, p)
+        if not callable(getattr(parent, name)):
+            raise ValueError(f"{name!r} is not callable")
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"--sections: {spec!r} is not a function or method (module:Attr.attr): {e}") from None
+    return parent, name
+
+
 class _Sections:
     """Inclusive host seconds of named functions (``module:Attr.attr``), counted while ``on``: each replaced
     on its module or class by a timed wrapper (where a module imported a function by name, name that module)."""
@@ -39,11 +57,7 @@ class _Sections:
     def __init__(self, specs):
         self.on, self.seconds = False, {spec: 0.0 for spec in specs}
         for spec in specs:
-            module, path = spec.split(":")
-            *parents, name = path.split(".")
-            parent = importlib.import_module(module)
-            for p in parents:
-                parent = getattr(parent, p)
+            parent, name = resolve_section(spec)
             setattr(parent, name, self._wrap(spec, getattr(parent, name)))
 
     def _wrap(self, spec, fn):
@@ -136,6 +150,11 @@ def main():
                    "inclusive, rank 0) is reported beside the whole call's")
     p.add_argument("--dump", default=None, help="also write rank 0's cProfile statistics to DIR/<strategy>_...prof")
     a = p.parse_args()
+    for spec in filter(None, a.sections.split(",")):  # before any rank starts
+        try:
+            resolve_section(spec)
+        except ValueError as e:
+            p.error(str(e))
     heads, kv_heads = map(int, a.heads.split("/"))
     cfg = {"seq": U.parse_count(a.seq), "strategies": a.strategies.split(","), "heads": heads, "kv_heads": kv_heads,
            "head_dim": a.head_dim, "iters": a.iters, "top": a.top, "docs": a.docs, "layout": a.layout,
