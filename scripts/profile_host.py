@@ -15,6 +15,7 @@ import argparse
 import cProfile
 import functools
 import importlib
+import inspect
 import io
 import pstats
 import sys
@@ -52,13 +53,18 @@ def resolve_section(spec: str):
 
 class _Sections:
     """Inclusive host seconds of named functions (``module:Attr.attr``), counted while ``on``: each replaced
-    on its module or class by a timed wrapper (where a module imported a function by name, name that module)."""
+    on its module or class by a timed wrapper (where a module imported a function by name, name that module; a
+    function that calls itself is counted at every level)."""
 
     def __init__(self, specs):
         self.on, self.seconds = False, {spec: 0.0 for spec in specs}
         for spec in specs:
             parent, name = resolve_section(spec)
-            setattr(parent, name, self._wrap(spec, getattr(parent, name)))
+            raw = inspect.getattr_static(parent, name)
+            if isinstance(raw, (staticmethod, classmethod)):  # wrapped inside, the descriptor kept
+                setattr(parent, name, type(raw)(self._wrap(spec, raw.__func__)))
+            else:
+                setattr(parent, name, self._wrap(spec, getattr(parent, name)))
 
     def _wrap(self, spec, fn):
         def timed(*args, **kwargs):

@@ -894,7 +894,7 @@ def test_packed_steps_with_the_balanced_layout(case):
                 assert all(a1 <= b0 for (_, a1), (b0, _) in zip(keys, keys[1:]))
 
 
-def test_packed_and_window_calls_put_every_index_on_the_device(monkeypatch):
+def test_packed_and_window_calls_put_every_index_on_the_device(monkeypatch, request):
     """A packed call's and a window call's index tensors are cached on the host and reach another device each
     through ``_device.on_device`` (every one of them: boundaries, segment lengths, the gathered key index),
     looked up once per stream that reads them (``on_device_kept``; each time while a graph is captured);
@@ -914,6 +914,11 @@ def test_packed_and_window_calls_put_every_index_on_the_device(monkeypatch):
 
     monkeypatch.setattr(contract, "on_device", on_device)
     monkeypatch.setattr(_device, "_reader", lambda device: reader[0])
+    # the host caches start and end empty: what this test keeps on their anchors (meta tensors under stand-in
+    # streams) goes with them, and nothing kept by a run before this one is found
+    for cache in (contract._packed_host, contract._varlen_host):
+        cache.cache_clear()
+        request.addfinalizer(cache.cache_clear)
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     seq, world = 96, 4
     cu = (0, 10, 13, 40, 43, 88, 94, 96)  # rank 0's backward: one call of gathered key runs, one not
@@ -948,6 +953,10 @@ def test_packed_and_window_calls_put_every_index_on_the_device(monkeypatch):
     host = contract._varlen_host(window, 2)
     assert [id(t) for t in moved] == [id(host.cu_q), id(host.cu_k)] and varlen.cu_q.device.type == "meta"
     assert host.cu_q.tolist() == [0, 3, 8, 11, 16]
+    moved.clear()
+    assert contract._varlen(window, 2, gpu) is varlen and moved == []  # kept for this stream
+    reader[0] = (0, 2)
+    assert contract._varlen(window, 2, gpu) is not varlen and len(moved) == 2  # another stream: looked up again
 
 
 def test_all_gather_packed_calls_with_the_balanced_layout():

@@ -159,3 +159,34 @@ def test_each_field_disagreement_names_the_field_and_both_values():
         assert msgs[0][key] == msgs[1][key], (key, msgs[0][key], msgs[1][key])
         assert msgs[0][key] is not None and re.search(expect, msgs[0][key]), (key, msgs[0][key])
     assert all(m["exchanges"] == (1, 2) for m in msgs)
+
+
+def _exchange_rank(rank, world):
+    import gc
+
+    import torch.distributed as dist
+
+    from distcomm.ring import RingComm
+
+    before = len(_validation._EXCHANGES)
+    whole, device = _validation._exchange_comm(RingComm(None))
+    out = {"device": str(device), "size": whole.size}
+    out["again"] = _validation._exchange_comm(RingComm(None))[0] is whole  # looked up once per group
+    out["sub-ring"] = _validation._exchange_comm(RingComm(None, 1))[0] is whole  # a ring of part of it: the whole
+    group = dist.new_group([0, 1])
+    other = _validation._exchange_comm(RingComm(group))[0]
+    out["other group"] = other is not whole and other.size == 2 and len(_validation._EXCHANGES) == before + 2
+    dist.destroy_process_group(group)
+    del group, other
+    gc.collect()
+    out["gone with its group"] = len(_validation._EXCHANGES) == before + 1
+    return out
+
+
+def test_verification_ring_is_looked_up_once_per_group():
+    """``_exchange_comm`` (the ring a call verifies over, on the host) is found once per process group and kept
+    while the group lives: the same ring for every call and sub-ring of the group, another for another group,
+    and the entry gone once that group is destroyed."""
+    for out in run_world(_exchange_rank, 2, timeout=120):
+        assert out == {"device": "cpu", "size": 2, "again": True, "sub-ring": True, "other group": True,
+                       "gone with its group": True}, out

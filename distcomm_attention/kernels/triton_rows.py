@@ -212,8 +212,9 @@ def sum_rows(out: Tensor, segments, terms) -> Tensor:
     sorted and disjoint, each row r of a segment the sum in fp32 of ``terms[term][:, r + offset]`` in the order
     given (at most ``SUM_TERMS``; no term: 0), rounded once to out's dtype; rows in no segment are not written.
     ``terms``: tensors (B, m, ...) with out's trailing shape (``summable``). On the device of ``out``; the
-    table of addresses goes there by one copy from pinned memory, without waiting for the GPU (not while a CUDA
-    graph is captured: the table is made for this call's tensors)."""
+    segments' table goes there once per segments (``on_device``), the terms' addresses by one copy from pinned
+    memory per call, neither waiting for the GPU (not while a CUDA graph is captured: the addresses are this
+    call's tensors')."""
     b, n = out.shape[0], out.shape[1]
     c = out[0, 0].numel() if n else 0
     if not segments or b == 0 or c == 0:
