@@ -8,9 +8,13 @@ the host's waits, which show as ``_cuda_synchronize``):
 - one raw flash-attn-4 varlen forward + backward over a 128k log-normal pack with Ulysses' per-rank heads at
   W = 8 (4 query heads, 1 kv head), and one dense causal call over 16k tokens with 32/8 heads;
 - rank 1 of 8 of the ring and the all-gather strategies on that pack (balanced layout), as
-  scripts/bench_emulated.py runs them, over an ideal emulated link (no wait).
+  scripts/bench_emulated.py runs them, over an ideal emulated link (no wait); for each, first its host time
+  per call split into flash-attn-4's own interface (and, for the sparse all-gather, its forward and
+  backward, each inclusive) with the CUDA launches per call (torch.profiler), then the cProfile.
 
     python scripts/profile_fa4_host.py > host_profile.txt
+    python scripts/profile_fa4_host.py --docs short --world 4 --rank 0 --strategies allgather,ring,ulysses \
+        --no-raw --dump prof/     # another mix, world and rank; each strategy's cProfile statistics kept
 """
 
 from __future__ import annotations
