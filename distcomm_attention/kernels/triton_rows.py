@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from distcomm_attention._device import on_device, to_device
+from distcomm_attention._device import on_device, on_device_kept, to_device
 
 __all__ = ["gather_rows", "take_rows", "nan_rows_", "sum_available", "sum_rows", "summable", "SUM_TERMS"]
 
@@ -233,7 +233,8 @@ def sum_rows(out: Tensor, segments, terms) -> Tensor:
     terms_dev = to_device(torch.tensor(spec, dtype=torch.int64), out.device)
     grid = (first, triton.cdiv(c, block_c), b)
     bf16 = out.dtype == torch.bfloat16
-    _sum_kernel[grid](out.view(torch.int16) if bf16 else out, on_device(table, out.device), terms_dev, len(segments),
+    table_dev = on_device_kept(table, out.device, lambda: on_device(table, out.device))  # (one lookup per stream)
+    _sum_kernel[grid](out.view(torch.int16) if bf16 else out, table_dev, terms_dev, len(segments),
                       c, out.stride(0), out.stride(1), K=k, W=_SEGMENT_FIELDS, BLOCK_R=block_r, BLOCK_C=block_c,
                       OUT_BF16=bf16, num_warps=4)
     return out
