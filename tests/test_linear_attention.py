@@ -249,29 +249,6 @@ def test_open_segments_in_two_passes_match_the_recurrence():
     assert not torch.equal(zero_o, o_ref)  # the incoming states matter here
 
 
-def test_open_segments_state_gradient_alone(monkeypatch):
-    """Where the incoming states take a gradient and the segment's inputs none, the forward makes no Q~ (the
-    outputs' part from S_in, kept for dS_in) and the backward makes it: dS_in equals the float64 recurrence's
-    gradient, for two sequences."""
-    case = _case("gdn", "contiguous", 37, [0, 20, 37])
-    (q, k, v, g, beta, h_in), (wo, _) = make_inputs(case)
-    h_ref = h_in.clone().requires_grad_()
-    o_ref, _ = recurrence(q, k, v, g, beta, 0.5, h_ref, case["docs"])
-    (o_ref * wo).sum().backward()
-
-    asked = []
-    summary = kernels.TorchPasses.summary
-    monkeypatch.setattr(kernels.TorchPasses, "summary",
-                        lambda self, queries: asked.append(queries) or summary(self, queries))
-    mine = h_in.clone().requires_grad_()
-    _, _, finish = kernels.open_segments(kernels.TorchPasses, q, k, v, g, beta, scale=0.5,
-                                         cu_seqlens=torch.tensor(case["docs"]))
-    (finish(mine) * wo).sum().backward()
-    assert asked == [False, True]
-    torch.testing.assert_close(mine.grad, h_ref.grad, **TOL)
-    assert mine.grad.abs().max() > 0.1
-
-
 def test_open_segments_backward_twice_and_misuse():
     """The two passes keep their tensors in autograd's saved tensors: a second backward (retain_graph) adds the
     same gradients again; calling finish twice, or a backward through the outputs alone followed by another,

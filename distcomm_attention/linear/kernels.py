@@ -263,55 +263,37 @@ def select_kernel(kernel: str, q: torch.Tensor, backward: bool = False, delta: b
 #
 #         summary  the map S_out = A S_in + B by the state pass alone, no outputs: B from a zero state with
 #                  the chunks' pseudo-values u, A from I with zero values (the extended state [0 | I] with
-#                  values [u | 0]); and the transformed queries Q~_t = scale A_t^T q_t (A_t the map up to
-#                  token t), the outputs of A's columns
+#                  values [u | 0])
 #         output   after the fold: the ordinary forward from S_in (state pass and outputs)
 #
 #     so the outputs are the kernel's own from the true incoming state, at the price of one wide state pass
 #     instead of a wide output pass and a correction. Backward, in the order autograd reaches them:
 #
-#         output   dS_in = (d o / d S_in)^T do = sum_t Q~_t do_t^T alone: one product per sequence over its
-#                  tokens, where a reverse state pass would cost as much as the forward's (Q~ is kept from the
-#                  forward: a tensor of q's dtype and the outputs' tokens and heads); no input gradients yet
+#         output   dS_in = (d o / d S_in)^T do alone (the reverse state pass with no end-state gradient);
+#                  no input gradients yet
 #         summary  after the gathered maps' backward: every use of (A, B) on every rank is A S_in + B for the
 #                  segment's own S_in (the fold and the final states), so dA = dB S_in^T and the gradient
 #                  reaching q, k, v, g, beta through (A, B) is the kernel's backward with the end-state
-#                  gradient dB; one backward with (do, dB) from S_in gives every input gradient (Q~ is a
-#                  function of the inputs too, but only its use in dS_in reads it, and the outputs' gradient
-#                  through it is inside that one backward)
+#                  gradient dB; one backward with (do, dB) from S_in gives every input gradient
 #
 #     The pass objects below give these four operations over one call's sequences; ``TorchPasses`` by the
 #     chunked PyTorch kernel (any device, float64: the reference the tests check the autograd wiring with),
 #     ``FlaPasses`` by fla-core's chunk kernels, except for one state-only Triton pass of its own
-#     (maps_kernel.py; K <= 128): the summary's A and B columns and Q~ in one launch that stores the end state
-#     and Q~ alone (fla's state pass, run twice, also writes every chunk's state).
-
-
-def _state_grad(qt: torch.Tensor, do: torch.Tensor, bounds: list[int] | None) -> torch.Tensor:
-    """dS_in = sum_t Q~_t do_t^T over each sequence (Note [Open segments in two passes]): Q~ (B, T, HV, K), do
-    (B, T, HV, V), ``bounds`` the sequences' host boundaries (B = 1) or None (one a batch row) ->
-    (N, HV, K, V) float32 (float64 for float64), products of half-precision tensors accumulated and returned
-    in float32 without a copy of either."""
-    sdtype = _state_dtype(qt)
-    rows = ([(i, slice(None)) for i in range(qt.shape[0])] if bounds is None
-            else [(0, slice(a, e)) for a, e in zip(bounds[:-1], bounds[1:])])
-    out = torch.empty(len(rows), qt.shape[2], qt.shape[3], do.shape[3], dtype=sdtype, device=qt.device)
-    wide = qt.is_cuda and qt.dtype in (torch.float16, torch.bfloat16)
-    for n, (b, tokens) in enumerate(rows):
-        x, y = qt[b, tokens].permute(1, 2, 0), do[b, tokens].transpose(0, 1)  # (HV, K, t), (HV, t, V)
-        out[n] = torch.bmm(x, y, out_dtype=sdtype) if wide else torch.bmm(x.to(sdtype), y.to(sdtype))
-    return out
+#     (maps_kernel.py; K <= 128): the summary's A and B columns in one launch that stores the end state
+#     alone (fla's state pass, run twice, also writes every chunk's state). dS_in is fla's reverse state pass
+#     without an end-state gradient, on the values' local gradient (made first: the input gradients read it
+#     again), while the chunk states' recompute runs beside it on a side stream. A fused state-only reverse
+#     pass of its own measured no faster there (docs/hybrid.md, 2026-11-27).
 
 
 class TorchPasses:
     """The four operations of Note [Open segments in two passes] by ``torch_chunk`` (and autograd for the
-    backward one). Tensors as the kernel contract; ``cu_seqlens`` the call's sequences."""
+    backward ones). Tensors as the kernel contract; ``cu_seqlens`` the call's sequences."""
 
     def __init__(self, q, k, v, g, beta, scale: float, cu_seqlens=None):
         self.x = [t.detach() for t in (q, k, v, g, beta)]
         self.scale, self.cu = scale, cu_seqlens
         self.count = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
-        self.qt = None
 
     # the tensors the passes keep, handed to autograd's saved tensors between the forward and the backward
     def saved(self):
@@ -321,30 +303,42 @@ class TorchPasses:
         self.x = list(tensors)
 
     def release(self):
-        self.x = self.qt = None
+        self.x = None
 
-    def summary(self, queries: bool):
+    def summary(self):
         q, k, v, g, beta = self.x
         dk, dv = k.shape[-1], v.shape[-1]
         sdtype = _state_dtype(q)
         eye = torch.eye(dk, dtype=sdtype, device=q.device).expand(self.count, v.shape[2], dk, dk)
         h0 = torch.cat([eye.new_zeros(eye.shape[:-1] + (dv,)), eye], dim=-1)
         wide = torch.cat([v, v.new_zeros(v.shape[:3] + (dk,))], dim=-1)
-        o, end = torch_chunk(q, k, wide, g, beta, scale=self.scale, initial_state=h0, cu_seqlens=self.cu)
-        self.qt = o[..., dv:].contiguous() if queries else None
+        _, end = torch_chunk(q, k, wide, g, beta, scale=self.scale, initial_state=h0, cu_seqlens=self.cu)
         return end[..., dv:], end[..., :dv]
 
     def output(self, h_in):
         return torch_chunk(*self.x, scale=self.scale, initial_state=h_in, cu_seqlens=self.cu)[0]
 
-    def state_grad(self, qt, do):
-        return _state_grad(qt, do, None if self.cu is None else self.cu.tolist())
+    def state_grad(self, h_in, do):
+        with torch.enable_grad():
+            h = h_in.detach().requires_grad_()
+            o, _ = torch_chunk(*self.x, scale=self.scale, initial_state=h, cu_seqlens=self.cu)
+            return torch.autograd.grad(o, h, do)[0]
 
     def input_grads(self, h_in, do, dht):
         with torch.enable_grad():
             x = [t.detach().requires_grad_() for t in self.x]
             o, end = torch_chunk(*x, scale=self.scale, initial_state=h_in, cu_seqlens=self.cu)
             return torch.autograd.grad((o, end), x, (do, dht))
+
+
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for the open segments' backward (FlaPasses._before_dht)."""
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    return _SIDE[device]
 
 
 class FlaPasses:
@@ -372,7 +366,7 @@ class FlaPasses:
             self.w, self.u, self.solved = chunk_gated_delta_rule_fwd_intra(
                 k=self.k, v=self.v, g=self.g, beta=self.beta, chunk_size=self.CHUNK, **common)
         self.common = common
-        self.qt = None
+        self.pending = None  # the backward's parts that need no end-state gradient (state_grad, then input_grads)
 
     def saved(self):
         return [self.q, self.k, self.v, self.beta, self.g, self.solved]
@@ -382,7 +376,7 @@ class FlaPasses:
         self.w = self.u = None
 
     def release(self):
-        self.q = self.k = self.v = self.beta = self.g = self.solved = self.w = self.u = self.qt = None
+        self.q = self.k = self.v = self.beta = self.g = self.solved = self.w = self.u = None
 
     def _w_u(self):
         if self.w is None:  # dropped after the output pass; the backward recomputes them, as fla's does
@@ -391,33 +385,24 @@ class FlaPasses:
             return recompute_w_u_fwd(k=self.k, v=self.v, beta=self.beta, A=self.solved, g=self.g, **self.common)
         return self.w, self.u
 
-    def summary(self, queries: bool):
+    def summary(self):
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-        from fla.ops.common.chunk_o import chunk_fwd_o
 
         from distcomm_attention.linear import maps_kernel
 
         dk, heads = self.k.shape[-1], self.v.shape[2]
-        self.qt = None
+        if dk <= maps_kernel.MAX_K:  # both maps in one state-only pass (maps_kernel.py)
+            with self.device:
+                return maps_kernel.delta_maps(self.k, self.w, self.u, self.g, self.cu)
+        eye = torch.eye(dk, dtype=torch.float32, device=self.k.device).expand(self.count, heads, dk, dk)
+        # [A | B] in two state passes, B from a zero state, A from I with zero values: as fast as one pass of
+        # width V + K, without the wide values' copy
         with self.device:
-            w, u = self._w_u()
-            if dk <= maps_kernel.MAX_K:  # both maps (and Q~) in one state-only pass (maps_kernel.py)
-                maps = maps_kernel.delta_maps(self.k, w, u, self.g, self.cu, q=self.q if queries else None,
-                                              scale=self.scale)
-                if queries:
-                    self.qt = maps[2]
-                return maps[0], maps[1]
-            # A (and Q~) by fla's forward from I with zero values, B by its state pass from zero
-            eye = torch.eye(dk, dtype=torch.float32, device=self.k.device).expand(self.count, heads, dk, dk)
-            h, v_new, a = chunk_gated_delta_rule_fwd_h(
-                k=self.k, w=w, u=u.new_zeros(u.shape[:3] + (dk,)), g=self.g, initial_state=eye.contiguous(),
-                output_final_state=True, save_new_value=queries, chunk_size=self.CHUNK, **self.common)
-            if queries:
-                self.qt = chunk_fwd_o(q=self.q, k=self.k, v=v_new, h=h, g=self.g, scale=self.scale,
-                                      chunk_size=self.CHUNK, **self.common).to(self.q.dtype)
-            b = chunk_gated_delta_rule_fwd_h(k=self.k, w=w, u=u, g=self.g, output_final_state=True,
-                                             save_new_value=False, chunk_size=self.CHUNK, **self.common)[2]
-        return a, b
+            ends = [chunk_gated_delta_rule_fwd_h(k=self.k, w=self.w, u=u, g=self.g, initial_state=h0,
+                                                 output_final_state=True, save_new_value=False,
+                                                 chunk_size=self.CHUNK, **self.common)[2]
+                    for u, h0 in ((self.u.new_zeros(self.u.shape[:3] + (dk,)), eye.contiguous()), (self.u, None))]
+        return ends[0], ends[1]
 
     def output(self, h_in):
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
@@ -431,29 +416,72 @@ class FlaPasses:
                             **self.common)
         return o.to(self.q.dtype)
 
-    def state_grad(self, qt, do):
+    def _before_dht(self, h_in, do, side: bool):
+        """fla's backward up to its reverse state pass, the parts that need no end-state gradient: w and u
+        recomputed, the values' local gradient (on the current stream: dS_in's pass reads it too), the chunk
+        states from S_in and their new values. ``side``: that state pass on a side stream (it overlaps what the
+        caller runs next, dS_in's reverse pass); the current stream waits for it when input_grads uses it.
+        Returns (w, the local gradient)."""
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+        from fla.ops.common.chunk_o import chunk_bwd_dv_local
+
+        w, u = self._w_u()
+        offsets = None
+        if self.cu is not None:  # fla's cached chunk offsets made here, on the main stream, not on the side one
+            from fla.ops.utils.index import prepare_chunk_offsets
+
+            offsets = prepare_chunk_offsets(self.cu, self.CHUNK)
+        dv = chunk_bwd_dv_local(q=self.q, k=self.k, do=do, g=self.g, scale=self.scale, chunk_size=self.CHUNK,
+                                **self.common)
+        main = torch.cuda.current_stream()
+        stream = _side_stream(self.q.device) if side else main
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=self.k, w=w, u=u, g=self.g,
+                                                       initial_state=h_in.float().contiguous(),
+                                                       output_final_state=False, chunk_size=self.CHUNK, **self.common)
+        if side:  # the allocator's stream bookkeeping: read on the side stream, or made there and read here
+            for t in (w, u, h_in, self.k, self.g, self.cu, self.indices, offsets):
+                if t is not None:
+                    t.record_stream(stream)
+            for t in (h, v_new):
+                t.record_stream(main)
+        self.pending = (w, h, v_new, dv, stream)
+        return w, dv
+
+    def state_grad(self, h_in, do):
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+
         with self.device:
-            return _state_grad(qt, do, None if self.host is None else self.host.tolist())
+            do = do.contiguous()
+            w, dv = self._before_dht(h_in, do, side=True)
+            _, dh0, _ = chunk_gated_delta_rule_bwd_dhu(q=self.q, k=self.k, w=w, do=do, dv=dv, g=self.g,
+                                                       h0=h_in.float().contiguous(), dht=None, scale=self.scale,
+                                                       chunk_size=self.CHUNK, **self.common)
+        return dh0
 
     def input_grads(self, h_in, do, dht):
-        """fla's ``chunk_gated_delta_rule_bwd`` (fla-core 0.6.0's sequence of kernels), from S_in with the
-        end-state gradient ``dht``."""
-        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
-        from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local
+        """fla's ``chunk_gated_delta_rule_bwd`` from its reverse state pass on, the parts before it taken from
+        state_grad where it ran (fla-core 0.6.0's sequence of kernels)."""
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+        from fla.ops.common.chunk_o import chunk_bwd_dqkwg
         from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
         from fla.ops.utils import chunk_local_cumsum
 
         with self.device:
             do = do.contiguous()
-            w, u = self._w_u()
-            h0 = h_in.float().contiguous()
-            h, v_new, _ = chunk_gated_delta_rule_fwd_h(k=self.k, w=w, u=u, g=self.g, initial_state=h0,
-                                                       output_final_state=False, chunk_size=self.CHUNK, **self.common)
-            dv = chunk_bwd_dv_local(q=self.q, k=self.k, do=do, g=self.g, scale=self.scale, chunk_size=self.CHUNK,
-                                    **self.common)
-            dh, _, dv = chunk_gated_delta_rule_bwd_dhu(q=self.q, k=self.k, w=w, do=do, dv=dv, g=self.g, h0=h0,
-                                                       dht=dht.float().contiguous(), scale=self.scale,
-                                                       chunk_size=self.CHUNK, **self.common)
+            if self.pending is None:
+                self._before_dht(h_in, do, side=False)
+            w, h, v_new, dv, stream = self.pending
+            self.pending = None
+            here = torch.cuda.current_stream()
+            here.wait_stream(stream)
+            if stream != here:
+                for t in (h, v_new, dv):
+                    t.record_stream(here)
+            dh, _, dv = chunk_gated_delta_rule_bwd_dhu(q=self.q, k=self.k, w=w, do=do, dv=dv, g=self.g,
+                                                       h0=h_in.float().contiguous(), dht=dht.float().contiguous(),
+                                                       scale=self.scale, chunk_size=self.CHUNK, **self.common)
             dq, dk, dw, dg = chunk_bwd_dqkwg(q=self.q, k=self.k, v=v_new, w=w, g=self.g, h=h, dv=dv, do=do, dh=dh,
                                              scale=self.scale, chunk_size=self.CHUNK, **self.common)
             dk2, dv, db, dg2 = prepare_wy_repr_bwd(k=self.k, v=self.v, beta=self.beta, g=self.g, A=self.solved,
@@ -471,8 +499,7 @@ class _Summary(torch.autograd.Function):
     def forward(ctx, passes, q, k, v, g, beta):
         ctx.passes, ctx.shapes = passes, [(t.shape, t.dtype) for t in (q, k, v, g, beta)]
         ctx.save_for_backward(*passes.saved())
-        # Q~ for dS_in where the inputs take gradients (S_in does then); else made in the backward if needed
-        return passes.summary(queries=any(ctx.needs_input_grad[1:]))
+        return passes.summary()
 
     @staticmethod
     @once_differentiable
@@ -503,7 +530,7 @@ class _Output(torch.autograd.Function):
         passes.h_in = h_in.detach()
         o = passes.output(passes.h_in)
         passes.o_shape, passes.o_dtype = o.shape, o.dtype
-        ctx.save_for_backward(*passes.saved(), passes.qt, h_in)
+        ctx.save_for_backward(*passes.saved(), h_in)
         passes.release()  # the tensors live on in the two nodes' saved tensors (checkpointing, offloading)
         return o
 
@@ -512,20 +539,16 @@ class _Output(torch.autograd.Function):
     def backward(ctx, do):
         p = ctx.passes
         if p.do is not None:
+            p.pending = None  # the parts kept for the input gradients of the backward that never came
             raise RuntimeError(
                 "an open segment's outputs were differentiated twice before its maps were: a backward that "
                 "reaches the outputs but not q, k, v, g, beta (autograd.grad or backward(inputs=...) leaving "
                 "them out) cannot be followed by another backward through them")
-        *tensors, qt, h_in = ctx.saved_tensors
+        *tensors, h_in = ctx.saved_tensors
         p.restore(tensors)
         # contiguous once for both backward passes (autograd's gradient of a sum is an expanded tensor)
         p.h_in, p.do = h_in.detach(), do.contiguous()
-        dh_in = None
-        if ctx.needs_input_grad[2]:
-            if qt is None:  # S_in takes a gradient where the segment's inputs take none: Q~ made now
-                p.summary(queries=True)
-                qt = p.qt
-            dh_in = p.state_grad(qt, p.do)
+        dh_in = p.state_grad(p.h_in, p.do) if ctx.needs_input_grad[2] else None
         p.release()
         return None, None, dh_in
 
