@@ -249,6 +249,27 @@ def test_open_segments_in_two_passes_match_the_recurrence():
     assert not torch.equal(zero_o, o_ref)  # the incoming states matter here
 
 
+def test_open_segments_state_gradient_alone():
+    """Where the incoming states take a gradient and the segment's inputs none (the maps' backward never runs),
+    dS_in equals the float64 recurrence's gradient for two sequences, and a second backward (retain_graph)
+    adds it again instead of being taken for a backward that left the maps out."""
+    case = _case("gdn", "contiguous", 37, [0, 20, 37])
+    (q, k, v, g, beta, h_in), (wo, _) = make_inputs(case)
+    h_ref = h_in.clone().requires_grad_()
+    o_ref, _ = recurrence(q, k, v, g, beta, 0.5, h_ref, case["docs"])
+    (o_ref * wo).sum().backward()
+
+    mine = h_in.clone().requires_grad_()
+    _, _, finish = kernels.open_segments(kernels.TorchPasses, q, k, v, g, beta, scale=0.5,
+                                         cu_seqlens=torch.tensor(case["docs"]))
+    loss = (finish(mine) * wo).sum()
+    loss.backward(retain_graph=True)
+    torch.testing.assert_close(mine.grad, h_ref.grad, **TOL)
+    assert mine.grad.abs().max() > 0.1
+    loss.backward()
+    torch.testing.assert_close(mine.grad, 2 * h_ref.grad, **TOL)
+
+
 def test_open_segments_backward_twice_and_misuse():
     """The two passes keep their tensors in autograd's saved tensors: a second backward (retain_graph) adds the
     same gradients again; calling finish twice, or a backward through the outputs alone followed by another,

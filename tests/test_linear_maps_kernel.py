@@ -138,3 +138,56 @@ def test_kernels_address_long_sequences():
     kk = k[0, -1].float().repeat_interleave(hv // h, 0)
     torch.testing.assert_close(b[0], kk[:, :, None] * u[0, -1].float()[:, None, :], rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(a[0], torch.eye(dk, device=dev).expand(hv, dk, dk), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dk, inputs_grad", [(128, True), (256, True), (128, False)])
+def test_fla_open_segments_match_float64(dk, inputs_grad):
+    """The open segments by fla's kernels in bf16 (Note [Open segments in two passes]; K <= 128 by this module's
+    pass, wider keys by fla's state passes) against the token-by-token float64 recurrence, on four sequences
+    (one of one token), GVA: the outputs, the end states A S_in + B and every gradient, S_in's included (alone
+    where the inputs take none), each error at most 2x (plus 1e-3) that of one fla call over the same sequences
+    from S_in."""
+    pytest.importorskip("fla")
+    from distcomm_attention.linear import kernels
+    from tests.test_linear_attention import recurrence
+
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    bounds = [0, 100, 300, 301, 700]
+    t, h, hv, dv, n = bounds[-1], 2, 4, 64, len(bounds) - 1
+    gen = torch.Generator().manual_seed(dk)
+    r = lambda *shape: torch.randn(*shape, generator=gen, dtype=F64)  # noqa: E731
+    x = dict(q=r(1, t, h, dk), k=torch.nn.functional.normalize(r(1, t, h, dk), dim=-1), v=r(1, t, hv, dv),
+             g=torch.nn.functional.logsigmoid(r(1, t, hv) + 4), beta=torch.rand(1, t, hv, generator=gen, dtype=F64),
+             h_in=r(n, hv, dk, dv))
+    wo, wf = r(1, t, hv, dv), r(n, hv, dk, dv)
+    scale = dk ** -0.5
+    names = list(x)
+    grads = names if inputs_grad else ["h_in"]
+
+    leaves = {k: v.clone().requires_grad_(k in grads) for k, v in x.items()}
+    o_ref, ends_ref = recurrence(*(leaves[k] for k in names[:5]), scale, leaves["h_in"], bounds)
+    ((o_ref * wo).sum() + (ends_ref * wf).sum()).backward()
+    ref = dict(o=o_ref.detach(), ends=ends_ref.detach(), **{f"d{k}": leaves[k].grad for k in grads})
+
+    def on_gpu(split: bool) -> dict:
+        leaves = {k: v.to(dev, torch.float32 if k in ("g", "h_in") else bf).requires_grad_(k in grads)
+                  for k, v in x.items()}
+        inputs = [leaves[k] for k in names[:5]]
+        cu = torch.tensor(bounds, device=dev)
+        if split:
+            a, b, finish = kernels.open_segments(kernels.FlaPasses, *inputs, scale=scale, cu_seqlens=cu)
+            o, ends = finish(leaves["h_in"]), a @ leaves["h_in"] + b
+        else:
+            o, ends = kernels.fla_chunk(*inputs, scale=scale, initial_state=leaves["h_in"], cu_seqlens=cu)
+        ((o.double().cpu() * wo).sum() + (ends.double().cpu() * wf).sum()).backward()
+        return dict(o=o, ends=ends, **{f"d{k}": leaves[k].grad for k in grads})
+
+    def errors(got: dict) -> dict:
+        return {k: ((got[k].double().cpu() - v).abs().max() / v.abs().max()).item() for k, v in ref.items()}
+
+    split, whole = errors(on_gpu(True)), errors(on_gpu(False))
+    print(dk, inputs_grad, split, whole)
+    assert set(split) == {"o", "ends", *(f"d{k}" for k in grads)}
+    for name, err in split.items():
+        assert err <= 2 * whole[name] + 1e-3, (name, split, whole)

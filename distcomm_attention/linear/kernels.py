@@ -318,7 +318,7 @@ class TorchPasses:
     def output(self, h_in):
         return torch_chunk(*self.x, scale=self.scale, initial_state=h_in, cu_seqlens=self.cu)[0]
 
-    def state_grad(self, h_in, do):
+    def state_grad(self, h_in, do, then_inputs: bool = True):
         with torch.enable_grad():
             h = h_in.detach().requires_grad_()
             o, _ = torch_chunk(*self.x, scale=self.scale, initial_state=h, cu_seqlens=self.cu)
@@ -449,12 +449,19 @@ class FlaPasses:
         self.pending = (w, h, v_new, dv, stream)
         return w, dv
 
-    def state_grad(self, h_in, do):
+    def state_grad(self, h_in, do, then_inputs: bool = True):
+        """dS_in; ``then_inputs``: input_grads follows (its first parts run here, the chunk states' recompute
+        beside the reverse pass), else only what the reverse pass reads."""
         from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu
+        from fla.ops.common.chunk_o import chunk_bwd_dv_local
 
         with self.device:
             do = do.contiguous()
-            w, dv = self._before_dht(h_in, do, side=True)
+            if then_inputs:
+                w, dv = self._before_dht(h_in, do, side=True)
+            else:
+                w, dv = self._w_u()[0], chunk_bwd_dv_local(q=self.q, k=self.k, do=do, g=self.g, scale=self.scale,
+                                                           chunk_size=self.CHUNK, **self.common)
             _, dh0, _ = chunk_gated_delta_rule_bwd_dhu(q=self.q, k=self.k, w=w, do=do, dv=dv, g=self.g,
                                                        h0=h_in.float().contiguous(), dht=None, scale=self.scale,
                                                        chunk_size=self.CHUNK, **self.common)
@@ -498,6 +505,7 @@ class _Summary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, passes, q, k, v, g, beta):
         ctx.passes, ctx.shapes = passes, [(t.shape, t.dtype) for t in (q, k, v, g, beta)]
+        passes.inputs_need_grad = any(ctx.needs_input_grad[1:])  # else this node's backward never runs
         ctx.save_for_backward(*passes.saved())
         return passes.summary()
 
@@ -547,8 +555,10 @@ class _Output(torch.autograd.Function):
         *tensors, h_in = ctx.saved_tensors
         p.restore(tensors)
         # contiguous once for both backward passes (autograd's gradient of a sum is an expanded tensor)
-        p.h_in, p.do = h_in.detach(), do.contiguous()
-        dh_in = p.state_grad(p.h_in, p.do) if ctx.needs_input_grad[2] else None
+        h_in, do = h_in.detach(), do.contiguous()
+        if p.inputs_need_grad:  # the summary's backward follows and reads them
+            p.h_in, p.do = h_in, do
+        dh_in = p.state_grad(h_in, do, then_inputs=p.inputs_need_grad) if ctx.needs_input_grad[2] else None
         p.release()
         return None, None, dh_in
 
