@@ -31,14 +31,7 @@ def timed(fn, iters: int = 20) -> float:
     """Median milliseconds of one call, the host ahead by 1 ms of queued GPU sleep (``_bench_util``)."""
     for _ in range(3):
         fn()
-    ms = 1e3 * U.gpu_seconds(fn, iters, ahead_s=1e-3)
-    print(f"{ms:.3f} ms", flush=True)
-    return ms
-
-
-def state_grad(qt, do):
-    """dS_in = sum_t Q~_t do_t^T of one batch row: (HV, K, V) float32."""
-    return torch.bmm(qt[0].permute(1, 2, 0), do[0].transpose(0, 1), out_dtype=torch.float32)
+    return 1e3 * U.gpu_seconds(fn, iters, ahead_s=1e-3)
 
 
 def main() -> None:
@@ -57,7 +50,7 @@ def main() -> None:
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
-    from distcomm_attention.linear.maps_kernel import delta_maps, prepared_queries
+    from distcomm_attention.linear.maps_kernel import delta_maps
 
     torch.manual_seed(0)
     dev, bf = torch.device("cuda"), torch.bfloat16
@@ -83,20 +76,7 @@ def main() -> None:
         "fla reverse pass with it": timed(lambda: dhu(dht)),
         "fla local values' gradient (dv_local)": timed(lambda: chunk_bwd_dv_local(q=q, k=k, do=do, g=g, scale=scale)),
         "maps (A, B), one pass": timed(lambda: delta_maps(k, w, u, g)),
-        "maps (A, B) and Q~ from q, one pass": timed(lambda: delta_maps(k, w, u, g, q=q, scale=scale)),
-        "Q' prepared": timed(lambda: prepared_queries(q, k, w, g, scale)),
     }
-    qp = prepared_queries(q, k, w, g, scale)
-    qt = delta_maps(k, w, u, g, q=q, scale=scale)[2]
-    qt2 = delta_maps(k, w, u, g, q=qp, scale=scale, prepared=True)[2]
-    rows["maps (A, B) and Q~ from Q', one pass"] = timed(lambda: delta_maps(k, w, u, g, q=qp, scale=scale,
-                                                                            prepared=True))
-    rows["dS_in from Q~ (one product)"] = timed(lambda: state_grad(qt, do))
-    rows["Q~ two ways, max difference / max"] = ((qt.float() - qt2.float()).abs().max() / qt.float().abs().max()).item()
-    ref = dhu(None)[1]
-    got = state_grad(qt, do)
-    rows["dS_in from Q~ against fla's reverse pass, max difference / max"] = (
-        (got - ref).abs().max() / ref.abs().max()).item()
     by_split = {}
     for pieces in (int(x) for x in args.splits.split(",")):
         if t % (64 * pieces):

@@ -1,25 +1,20 @@
 """The state-only Triton pass of the gated delta rule's open segments (Note [Open segments in two passes]): the
-map (A, B) of a run, and the transformed queries its backward reads.
+map (A, B) of a run.
 
-    delta_maps(k, w, u, g, cu_seqlens=None, q=None, scale=1.0) -> (A, B) or (A, B, Q~)
+    delta_maps(k, w, u, g, cu_seqlens=None) -> (A, B)
 
-        k, q     (B, T, H, K)      the keys (and queries)
+        k        (B, T, H, K)      the keys
         w, u     (B, T, HV, K/V)   the WY representation of fla's forward (``chunk_gated_delta_rule_fwd_intra``)
         g        (B, T, HV)        float32, the chunk-local cumulative log decay in log2 units (fla's layout)
         A, B     (N, HV, K, K), (N, HV, K, V) float32: the end state is A S_in + B
-        Q~       (B, T, HV, K)     q's dtype: Q~_t = scale A_t^T q_t, A_t the map up to token t, so that the
-                                   outputs' part from S_in is Q~_t^T S_in and dS_in = sum_t Q~_t do_t^T
 
 fla's state pass (``chunk_gated_delta_rule_fwd_h``) run twice, from I with zero values (A) and from zero with
 the values u (B), computes the same columns but also writes every chunk's state and new values, which the
 map does not need, and needs the zero values and the identity materialised. Here one launch runs both column
 groups: programs over the V columns of B and the K columns of A, the state kept in float32 and rounded to the
-inputs' dtype for its products exactly as fla's pass rounds it, nothing stored but the end state. With ``q``
-the programs of A's columns also write those columns of Q~: the outputs of the recurrence from I with zero
-values, by fla's output formula (``chunk_fwd_o``) on the state they hold, one more product per chunk than the
-pass itself and two of a chunk's size. fla-core's own summary kernel (``fla/ops/cp``) composes A as K x K
-products in float32, four times the work of these columns (docs/bench: 2.40 ms against a 1.99 ms forward at
-16k tokens on one H100).
+inputs' dtype for its products exactly as fla's pass rounds it, nothing stored but the end state. fla-core's
+own summary kernel (``fla/ops/cp``) composes A as K x K products in float32, four times the work of these
+columns (docs/bench: 2.40 ms against a 1.99 ms forward at 16k tokens on one H100).
 """
 
 from __future__ import annotations
@@ -43,8 +38,8 @@ def _tuned(kernel):
     """On CUDA the tile width and launch shape are tuned per shape (``_launch``)."""
     return triton.autotune(
     configs=[triton.Config({"BV": bv}, num_warps=warps, num_stages=stages)
-             for bv in (32, 64) for warps in (4, 8) for stages in (2, 3)],
-    key=["H", "HV", "K", "V", "BK", "HAS_Q"],
+             for bv in (32, 64) for warps in (2, 4) for stages in STAGES],
+    key=["H", "HV", "K", "V", "BK"],
 )(kernel)
 
 
@@ -69,9 +64,8 @@ def _sequence(i_nh, cu_seqlens, T, HV: tl.constexpr, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _maps_kernel(k, w, u, g, out, q, qt, scale, cu_seqlens, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                 V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
-                 HAS_Q: tl.constexpr):  # 0: no Q~; 1: Q~ from q; 2: Q~ from prepared queries (B, T, HV, K)
+def _maps_kernel(k, w, u, g, out, cu_seqlens, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                 V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr):
     i_nh, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     i_h, bos, T = _sequence(i_nh, cu_seqlens, T, HV, IS_VARLEN)
     nv = tl.cdiv(V, BV)
@@ -86,12 +80,6 @@ def _maps_kernel(k, w, u, g, out, q, qt, scale, cu_seqlens, T, H: tl.constexpr, 
     w += (bos * HV + i_h) * K
     u += (bos * HV + i_h) * V
     g += bos * HV + i_h
-    if HAS_Q == 1:
-        q += (bos * H + i_h // (HV // H)) * K
-        qt += (bos * HV + i_h) * K
-    if HAS_Q == 2:
-        q += (bos * HV + i_h) * K
-        qt += (bos * HV + i_h) * K
     m_u = m_c & (i_c + 0 * o_c < nv)  # B's columns read values, A's are zero
     for i_t in range(tl.cdiv(T, BT)):
         o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)  # row offsets reach T * HV * V
@@ -102,26 +90,9 @@ def _maps_kernel(k, w, u, g, out, q, qt, scale, cu_seqlens, T, H: tl.constexpr, 
         last = tl.minimum((i_t + 1) * BT, T) - 1
         b_g_last = tl.load(g + last * HV).to(tl.float32)
         b_g = tl.load(g + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
-        b_k = tl.load(k + o_k[:, None] + o_t[None, :] * (H * K), mask=m_k[:, None] & m_t[None, :], other=0.0)
-        if HAS_Q == 2:
-            if i_c >= nv:
-                b_q = tl.load(q + o_t[:, None] * (HV * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
-                              other=0.0)
-                b_o = tl.dot(b_q, b_h.to(b_q.dtype))
-                tl.store(qt + o_t[:, None] * (HV * K) + o_c[None, :], b_o.to(qt.dtype.element_ty),
-                         mask=m_t[:, None] & m_c[None, :])
-        if HAS_Q == 1:
-            if i_c >= nv:  # Q~'s columns: fla's outputs on this chunk from the state b_h, new values b_v
-                b_q = tl.load(q + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
-                              other=0.0)
-                b_o = tl.dot(b_q, b_h.to(b_q.dtype)) * tl.exp2(b_g)[:, None]
-                b_s = tl.dot(b_q, b_k)
-                b_s = tl.where(o_t[:, None] >= o_t[None, :], b_s * tl.exp2(b_g[:, None] - b_g[None, :]), 0.0)
-                b_o += tl.dot(b_s.to(b_q.dtype), b_v.to(b_q.dtype))
-                tl.store(qt + o_t[:, None] * (HV * K) + o_c[None, :], (b_o * scale).to(qt.dtype.element_ty),
-                         mask=m_t[:, None] & m_c[None, :])
         b_v = b_v * tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)[:, None]
         b_h *= tl.exp2(b_g_last)
+        b_k = tl.load(k + o_k[:, None] + o_t[None, :] * (H * K), mask=m_k[:, None] & m_t[None, :], other=0.0)
         b_h = tl.dot(b_k, b_v.to(b_k.dtype), b_h)
 
     col = tl.where(is_b, o_c, V + o_c)
@@ -132,50 +103,11 @@ def _maps_kernel(k, w, u, g, out, q, qt, scale, cu_seqlens, T, H: tl.constexpr, 
 _maps_tuned = _tuned(_maps_kernel)
 
 
-@triton.jit
-def _prepare_kernel(q, k, w, g, out, scale, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                    BT: tl.constexpr, BK: tl.constexpr):
-    """Q'_c = scale (diag(exp2 g) Q - tril(Q K^T * D) W) of one chunk and value head (batch rows only)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    i_b, i_h = i_bh // HV, i_bh % HV
-    bos = i_b * T
-    o_t = (i_t * BT + tl.arange(0, BT)).to(tl.int64)
-    m_t = o_t < T
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    kh = i_h // (HV // H)
-    b_q = tl.load(q + (bos * H + kh) * K + o_t[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
-                  other=0.0)
-    b_k = tl.load(k + (bos * H + kh) * K + o_t[None, :] * (H * K) + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
-                  other=0.0)
-    b_w = tl.load(w + (bos * HV + i_h) * K + o_t[:, None] * (HV * K) + o_k[None, :],
-                  mask=m_t[:, None] & m_k[None, :], other=0.0)
-    b_g = tl.load(g + (bos * HV + i_h) + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
-    b_s = tl.dot(b_q, b_k)
-    b_s = tl.where(o_t[:, None] >= o_t[None, :], b_s * tl.exp2(b_g[:, None] - b_g[None, :]), 0.0)
-    b_o = b_q.to(tl.float32) * tl.exp2(b_g)[:, None] - tl.dot(b_s.to(b_w.dtype), b_w)
-    tl.store(out + (bos * HV + i_h) * K + o_t[:, None] * (HV * K) + o_k[None, :],
-             (b_o * scale).to(out.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
-
-
-def prepared_queries(q, k, w, g, scale: float) -> torch.Tensor:
-    """Q' (B, T, HV, K) of batch rows (experiment)."""
-    b, t, heads, dk = q.shape
-    hv = w.shape[2]
-    out = torch.empty(b, t, hv, dk, dtype=q.dtype, device=q.device)
-    bk = max(16, triton.next_power_of_2(dk))
-    _prepare_kernel[(triton.cdiv(t, CHUNK), b * hv)](q, k, w, g.float().contiguous(), out, float(scale), t, H=heads,
-                                                      HV=hv, K=dk, BT=CHUNK, BK=bk, num_warps=4)
-    return out
-
-
 
 
 def delta_maps(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
-               cu_seqlens: torch.Tensor | None = None, q: torch.Tensor | None = None, scale: float = 1.0,
-               prepared: bool = False):
-    """(A, B) of each sequence, and Q~ with ``q`` (the module's docstring); ``cu_seqlens`` on k's device, B = 1
-    with it."""
+               cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) of each sequence (the module's docstring); ``cu_seqlens`` on k's device, B = 1 with it."""
     b, t, heads, dk = k.shape
     hv, dv = u.shape[2], u.shape[3]
     if dk > MAX_K:
@@ -183,18 +115,12 @@ def delta_maps(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tenso
     k, w, u, g = k.contiguous(), w.contiguous(), u.contiguous(), g.float().contiguous()
     n = b if cu_seqlens is None else len(cu_seqlens) - 1
     out = torch.empty(n, hv, dk, dv + dk, dtype=torch.float32, device=k.device)
-    qt = None
-    if q is not None:
-        q = q.contiguous()
-        qt = torch.empty(b, t, hv, dk, dtype=q.dtype, device=q.device)
     bk = max(16, triton.next_power_of_2(dk))
 
     def grid(meta):
         return n * hv, triton.cdiv(dv, meta["BV"]) + triton.cdiv(dk, meta["BV"])
 
-    args = (k, w, u, g, out, q, qt, float(scale), cu_seqlens, t)
-    meta = dict(H=heads, HV=hv, K=dk, V=dv, BT=CHUNK, BK=bk, IS_VARLEN=cu_seqlens is not None,
-                HAS_Q=0 if q is None else (2 if prepared else 1))
+    args = (k, w, u, g, out, cu_seqlens, t)
+    meta = dict(H=heads, HV=hv, K=dk, V=dv, BT=CHUNK, BK=bk, IS_VARLEN=cu_seqlens is not None)
     _launch(_maps_kernel, _maps_tuned, grid, args, meta, k.is_cuda)
-    a, b_map = out[..., dv:], out[..., :dv]
-    return (a, b_map) if q is None else (a, b_map, qt)
+    return out[..., dv:], out[..., :dv]
