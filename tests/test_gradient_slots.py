@@ -362,14 +362,6 @@ def _slots_rank(rank, world, plans, dtype_name, batch=1, ignore=False, segments=
     return out
 
 
-def _assert_as_reference_and_plain(res: dict, where: str) -> None:
-    """One rank's result of one plan (``_slots_rank``, ``_ring_slots_rank``): within float64 rounding of the
-    reference and of the path without slots, with the same bytes sent."""
-    assert max(res["errors"]) < 1e-10, (where, res["errors"])
-    assert max(res["apart"]) < 1e-12, (where, res["apart"])
-    assert res["sent"][0] == res["sent"][1], where
-
-
 def test_allgather_slots_for_kernels_writing_only_their_segments():
     """Kernels that write only their segments' rows (flash-attn-4's varlen calls, ``writes_segments_only``) are
     granted slots whose spans overlap where their runs do not (a rank's two steps, the own keys' calls and the
@@ -387,8 +379,9 @@ def test_allgather_slots_for_kernels_writing_only_their_segments():
         for r in range(world):
             for i, res in enumerate(got[r]):
                 where = f"segments {segments}, rank {r}, plan {plans[i]}"
-                _assert_as_reference_and_plain(res, where)
-                assert res["owned"], where
+                assert max(res["errors"]) < 1e-10, (where, res["errors"])
+                assert max(res["apart"]) < 1e-12, (where, res["apart"])
+                assert res["sent"][0] == res["sent"][1] and res["owned"], where
                 handed[segments] += sum(any(h[1:]) for h in res["given"])
     assert handed[True] > handed[False] > 0, handed
 
@@ -447,7 +440,9 @@ def test_sparse_ring_with_slots_matches_float64(world, segments):
     for r in range(world):
         for i, res in enumerate(got[r]):
             where = f"rank {r}, plan {plans[i]}"
-            _assert_as_reference_and_plain(res, where)
+            assert max(res["errors"]) < 1e-10, (where, res["errors"])
+            assert max(res["apart"]) < 1e-12, (where, res["apart"])
+            assert res["sent"][0] == res["sent"][1], where
             assert not any(any(h[1:]) for h in res["given_plain"] if h[0] == "forward"), where
             assert not any(h[1] for h in res["given_plain"] if h[0] == "backward"), where
             sparse += res["sparse"]
@@ -480,7 +475,9 @@ def test_allgather_with_slots_matches_float64(world, batch, ignore):
     for r in range(world):
         for i, res in enumerate(got[r]):
             where = f"rank {r}, plan {plans[i]}"
-            _assert_as_reference_and_plain(res, where)
+            assert max(res["errors"]) < 1e-10, (where, res["errors"])
+            assert max(res["apart"]) < 1e-12, (where, res["apart"])
+            assert res["sent"][0] == res["sent"][1], where
             assert res["owned"], where
             assert not any(any(h[1:]) for h in res["given_plain"]), where
             handed[0] += sum(h[1] for h in res["given"] if h[0] == "forward")
