@@ -122,9 +122,8 @@ Note [Cost model]
     its state term with packing kernels on a plan with documents or windows charges, as that code does, the
     rows two blocks reach (output and dQ sums), and with the sparse exchange the keys likewise plus the rows
     that go home (own keys' first terms are written in place); the ring's and Ulysses' terms are
-    unchanged (the sparse ring's forward and dQ sum take slots too since; not counted: its state term charges
-    every row as before). Against run 13 (docs/bench/emulated.md, one H100, the tree with the slots and f0ee421
-    before it alternating): the all-gather's rows at S = 128k, W = 8 went from +13% to +19% to -10% (a slow-mode run)
+    unchanged. Against run 13 (docs/bench/emulated.md, one H100, the tree with the slots and f0ee421 before it
+    alternating): the all-gather's rows at S = 128k, W = 8 went from +13% to +19% to -10% (a slow-mode run)
     to +12%, 8 of 8 within 15%, picks unchanged. Against the older runs, which measured trees before the
     slots (the all-gather slower there), its packed rows are under-predicted more: emulated_run5.json one
     row +11% -> -19%, emulated_run4.json 4 -> 2 of 6 rows within 15%, the W = 16 packs on the mesh 15 -> 14

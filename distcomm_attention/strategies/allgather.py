@@ -62,7 +62,8 @@ from torch.autograd.function import once_differentiable
 from distcomm import _groups
 from distcomm.ring import RingComm
 from distcomm_attention import transport
-from distcomm_attention.kernels.contract import RowSum, Slots, _runs, _same_view, _zero_untouched, copy_all, slot_order
+from distcomm_attention.kernels.contract import (RowSum, Slots, _runs, _same_view, _zero_untouched, call_spans,
+                                                 copy_all, slot_order)
 from distcomm_attention.planning.exchange import Exchange, gather_keeps, split_block
 from distcomm_attention.planning.plans import (gathered_in_natural_order, natural_inverse, natural_order, own_rows,
                                                 split_local)
@@ -70,7 +71,7 @@ from distcomm_attention.planning.visibility import RingPlan
 from distcomm_attention._device import on_device
 from distcomm_attention.strategies.sparse_gather import SparseGather
 from distcomm_attention.strategies.ring import (_dq_result, _no_autocast, _sum_terms, backward_start, block_grads,
-                                                return_dtype, ring_forward, row_slots, step_grads, step_spans)
+                                                packed, return_dtype, ring_forward, step_grads)
 
 __all__ = ["AllGatherKV", "allgather_attention", "gather_kv", "local_backward"]
 
@@ -211,10 +212,28 @@ class AllGatherKV:
             [torch.zeros(1, dtype=torch.int64), self._own().to(torch.int64).cumsum(0)]))
 
     def _spans(self, plan: RingPlan, i: int, km, q, keys, backward: bool = True):
-        """``step_spans`` of step i's packed calls over ``keys``, or None where the step runs a call per block."""
-        return step_spans(plan, i, self.bwd if backward else self.fwd, km, q, keys.shape[1], backward)
+        """``call_spans`` of step i's packed calls, or None where the step runs a call per block."""
+        kernel = self.bwd if backward else self.fwd
+        calls = packed(plan, i, kernel, km, q.device, backward)
+        if calls is None:
+            return None
+        b, n, nk = q.shape[0], q.shape[1], keys.shape[1]
+        return plan.cached(("call spans", i, backward, b, n, nk), lambda: call_spans(calls, b, n, nk))
 
-    _row_slots = staticmethod(row_slots)
+    @staticmethod
+    def _row_slots(plan: RingPlan, spans, kernel) -> Slots | None:
+        """The slots of the rank's state or dQ sum (``MergeState.slot``, ``RowSum.slot``): which packed calls
+        (``spans``: each step's ``call_spans`` in the order they run, or None) of ``kernel`` write their output or
+        dq straight into it (``slot_order``; a kernel writing only its segments' rows, ``writes_segments_only``,
+        may be granted spans that overlap where their runs do not); None where no call does."""
+        segments = getattr(kernel, "writes_segments_only", False)
+
+        def make():
+            return slot_order([(row_span, rows) for step in spans if step is not None
+                               for row_span, rows, _, _ in step], segments)
+
+        order = plan.cached(("row slots", tuple(spans), segments), make)
+        return None if order is None else Slots(order)
 
     def own_keys_in_shard(self) -> RingPlan | None:
         """Step 0 of ``own_keys_first`` (the blocks on own keys) reading the shard's rows instead of the buffer's

@@ -44,8 +44,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from distcomm.ring import RingComm
-from distcomm_attention.kernels.contract import (MergeState, RowSum, Slots, _runs, _split_runs, _zero_untouched,
-                                                 call_spans, copy_all, slot_order)
+from distcomm_attention.kernels.contract import MergeState, RowSum, _runs, _split_runs, _zero_untouched, copy_all
 from distcomm_attention.planning.calls import step_calls
 from distcomm_attention.planning.visibility import RingPlan
 
@@ -122,31 +121,6 @@ def packed(plan: RingPlan, i: int, kernel, key_mask, device: torch.device, backw
     if key_mask is not None or not getattr(kernel, "packs", False):
         return None
     return step_calls(plan, i, device, backward)
-
-
-def step_spans(plan: RingPlan, i: int, kernel, key_mask, q: torch.Tensor, nk: int, backward: bool):
-    """``call_spans`` of step i's packed calls of ``kernel`` over ``q``'s rows and ``nk`` keys, or None where the
-    step runs a call per block (made once per plan and shape)."""
-    calls = packed(plan, i, kernel, key_mask, q.device, backward)
-    if calls is None:
-        return None
-    b, n = q.shape[0], q.shape[1]
-    return plan.cached(("call spans", i, backward, b, n, nk), lambda: call_spans(calls, b, n, nk))
-
-
-def row_slots(plan: RingPlan, spans, kernel) -> Slots | None:
-    """The slots of a rank's state or dQ sum (``MergeState.slot``, ``RowSum.slot``): which packed calls
-    (``spans``: each step's ``step_spans`` in the order they run, or None) of ``kernel`` write their output or
-    dq straight into it (``slot_order``; a kernel writing only its segments' rows, ``writes_segments_only``,
-    may be granted spans that overlap where their runs do not); None where no call does."""
-    segments = getattr(kernel, "writes_segments_only", False)
-
-    def make():
-        return slot_order([(row_span, rows) for step in spans if step is not None
-                           for row_span, rows, _, _ in step], segments)
-
-    order = plan.cached(("row slots", tuple(spans), segments), make)
-    return None if order is None else Slots(order)
 
 
 def _dq_sum(q: torch.Tensor, acc_dtype: torch.dtype, bwd) -> torch.Tensor | RowSum:

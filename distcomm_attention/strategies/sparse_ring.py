@@ -32,10 +32,6 @@ Note [Sparse ring]
     per schedule and device and kept on it (``SparseRing.cached``, ``RingPlan.cached``): a call issues its
     sends, views and kernels and builds no index tensor or table.
 
-    Slots (Note [Packed steps]): with a packing kernel the forward's calls write their outputs straight into the
-    rank's state, and the backward's their dq into its dQ sum, where ``choose_slots`` grants them (over every
-    step's calls, step 0's on the shard's keys, step i's on the rows it receives), as the all-gather's do.
-
     What goes home: each step's dK, dV are one partial per row, sent once and summed by the source in fp32 (no
     chain of hops adds to them), so they travel as the all-gather's do (Note [Sparse gather], "What goes home",
     ``ring.return_dtype``): in the inputs' dtype where the backward kernel returns its dK/dV in it
@@ -56,9 +52,8 @@ from distcomm_attention import transport
 from distcomm_attention._device import to_device
 from distcomm_attention.planning.exchange import SparseRing, sparse_ring
 from distcomm_attention.planning.visibility import ring_plan
-from distcomm_attention.kernels.contract import MergeState, RowSum
 from distcomm_attention.strategies.ring import (_as_bytes, _dq_result, _no_autocast, backward_start, forward_step,
-                                                return_dtype, ring_attention, row_slots, step_grads, step_spans)
+                                                return_dtype, ring_attention, step_grads)
 
 __all__ = ["sparse_ring_attention", "ring_planner", "run_ring"]
 
@@ -118,22 +113,11 @@ def _received(handle, has_mask: bool):
     return got[0], got[1], (got[2].view(torch.bool) if has_mask else None)
 
 
-def _slots(sp: SparseRing, moves, kernel, q, k, km, backward: bool):
-    """The slots of the rank's state or dQ sum (``row_slots``) over every step's packed calls: step 0 on the
-    shard's keys, step i on the rows it receives."""
-    nks = [k.shape[1]] + [move.received for move in moves[1:]]
-    return row_slots(sp.plan, tuple(step_spans(sp.plan, i, kernel, km, q, nk, backward) for i, nk in enumerate(nks)),
-                     kernel)
-
-
 def sparse_ring_forward(q, k, v, km, t, sp: SparseRing, softcap: float, scale: float, fwd):
-    """The forward loop -> (out, lse, the received rows of every step when ``sp.keep``). Packed calls write their
-    outputs straight into the state where they can (Note [Packed steps]: slots)."""
+    """The forward loop -> (out, lse, the received rows of every step when ``sp.keep``)."""
     plan = sp.plan
     moves = _moves(sp, k.device)
     state = fwd.init_state(q)
-    if isinstance(state, MergeState):
-        state.slots = _slots(sp, moves, fwd, q, k, km, backward=False)
     kept = []
     handle = None
     for i in range(len(plan.steps)):
@@ -153,8 +137,6 @@ def sparse_ring_backward(dout, q, k, v, out, lse, km, t, sp: SparseRing, kept, s
     plan = sp.plan
     moves = _moves(sp, k.device)
     dout, acc_dtype, delta, dq = backward_start(dout, q, out, bwd)
-    if isinstance(dq, RowSum):  # packed calls' dq straight into the sum where they can
-        dq.slots = _slots(sp, moves, bwd, q, k, km, backward=True)
     wire = return_dtype(k.dtype, acc_dtype, bwd)  # what each step's dK, dV go home in
     steps = plan.steps
     # the forward's rows, unless a backward already took them (a second backward through the same graph,
