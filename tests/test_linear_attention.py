@@ -250,9 +250,10 @@ def test_open_segments_in_two_passes_match_the_recurrence():
 
 
 def test_open_segments_state_gradient_alone():
-    """Where the incoming states take a gradient and the segment's inputs none (the maps' backward never runs),
-    dS_in equals the float64 recurrence's gradient for two sequences, and a second backward (retain_graph)
-    adds it again instead of being taken for a backward that left the maps out."""
+    """Where the incoming states take a gradient and the maps' backward never runs (the segment's inputs take
+    none, or the maps were made under no_grad), dS_in equals the float64 recurrence's gradient for two
+    sequences, and a second backward (retain_graph) adds it again instead of being taken for a backward that
+    left the maps out."""
     case = _case("gdn", "contiguous", 37, [0, 20, 37])
     (q, k, v, g, beta, h_in), (wo, _) = make_inputs(case)
     h_ref = h_in.clone().requires_grad_()
@@ -268,6 +269,19 @@ def test_open_segments_state_gradient_alone():
     assert mine.grad.abs().max() > 0.1
     loss.backward()
     torch.testing.assert_close(mine.grad, 2 * h_ref.grad, **TOL)
+
+    # the inputs take gradients but the maps were made under no_grad: their backward never runs either
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+    with torch.no_grad():
+        a, _, finish = kernels.open_segments(kernels.TorchPasses, *leaves, scale=0.5,
+                                             cu_seqlens=torch.tensor(case["docs"]))
+    assert not a.requires_grad
+    mine = h_in.clone().requires_grad_()
+    loss = (finish(mine) * wo).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    torch.testing.assert_close(mine.grad, 2 * h_ref.grad, **TOL)
+    assert all(t.grad is None for t in leaves)
 
 
 def test_open_segments_backward_twice_and_misuse():

@@ -146,8 +146,8 @@ def test_fla_open_segments_match_float64(dk, inputs_grad):
     """The open segments by fla's kernels in bf16 (Note [Open segments in two passes]; K <= 128 by this module's
     pass, wider keys by fla's state passes) against the token-by-token float64 recurrence, on four sequences
     (one of one token), GVA: the outputs, the end states A S_in + B and every gradient, S_in's included (alone
-    where the inputs take none), each error at most 2x (plus 1e-3) that of one fla call over the same sequences
-    from S_in."""
+    where the inputs take none, and again in a second backward), each error at most 2x (plus 1e-3) that of one fla
+    call over the same sequences from S_in."""
     pytest.importorskip("fla")
     from distcomm_attention.linear import kernels
     from tests.test_linear_attention import recurrence
@@ -180,7 +180,14 @@ def test_fla_open_segments_match_float64(dk, inputs_grad):
             o, ends = finish(leaves["h_in"]), a @ leaves["h_in"] + b
         else:
             o, ends = kernels.fla_chunk(*inputs, scale=scale, initial_state=leaves["h_in"], cu_seqlens=cu)
-        ((o.double().cpu() * wo).sum() + (ends.double().cpu() * wf).sum()).backward()
+        loss = (o.double().cpu() * wo).sum() + (ends.double().cpu() * wf).sum()
+        if not inputs_grad:  # a second backward through the same graph adds S_in's gradient again
+            loss.backward(retain_graph=True)
+            first = leaves["h_in"].grad.clone()
+        loss.backward()
+        if not inputs_grad:
+            torch.testing.assert_close(leaves["h_in"].grad, 2 * first)
+            leaves["h_in"].grad = first
         return dict(o=o, ends=ends, **{f"d{k}": leaves[k].grad for k in grads})
 
     def errors(got: dict) -> dict:

@@ -505,7 +505,6 @@ class _Summary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, passes, q, k, v, g, beta):
         ctx.passes, ctx.shapes = passes, [(t.shape, t.dtype) for t in (q, k, v, g, beta)]
-        passes.inputs_need_grad = any(ctx.needs_input_grad[1:])  # else this node's backward never runs
         ctx.save_for_backward(*passes.saved())
         return passes.summary()
 
@@ -535,6 +534,9 @@ class _Output(torch.autograd.Function):
         if passes.h_in is not None:
             raise RuntimeError("an open segment's outputs are computed once per open_segments call (finish)")
         ctx.passes = passes
+        # whether the maps' node is in the graph (its inputs take gradients, the maps were not made under
+        # no_grad): only then does its backward follow this one's
+        passes.inputs_need_grad = ctx.needs_input_grad[1]
         passes.h_in = h_in.detach()
         o = passes.output(passes.h_in)
         passes.o_shape, passes.o_dtype = o.shape, o.dtype
