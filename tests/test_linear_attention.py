@@ -286,8 +286,9 @@ def test_open_segments_state_gradient_alone():
 
 def test_open_segments_backward_twice_and_misuse():
     """The two passes keep their tensors in autograd's saved tensors: a second backward (retain_graph) adds the
-    same gradients again; calling finish twice, or a backward through the outputs alone followed by another,
-    is refused with a clear error instead of mixing two backwards' gradients."""
+    same gradients again; a backward through the outputs alone leaves nothing for the next one (a backward
+    through the maps alone then gets the end states' gradients of the float64 recurrence, a full one the same
+    gradients as before); calling finish twice is refused with a clear error."""
     case = _case("gdn", "contiguous", 20)
     (q, k, v, g, beta, h_in), (wo, wf) = make_inputs(case)
     h_in = h_in.clone().requires_grad_()
@@ -295,20 +296,30 @@ def test_open_segments_backward_twice_and_misuse():
     def segment():
         leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
         a, b, finish = kernels.open_segments(kernels.TorchPasses, *leaves, scale=0.5)
-        o = finish(h_in)
-        return leaves, o, (o * wo).sum() + ((a @ h_in + b) * wf).sum()
+        o, ends = finish(h_in), a @ h_in + b
+        return leaves, o, ends, (o * wo).sum() + (ends * wf).sum()
 
-    leaves, _, loss = segment()
+    leaves, _, _, loss = segment()
     loss.backward(retain_graph=True)
     once = [t.grad.clone() for t in leaves]
     loss.backward()
     for first, t in zip(once, leaves):
         torch.testing.assert_close(t.grad, 2 * first, **TOL)
 
-    leaves, o, loss = segment()
+    leaves, o, ends, loss = segment()
     torch.autograd.grad(o.sum(), h_in, retain_graph=True)  # outputs alone: dS_in, fine on its own
-    with pytest.raises(RuntimeError, match="differentiated twice before its maps were"):
-        loss.backward()
+    got = torch.autograd.grad((ends * wf).sum(), leaves, retain_graph=True)  # the maps alone: no outputs' gradient
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+    _, ends_ref = recurrence(*ref_leaves, 0.5, h_in.detach(), None)
+    want = torch.autograd.grad((ends_ref * wf).sum(), ref_leaves, allow_unused=True)  # (q: unused)
+    for name, mine_t, ref_t, x in zip(NAMES, got, want, ref_leaves):
+        ref_t = torch.zeros_like(x) if ref_t is None else ref_t
+        torch.testing.assert_close(mine_t, ref_t, **TOL, msg=lambda m, n=name: f"d{n}: {m}")
+    assert got[1].abs().max() > 0.1
+    torch.autograd.grad(o.sum(), h_in, retain_graph=True)
+    loss.backward()
+    for first, t in zip(once, leaves):
+        torch.testing.assert_close(t.grad, first, **TOL)
 
     a, b, finish = kernels.open_segments(kernels.TorchPasses, q, k, v, g, beta, scale=0.5)
     finish(h_in)

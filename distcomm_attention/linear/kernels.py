@@ -516,9 +516,12 @@ class _Summary(torch.autograd.Function):
             raise RuntimeError("an open segment's maps were differentiated without its outputs' pass: call finish "
                                "(open_segments) before the backward")
         p.restore(ctx.saved_tensors)
-        do = p.do if p.do is not None else torch.zeros(p.o_shape, dtype=p.o_dtype, device=p.h_in.device)
+        do = p.do if p.task == torch._C._current_graph_task_id() else None
+        if do is None:  # this backward did not reach the outputs (or an earlier one left its gradient): none
+            p.pending = None
+            do = torch.zeros(p.o_shape, dtype=p.o_dtype, device=p.h_in.device)
         grads = p.input_grads(p.h_in, do, db)
-        p.do = None  # this backward's; a later one (retain_graph) brings its own
+        p.do = p.task = None  # this backward's; a later one (retain_graph) brings its own
         p.release()
         return (None, *(gr.to(dtype).reshape(shape) if gr is not None else None
                         for gr, (shape, dtype) in zip(grads, ctx.shapes)))
@@ -548,18 +551,15 @@ class _Output(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, do):
         p = ctx.passes
-        if p.do is not None:
-            p.pending = None  # the parts kept for the input gradients of the backward that never came
-            raise RuntimeError(
-                "an open segment's outputs were differentiated twice before its maps were: a backward that "
-                "reaches the outputs but not q, k, v, g, beta (autograd.grad or backward(inputs=...) leaving "
-                "them out) cannot be followed by another backward through them")
+        # what an earlier backward that reached the outputs but not the maps left (autograd.grad or
+        # backward(inputs=...) leaving q, k, v, g, beta out) is dropped: each backward reads its own
+        p.do = p.task = p.pending = None
         *tensors, h_in = ctx.saved_tensors
         p.restore(tensors)
         # contiguous once for both backward passes (autograd's gradient of a sum is an expanded tensor)
         h_in, do = h_in.detach(), do.contiguous()
-        if p.inputs_need_grad:  # the summary's backward follows and reads them
-            p.h_in, p.do = h_in, do
+        if p.inputs_need_grad:  # the summary's backward may follow in this backward and read them
+            p.h_in, p.do, p.task = h_in, do, torch._C._current_graph_task_id()
         dh_in = p.state_grad(h_in, do, then_inputs=p.inputs_need_grad) if ctx.needs_input_grad[2] else None
         p.release()
         return None, None, dh_in
@@ -575,6 +575,6 @@ def open_segments(passes: type, q, k, v, g, beta, *, scale: float, cu_seqlens=No
     maps (float32; float64 for float64 inputs), ``finish(h_in)`` the outputs (B, T, HV, V) from the incoming
     states h_in (N, HV, K, V), to be called once, after the fold. Differentiable end to end."""
     p = passes(q, k, v, g, beta, scale, cu_seqlens)
-    p.h_in = p.do = None
+    p.h_in = p.do = p.task = None
     a, b = _Summary.apply(p, q, k, v, g, beta)
     return a, b, lambda h_in: _Output.apply(p, a, h_in)
