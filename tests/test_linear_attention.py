@@ -618,6 +618,39 @@ def test_bad_input_on_one_rank_raises_everywhere():
     assert "rank 1" in messages[0] and "`g` must have shape (B, T, HV) = (2, 8, 4)" in messages[0]
 
 
+BAD_SHARDING = {  # rank 1's arguments that cannot be read, and what its error says
+    "layout conflicts": (dict(sharding=Sharding("zigzag"), layout="contiguous"),
+                         "`layout`='contiguous' conflicts with `sharding`"),
+    "not a Sharding": (dict(sharding="zigzag"), "`sharding` must be a distcomm_attention.Sharding or None, got str"),
+    "ring size": (dict(sharding=Sharding("zigzag", ring_size=1)), "`sharding` has ring_size=1"),
+}
+
+
+def _bad_sharding_on_rank_1(rank: int, world: int, op: str, name: str):
+    case = _case("gdn", "zigzag", 8 * world)
+    (q, k, v, g, beta, _), _ = make_inputs(case)
+    local = [shard_sequence(t, "zigzag", ring_size=world, rank=rank) for t in (q, k, v, g, beta)]
+    kwargs = BAD_SHARDING[name][0] if rank == 1 else dict(sharding=Sharding("zigzag"))
+    try:
+        if op == "gdn":
+            chunk_gated_delta_rule_cp(*local, **kwargs)
+        else:
+            causal_conv1d_cp(local[2].flatten(2), torch.randn(local[2][0, 0].numel(), 3, dtype=F64), **kwargs)
+    except (TypeError, ValueError) as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+@pytest.mark.parametrize("op", ["gdn", "conv"])
+@pytest.mark.parametrize("name", list(BAD_SHARDING))
+def test_bad_sharding_on_one_rank_raises_everywhere(op, name):
+    """Arguments that cannot be read on rank 1 alone (a layout conflicting with its sharding, a sharding of
+    another type, one with a ring size): every rank raises the same error naming rank 1, no rank waits."""
+    results = run_world(_bad_sharding_on_rank_1, 2, op, name, timeout=60)
+    assert results[0] is not None and results[0] == results[1], results
+    assert "rank 1" in results[0][1] and BAD_SHARDING[name][1] in results[0][1], results
+
+
 def _mesh_recorded_layout_rank(rank: int, world: int):
     mesh = _device_mesh((2, 2), ("ulysses", "ring"))
     case = _case("gdn", "zigzag", 32, [0, 5, 32])

@@ -13,9 +13,10 @@ from distcomm.ring import RingComm
 from distcomm_attention import _validation
 from distcomm_attention.linear import plan as planning
 from distcomm_attention.planning import layouts
-from distcomm_attention.sharding import _mesh_coords, concrete_layout, merge_sharding, mesh_grid, resolve_layout
+from distcomm_attention.sharding import (Sharding, _mesh_coords, concrete_layout, is_2d_mesh, merge_sharding, mesh_grid,
+                                         resolve_layout)
 
-__all__ = ["resolve_ring", "check_layout_call", "check_recurrence", "FLOATS"]
+__all__ = ["resolve_ring", "ring_verdict", "check_layout_call", "check_recurrence", "FLOATS"]
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # why the operators run eagerly inside a compiled model (one graph break each)
@@ -43,6 +44,18 @@ def resolve_ring(sharding, layout, group) -> tuple[RingComm, str | None, tuple |
             f"({comm.size} ranks); pass a Sharding without ring_size, over the group of the ring"
         )
     return comm, layout, None
+
+
+def ring_verdict(sharding, layout, group) -> tuple[RingComm, str | None, tuple | None, BaseException | None]:
+    """``resolve_ring``'s (ring, layout, grid) and None, or, where the arguments cannot be read (a layout that
+    conflicts with ``sharding``, a ``sharding`` that is not one, a ring size): a ring over the group the
+    arguments name, no layout or grid, and the error, for every rank to raise after the exchange (Note
+    [Collective verdicts]); the ranks whose arguments read well exchange over the same ranks."""
+    resolved, error = _validation.verdict(resolve_ring, sharding, layout, group)
+    if error is None:
+        return (*resolved, None)
+    fallback = group if group is not None or not isinstance(sharding, Sharding) else sharding.group
+    return RingComm(None if is_2d_mesh(fallback) else fallback), None, None, error
 
 
 def _shape(t) -> str:

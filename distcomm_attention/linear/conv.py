@@ -93,7 +93,7 @@ def causal_conv1d_cp(
     Raises:
         ValueError / TypeError: bad input, before any communication, by every rank alike.
     """
-    comm, given_layout, grid = _checks.resolve_ring(sharding, layout, group)  # the same verdict on every rank
+    comm, given_layout, grid, ring_error = _checks.ring_verdict(sharding, layout, group)
     facts = {"layout": None, "cu_seqlens": None, "mesh": mesh_field(grid)}
 
     def local_checks():
@@ -115,7 +115,7 @@ def causal_conv1d_cp(
         facts.update(layout=field, cu_seqlens=docs)
         return w, _halo_plan(concrete, x.shape[1] * comm.size, comm.size, docs, w.shape[1], comm.rank)
 
-    checked, error = _validation.verdict(local_checks)
+    checked, error = (None, ring_error) if ring_error is not None else _validation.verdict(local_checks)
     needs_grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                                  for t in (x, weight, bias))
     _validation.verify_across_ring("causal_conv1d_cp", comm, {"x": x, "weight": weight, "bias": bias},

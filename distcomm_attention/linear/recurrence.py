@@ -148,7 +148,7 @@ def chunk_simple_gla_cp(
 def _linear_cp(op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2norm, layout, group,
                sharding, kernel):
     delta = op == "chunk_gated_delta_rule_cp"
-    comm, given_layout, grid = _checks.resolve_ring(sharding, layout, group)  # the same verdict on every rank
+    comm, given_layout, grid, ring_error = _checks.ring_verdict(sharding, layout, group)
     facts = {"layout": None, "cu_seqlens": None, "mesh": mesh_field(grid)}
 
     def local_checks():
@@ -169,7 +169,7 @@ def _linear_cp(op, q, k, v, g, beta, scale, initial_state, output_final_state, c
     tensors = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state}
     needs_grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                                  for t in tensors.values())
-    checked, error = _validation.verdict(local_checks)
+    checked, error = (None, ring_error) if ring_error is not None else _validation.verdict(local_checks)
     _validation.verify_across_ring(op, comm, tensors, extra={
         **facts, "output_final_state": output_final_state, "use_qk_l2norm_in_kernel": l2norm,
         "scale": scale if isinstance(scale, (float, int, type(None))) else repr(scale), "kernel": kernel,
