@@ -618,6 +618,38 @@ def test_bad_input_on_one_rank_raises_everywhere():
     assert "rank 1" in messages[0] and "`g` must have shape (B, T, HV) = (2, 8, 4)" in messages[0]
 
 
+def _inplace_rank(rank: int, world: int, kind: str, layout: str, docs):
+    case = _case(kind, layout, 8 * world, docs)
+    (q, k, v, g, beta, h0), (wo, _) = make_inputs(case)
+    sharding = Sharding(layout)
+    local = [sharding.shard(t, cu_seqlens=docs).clone().requires_grad_() for t in (q, k, v, g, beta)]
+    op = chunk_gated_delta_rule_cp if kind == "gdn" else lambda *a, **kw: chunk_simple_gla_cp(*a[:4], **kw)
+    o, _ = op(*local, scale=0.5, initial_state=h0, cu_seqlens=docs, sharding=sharding)
+    o.mul_(2.0)  # as a layer may (its own tensor, not a view the operators made)
+    (o * sharding.shard(wo, cu_seqlens=docs)).sum().backward()
+    return [t.grad for t in local]
+
+
+@pytest.mark.parametrize("kind", ["gdn", "scalar"])
+@pytest.mark.parametrize("layout, docs", [("contiguous", None), ("zigzag", [0, 5, 24])])
+def test_outputs_can_be_changed_in_place(kind, layout, docs):
+    """The outputs are tensors of their own on every rank (ranks with open runs and without): changed in place
+    before the loss, every gradient is twice the float64 recurrence's of the unchanged outputs."""
+    world = 3
+    case = _case(kind, layout, 8 * world, docs)
+    (q, k, v, g, beta, h0), (wo, _) = make_inputs(case)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+    o_ref, _ = recurrence(*leaves[:4], leaves[4] if kind == "gdn" else None, 0.5, h0, docs)
+    (o_ref * wo).sum().backward()
+    results = run_world(_inplace_rank, world, kind, layout, docs, timeout=60)
+    for r in range(world):
+        for name, got, t in zip(NAMES, results[r], leaves):
+            if kind != "gdn" and name == "beta":
+                continue
+            want = 2 * shard_sequence(t.grad, layout, ring_size=world, rank=r, cu_seqlens=docs)
+            torch.testing.assert_close(got, want, **TOL, msg=lambda m, n=name, r=r: f"rank {r} d{n}: {m}")
+
+
 BAD_SHARDING = {  # rank 1's arguments that cannot be read, and what its error says
     "layout conflicts": (dict(sharding=Sharding("zigzag"), layout="contiguous"),
                          "`layout`='contiguous' conflicts with `sharding`"),

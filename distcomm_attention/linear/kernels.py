@@ -542,6 +542,8 @@ class _Output(torch.autograd.Function):
         passes.inputs_need_grad = ctx.needs_input_grad[1]
         passes.h_in = h_in.detach()
         o = passes.output(passes.h_in)
+        if o._base is not None:  # a tensor of its own: a view made here could not be changed in place later
+            o = o.clone()
         passes.o_shape, passes.o_dtype = o.shape, o.dtype
         ctx.save_for_backward(*passes.saved(), h_in)
         passes.release()  # the tensors live on in the two nodes' saved tensors (checkpointing, offloading)

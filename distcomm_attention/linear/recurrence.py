@@ -207,20 +207,6 @@ def _open_ends(plan) -> frozenset[int]:
     return frozenset(r.segments[0].doc for rank in plan.runs for r in rank if r.is_open and r.segments[0].ends)
 
 
-class _Join(torch.autograd.Function):
-    """``out`` itself with ``gathered`` joined to its graph, without a copy of ``out``: every rank's backward
-    reaches the gather (a collective backward), also a rank whose outputs do not depend on it."""
-
-    @staticmethod
-    def forward(ctx, out, gathered):
-        ctx.shape, ctx.dtype = gathered.shape, gathered.dtype
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, dout):
-        return dout, dout.new_zeros((), dtype=ctx.dtype).expand(ctx.shape)
-
-
 class _Fold(torch.autograd.Function):
     """Phase 2's chain over the gathered maps as one autograd node: the incoming state of each run a rank reads.
 
@@ -543,8 +529,11 @@ class _Call:
         ordered = [pieces[key] for key in sorted(pieces)]
         out = self.whole if self.whole is not None else ordered[0] if len(ordered) == 1 else torch.cat(ordered, dim=1)
         out = out.to(self.q.dtype)
-        if gathered.requires_grad:  # every rank joins the gather's backward (Note [Scan by gathered summaries])
-            out = _Join.apply(out, gathered)
+        if gathered.requires_grad and not runs:
+            # every rank joins the gather's backward (Note [Scan by gathered summaries]); a rank with an open run
+            # reads the gather in its outputs, one without adds nothing from it (a copy of its outputs: a
+            # tensor of their own, which the caller may change in place)
+            out = out + gathered.reshape(-1)[:0].sum().to(out.dtype)
         final = None
         if finals:
             # a document ending in an open segment: its map from the run's incoming state; else its B alone
