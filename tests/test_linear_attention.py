@@ -650,6 +650,35 @@ def test_outputs_can_be_changed_in_place(kind, layout, docs):
             torch.testing.assert_close(got, want, **TOL, msg=lambda m, n=name, r=r: f"rank {r} d{n}: {m}")
 
 
+def _double_backward_rank(rank: int, world: int, op: str):
+    case = _case("gdn", "contiguous", 8 * world, [0, 3, 8 * world])
+    (q, k, v, g, beta, h0), (wo, _) = make_inputs(case)
+    local = [shard_sequence(t, "contiguous", ring_size=world, rank=rank).clone().requires_grad_()
+             for t in (q, k, v, g, beta)]
+    if op == "conv":
+        o = causal_conv1d_cp(local[2].flatten(2), torch.randn(local[2][0, 0].numel(), 3, dtype=F64),
+                             layout="contiguous")
+        wo = torch.ones_like(o)
+    else:
+        fn = chunk_gated_delta_rule_cp if op == "gdn" else lambda *a, **kw: chunk_simple_gla_cp(*a[:4], **kw)
+        o, _ = fn(*local, initial_state=h0, cu_seqlens=[0, 3, 8 * world], layout="contiguous")
+        wo = shard_sequence(wo, "contiguous", ring_size=world, rank=rank)
+    try:
+        (o * wo).sum().backward(create_graph=True)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("op", ["gdn", "scalar", "conv"])
+def test_double_backward_is_refused_on_every_rank(op):
+    """A backward with create_graph=True (to be differentiated again) is refused by every rank with the same
+    error, before any rank enters the gather's adjoint (no rank waits, no wrong second-order gradient)."""
+    results = run_world(_double_backward_rank, 3, op, timeout=60)
+    assert results[0] is not None and len(set(results)) == 1, results
+    assert "differentiable once" in results[0] and "create_graph=True" in results[0]
+
+
 BAD_SHARDING = {  # rank 1's arguments that cannot be read, and what its error says
     "layout conflicts": (dict(sharding=Sharding("zigzag"), layout="contiguous"),
                          "`layout`='contiguous' conflicts with `sharding`"),

@@ -25,7 +25,14 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        """Adjoint: all_gather <-> reduce_scatter(sum); rank j receives sum_r grad_r[rows of j]."""
+        """Adjoint: all_gather <-> reduce_scatter(sum); rank j receives sum_r grad_r[rows of j]. Every rank's
+        backward reaches this gather (``all_gather_rows``' ``grad``), so a backward that would be differentiated
+        again is refused here, by every rank alike, before the reduce-scatter: not every rank's gradient would
+        depend on the gather, and the ranks' second backwards would reach its adjoint unevenly."""
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "context-parallel linear attention and its causal conv are differentiable once: a backward with "
+                "create_graph=True (double backward, gradient penalties) is not supported across ranks")
         return _ReduceScatter.apply(grad.contiguous(), _groups.unhold(ctx.group)), None
 
 
