@@ -229,8 +229,8 @@ _HINTS = {
     "layout": "pass the same `layout=` (or `sharding=`) on every rank",
     "balance_window": "shard the documents with the same balance_window (Sharding(..., balance_window=) or "
                       "shard_sequence(..., balance_window=)) on every rank",
-    "requires_grad": "q, k and v must need grad on every rank or on none (a rank without grads would skip the "
-                     "backward its peers wait in)",
+    "requires_grad": "the inputs must need grad on every rank or on none (q, k and v for attention; a rank without "
+                     "grads would skip the backward its peers wait in)",
     "ring_size": "pass the same `ring_size=` (or `sharding=`) on every rank of the group",
     "strategy": "pass the same `strategy=` on every rank; with strategy='auto', the same `hardware=`, `backend=` "
                 "and inputs too (the ranks' picks differ)",

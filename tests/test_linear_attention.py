@@ -427,6 +427,13 @@ def _bad(**change):
     return args.pop("q"), args.pop("k"), args.pop("v"), args.pop("g"), args.pop("beta"), args
 
 
+def _empty(b: int, t: int) -> dict:
+    """Inputs of B batch rows and T tokens (one of them 0), heads 2 / 4, K 4, V 3."""
+    zeros = lambda *shape: torch.zeros(*shape, dtype=F64)  # noqa: E731
+    return dict(q=zeros(b, t, 2, 4), k=zeros(b, t, 2, 4), v=zeros(b, t, 4, 3), g=zeros(b, t, 4), beta=zeros(b, t, 4),
+                initial_state=None)
+
+
 @pytest.mark.parametrize("change, error, match", [
     (dict(g=torch.zeros(2, 8, 3)), ValueError, r"`g` must have shape \(B, T, HV\) = \(2, 8, 4\).*got \(2, 8, 3\)"),
     (dict(beta=torch.zeros(2, 8)), ValueError, r"`beta` must have shape \(B, T, HV\) = \(2, 8, 4\).*got \(2, 8\)"),
@@ -445,6 +452,8 @@ def _bad(**change):
      r"`q` must have head dim K >= 1, got shape \(2, 8, 2, 0\)"),
     (dict(v=torch.zeros(2, 8, 4, 0, dtype=F64)), ValueError,
      r"`v` must have head dim V >= 1, got shape \(2, 8, 4, 0\)"),
+    (_empty(0, 8), ValueError, r"`q` must have batch rows B >= 1, got shape \(0, 8, 2, 4\)"),
+    (_empty(2, 0), ValueError, r"`q` must have local tokens T >= 1, got shape \(2, 0, 2, 4\)"),
 ])
 def test_bad_input_names_the_argument(change, error, match):
     """Each bad argument raises a clear error naming it, the value received and what is allowed."""
@@ -677,6 +686,28 @@ def test_double_backward_is_refused_on_every_rank(op):
     results = run_world(_double_backward_rank, 3, op, timeout=60)
     assert results[0] is not None and len(set(results)) == 1, results
     assert "differentiable once" in results[0] and "create_graph=True" in results[0]
+
+
+def _scales_rank(rank: int, world: int, scales):
+    case = _case("gdn", "contiguous", 8 * world)
+    (q, k, v, g, beta, _), _ = make_inputs(case)
+    local = [shard_sequence(t, "contiguous", ring_size=world, rank=rank) for t in (q, k, v, g, beta)]
+    try:
+        return chunk_gated_delta_rule_cp(*local, scale=scales[rank], layout="contiguous")[0]
+    except ValueError as e:
+        return str(e)
+
+
+def test_ranks_compare_the_scale_in_effect():
+    """The ranks compare the scale in effect, not as written: 1 and 1.0, None and 1 / sqrt(K) agree (and give
+    the same outputs); 0.5 and 1.0 are refused on every rank, naming both."""
+    same = run_world(_scales_rank, 2, [1, 1.0], timeout=60)
+    assert all(isinstance(o, torch.Tensor) for o in same), same
+    default = run_world(_scales_rank, 2, [None, 4 ** -0.5], timeout=60)
+    assert all(isinstance(o, torch.Tensor) for o in default), default
+    differ = run_world(_scales_rank, 2, [0.5, 1.0], timeout=60)
+    assert differ[0] == differ[1] and "disagree on `scale`" in differ[0], differ
+    assert "scale=0.5" in differ[0] and "scale=1.0" in differ[0], differ
 
 
 BAD_SHARDING = {  # rank 1's arguments that cannot be read, and what its error says

@@ -139,7 +139,7 @@ EXPECTED = {
                                    r"cu_seqlens=\[0, 2, 4, 6, \.\.\., 30, 32\] \(17 entries\) \(digest [0-9a-f]{8}\)",
                                    r"cu_seqlens=\[0, 2, 4, 6, \.\.\., 30, 32\] \(17 entries\) \(digest [0-9a-f]{8}\)"),
     "requires_grad": _disagree("ring_flash_attn", ["requires_grad"], "requires_grad=True", "requires_grad=False")
-    + r"; q, k and v must need grad on every rank or on none",
+    + r"; the inputs must need grad on every rank or on none \(q, k and v for attention",
     "two fields": _disagree("ring_flash_attn", ["causal", "softcap"], "causal=True, softcap=1.0",
                             "causal=False, softcap=0.0"),
     "gather dim": _disagree("gather_sequence", ["dim"], "dim=0", "dim=1"),

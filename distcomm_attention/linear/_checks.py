@@ -105,8 +105,8 @@ def check_recurrence(q, k, v, g, beta, scale, initial_state, delta: bool) -> flo
     if v.dim() != 4 or v.shape[:2] != q.shape[:2]:
         raise ValueError(f"`v` must have shape ({b}, {t}, HV, V) (the batch and tokens of `q`), got {_shape(v)}")
     hv, dv = v.shape[2], v.shape[3]
-    for name, x, size, what in (("q", q, h, "heads H"), ("q", q, dk, "head dim K"), ("v", v, hv, "heads HV"),
-                                ("v", v, dv, "head dim V")):
+    for name, x, size, what in (("q", q, b, "batch rows B"), ("q", q, t, "local tokens T"), ("q", q, h, "heads H"),
+                                ("q", q, dk, "head dim K"), ("v", v, hv, "heads HV"), ("v", v, dv, "head dim V")):
         if size < 1:
             raise ValueError(f"`{name}` must have {what} >= 1, got shape {_shape(x)}")
     if hv % h:

@@ -172,7 +172,8 @@ def _linear_cp(op, q, k, v, g, beta, scale, initial_state, output_final_state, c
     checked, error = (None, ring_error) if ring_error is not None else _validation.verdict(local_checks)
     _validation.verify_across_ring(op, comm, tensors, extra={
         **facts, "output_final_state": output_final_state, "use_qk_l2norm_in_kernel": l2norm,
-        "scale": scale if isinstance(scale, (float, int, type(None))) else repr(scale), "kernel": kernel,
+        # the scale in effect (1 and 1.0, None and 1 / sqrt(K) are the same); as written where it is not read
+        "scale": float(checked[0]) if checked is not None else repr(scale), "kernel": kernel,
         "requires_grad": needs_grad}, error=error, mesh=grid is not None)
     scale, plan, run = checked
     if l2norm:
