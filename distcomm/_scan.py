@@ -123,8 +123,8 @@ def local_scan(
     over ``rows``, keeping it in the graph) when the prefix is empty.
     """
     stop = rank if exclusive else rank + 1
-    if combine == "sum":
-        return tuple(r[:stop].sum(0) for r in rows)
+    if combine == "sum":  # in the parts' dtype, as the log-depth path and all_reduce sum (integers wrap alike)
+        return tuple(r[:stop].sum(0, dtype=r.dtype) for r in rows)
     if stop == 0:
         return tuple(i + r[:0].sum(0) for i, r in zip(identity, rows))
     acc = tuple(r[0] for r in rows)
@@ -164,6 +164,9 @@ def _parse(x, combine, exclusive, identity) -> Parts:
     if combine == "sum":
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"`x` must be a torch.Tensor for combine='sum', got {type(x).__name__}")
+        if x.dtype == torch.bool:
+            raise TypeError("`x` must be a numeric tensor for combine='sum' (the sum keeps x's dtype), got "
+                            "torch.bool: pass x.int() or x.long()")
         return (x,)
     if combine == "affine":
         if not (isinstance(x, (tuple, list)) and len(x) == 2):
@@ -290,7 +293,8 @@ def scan(
         H_after_r = H_in @ A + B), and for a callable a tensor or a tuple as ``x`` is. The backward is the
         reverse scan of the grads: for "sum", rank r receives sum_{s >= r} g_s (exclusive: s > r); for
         "affine" Note [Gradient of the affine scan]. One all-gather of W summaries forward and one
-        reduce-scatter backward (Note [Scan by gathered summaries]); the combine runs in the inputs' dtype.
+        reduce-scatter backward (Note [Scan by gathered summaries]); the combine runs in the inputs' dtype
+        ("sum" of integers too, wrapping as all_reduce's sum does, whichever algorithm; bool is refused).
     """
     parts = _parse(x, combine, exclusive, identity)
     group, n, rank = _groups.resolve(group)

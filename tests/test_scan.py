@@ -216,6 +216,7 @@ def _bad_calls():
         (dict(x=x, combine=_product, identity=torch.ones(3).double()), ValueError, r"`identity\[0\]` has dtype torch.float64"),
         (dict(x=x, combine=lambda l, r: l.sum()), ValueError, r"`combine` returned shapes \[\(\)\]; it must keep the shapes of `x`"),
         (dict(x=(x, x), combine=lambda l, r: l[0]), TypeError, r"`combine` must return a tuple of 2 tensors"),
+        (dict(x=x.bool(), combine="sum"), TypeError, r"`x` must be a numeric tensor for combine='sum'.*got torch.bool"),
     ]
 
 
@@ -258,6 +259,26 @@ def test_scan_matches_the_single_process_reference(world, algorithm):
             outs, grads = _reference(name, world, ex)
             for r in range(world):
                 _assert_matches(results[r][(name, ex)], (outs[r], grads[r]), f"W={world} rank {r} {name} exclusive={ex}")
+
+
+def _integer_rank(rank: int, world: int):
+    x = torch.full((3,), 100, dtype=torch.uint8)
+    return {(algorithm, exclusive): F.scan(x, exclusive=exclusive, algorithm=algorithm)
+            for algorithm in ("gather", "log") for exclusive in (False, True)}
+
+
+def test_integer_sums_keep_their_dtype_in_every_algorithm():
+    """An integer sum keeps x's dtype whichever algorithm runs (wrapping as all_reduce's sum does), and both
+    algorithms agree: uint8 100 a rank at W = 4 gives (100 * (r + 1)) mod 256 inclusive."""
+    world = 4
+    results = run_world(_integer_rank, world, timeout=60)
+    for r in range(world):
+        for (algorithm, exclusive), got in results[r].items():
+            count = r if exclusive else r + 1
+            assert got.dtype == torch.uint8, (algorithm, exclusive, got.dtype)
+            assert got.tolist() == [(100 * count) % 256] * 3, (r, algorithm, exclusive, got)
+    alone = F.scan(torch.full((2,), 7, dtype=torch.int16))
+    assert alone.dtype == torch.int16 and alone.tolist() == [7, 7]
 
 
 def _subgroup_rank(rank: int, world: int):
