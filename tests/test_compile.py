@@ -660,3 +660,28 @@ def test_nccl_programs_compile_with_inductor(program):
     the float64 reference's values."""
     results = run_world(_programs_rank, 2, program, "inductor", "cuda", backend="nccl", timeout=300)
     _check_programs(results, program, 2, "cuda")
+
+
+def _hand_built_group_rank(rank: int, world: int, path: str):
+    store = dist.FileStore(path, world)
+    group = dist.ProcessGroup(store, rank, world)  # never registered: group_name == ""
+    backend = dist.ProcessGroupGloo(dist.PrefixStore("hand", store), rank, world)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    x = torch.full((2,), float(rank + 1))
+    eager = F.all_reduce(x, group=group)
+    compiled = torch.compile(lambda t: F.all_reduce(t, group=group), fullgraph=True, backend="eager")
+    try:
+        compiled(x)
+    except Exception as e:  # dynamo's wrapper around the library's ValueError
+        return eager.tolist(), str(e)
+    return eager.tolist(), None
+
+
+def test_hand_built_group_is_refused_when_compiled(tmp_path):
+    """A ProcessGroup built by hand (no name) works eagerly; compiled, the collectives find groups by name and
+    would take the nameless group for no process group (a world of one, silently): refused, naming why."""
+    results = run_world(_hand_built_group_rank, 2, str(tmp_path / "store"), timeout=240)
+    for eager, error in results:
+        assert eager == [3.0, 3.0]
+        assert error is not None and "built by hand" in error, error

@@ -34,8 +34,16 @@ __all__: list[str] = []
 
 
 def group_name(group) -> str:
-    """The name the ops take for ``group`` (a resolved group, or None without a process group)."""
-    return "" if group is None else group.group_name
+    """The name the ops take for ``group`` (a resolved group, or None without a process group). A group built
+    by hand and never registered has no name (""), which the ops would read as no process group: refused."""
+    if group is None:
+        return ""
+    if not group.group_name:
+        raise ValueError(
+            "`group` is a ProcessGroup built by hand (never registered, no group_name): the compiled collectives "
+            "find their group by name, so under torch.compile pass a group made by init_process_group / "
+            "dist.new_group / a DeviceMesh, or call the collective outside the compiled region")
+    return group.group_name
 
 
 def _size(group) -> int:
