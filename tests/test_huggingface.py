@@ -224,8 +224,14 @@ def test_shard_inputs_packed_documents():
     assert int(got["num_items_in_batch"]) == SEQ - 3
     with pytest.raises(ValueError, match=r"packed documents must have the same boundaries in every batch row"):
         ring.shard_inputs(input_ids=_ids(2), position_ids=torch.cat([pos, torch.arange(SEQ)[None]]))
-    with pytest.raises(ValueError, match=r"`labels` must be a \(2 or 1, 16\) tensor over the full sequence, got \(2, 8\)"):
+    with pytest.raises(ValueError, match=r"`labels` must be a \(2, 16\) tensor over the full sequence, got \(2, 8\)"):
         ring.shard_inputs(input_ids=_ids(2), labels=_ids(2)[:, :8])
+    # labels and padding masks are per row (position ids alone may be shared by every row)
+    with pytest.raises(ValueError, match=r"`labels` must be a \(2, 16\) tensor over the full sequence, got \(1, 16\)"):
+        ring.shard_inputs(input_ids=_ids(2), labels=_ids(1))
+    with pytest.raises(ValueError, match=r"`attention_mask` must be a \(2, 16\) tensor .*got \(1, 16\)"):
+        ring.shard_inputs(input_ids=_ids(2), attention_mask=torch.ones(1, SEQ, dtype=torch.long))
+    assert ring.shard_inputs(input_ids=_ids(2), position_ids=torch.arange(SEQ)[None])["position_ids"].shape[0] == 1
     with pytest.raises(ValueError, match=r"pass exactly one of `input_ids` and `inputs_embeds`"):
         ring.shard_inputs()
 
@@ -244,6 +250,9 @@ def test_attention_function_refusals():
         ring(module, q, kv, kv, torch.ones(1, 1, 8, 8, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"`cu_seq_lens_k` must equal `cu_seq_lens_q`"):
         ring(module, q, kv, kv, None, cu_seq_lens_q=torch.tensor([0, 8]), cu_seq_lens_k=torch.tensor([0, 4, 8]))
+    with pytest.raises(ValueError, match=r"ring attention has no attention sinks, got `s_aux`"):
+        ring(module, q, kv, kv, None, s_aux=torch.zeros(4))  # GPT-OSS passes its sinks so
+    ring(module, q, kv, kv, None, s_aux=None)  # a model without sinks may pass None
     out, weights = ring(module, q, kv, kv, None)
     assert out.shape == (1, 8, 4, 16) and weights is None
 
@@ -572,6 +581,33 @@ def test_llama_ring_on_two_gpus(dtype):
     """On 2 GPUs (NCCL, Triton kernels) the ring model's logits and summed gradients are as accurate as
     transformers' sdpa in the same precision on one GPU, padding included."""
     check_low_precision("nccl", dtype)
+
+
+def test_mask_patterns_the_ring_does_not_reproduce_are_refused():
+    """transformers' mask functions for chunked attention (Llama4), block-wise or OR-ed overlays are refused by
+    the mask hook instead of dropped; causal, sliding-window, packed and padding ones pass."""
+    from transformers import masking_utils as mu
+
+    ring = ring_hf.register("ring_attention_test_masks")
+    mask = torch.ones(1, 8, dtype=torch.bool)
+    for fn in (mu.causal_mask_function, mu.sliding_window_causal_mask_function(4),
+               mu.and_masks(mu.causal_mask_function, mu.padding_mask_function(mask))):
+        assert ring.mask(1, 8, 8, mask_function=fn, attention_mask=mask) is mask
+    with pytest.raises(ValueError, match=r"does not reproduce this model's attention mask: chunked attention"):
+        ring.mask(1, 8, 8, mask_function=mu.chunked_causal_mask_function(4, 0), attention_mask=mask)
+    with pytest.raises(ValueError, match=r"an OR-ed mask overlay"):
+        ring.mask(1, 8, 8, mask_function=mu.or_masks(mu.causal_mask_function, mu.bidirectional_mask_function))
+
+
+def test_shard_inputs_padding_between_documents_is_a_boundary():
+    """A row packing two documents with padding between them (position ids restarting at the second's first
+    real token): the restart is a boundary, as after real tokens directly."""
+    ring = ring_hf.register("ring_attention_test_mid_pad", layout="contiguous")
+    mask = torch.ones(1, SEQ, dtype=torch.long)
+    mask[0, 5:8] = 0
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7]])
+    got = ring.shard_inputs(input_ids=_ids(1), position_ids=pos, attention_mask=mask)
+    assert got["cu_seq_lens_q"].tolist() == [0, 8, SEQ]
 
 
 def test_shard_inputs_left_padding_is_not_a_document_boundary():

@@ -210,6 +210,11 @@ class RingAttentionHF:
                 f"ring attention takes a 2-D (batch, local_seq) padding mask, got a {attention_mask.dim()}-D "
                 f"mask of shape {tuple(attention_mask.shape)}: pass the model the 2-D mask of this rank's tokens"
             )
+        sinks = [name for name in ("s_aux", "sinks") if kwargs.get(name) is not None]
+        if sinks:
+            raise ValueError(
+                f"ring attention has no attention sinks, got `{sinks[0]}` from {type(module).__name__} (GPT-OSS-style "
+                "sinks): models with sinks are not supported")
         causal = kwargs.get("is_causal")
         if causal is None:
             causal = getattr(module, "is_causal", True)
@@ -230,8 +235,16 @@ class RingAttentionHF:
         """transformers' mask hook (AttentionMaskInterface): the 2-D padding mask as given, or None.
 
         The causal, sliding-window and packed-document patterns transformers would build here are over
-        LOCAL indices; the ring applies them over global positions instead.
+        LOCAL indices; the ring applies them over global positions instead. A pattern it does not reproduce
+        (chunked attention, Llama4's ``attention_chunk_size``; block-wise or OR-ed overlays such as image tokens
+        attending both ways) is refused rather than dropped.
         """
+        unsupported = sorted({what for name in _mask_parts(mask_function)
+                              for part, what in _UNSUPPORTED_MASKS.items() if part in name})
+        if unsupported:
+            raise ValueError(f"ring attention does not reproduce this model's attention mask: "
+                             f"{', '.join(unsupported)} (it applies causal, sliding-window, packed-document and "
+                             "padding masks only)")
         return attention_mask
 
     # -- linear-attention layers of hybrid models ------------------------------------------------------
@@ -312,7 +325,7 @@ class RingAttentionHF:
         given = position_ids
         if position_ids is None:
             position_ids = torch.arange(seq, device=tokens.device).unsqueeze(0)
-        _check_2d("position_ids", position_ids, seq, batch)
+        _check_2d("position_ids", position_ids, seq, batch, broadcast=True)
         if attention_mask is not None:
             _check_2d("attention_mask", attention_mask, seq, batch)
         # GPU tensors: one wait for the GPU, here (none without position ids and mask: 0..seq-1 never restarts)
@@ -442,10 +455,13 @@ def _boundaries(cu_q, cu_k):
     return cu_q
 
 
-def _check_2d(name: str, t, seq: int, batch: int) -> None:
-    if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != seq or t.shape[0] not in (1, batch):
+def _check_2d(name: str, t, seq: int, batch: int, broadcast: bool = False) -> None:
+    """``t`` a (batch, seq) tensor; with ``broadcast`` (position ids) also (1, seq), shared by every row."""
+    rows = (1, batch) if broadcast else (batch,)
+    if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] != seq or t.shape[0] not in rows:
         shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise ValueError(f"`{name}` must be a ({batch} or 1, {seq}) tensor over the full sequence, got {shape}")
+        allowed = f"({batch} or 1, {seq})" if broadcast and batch != 1 else f"({batch}, {seq})"
+        raise ValueError(f"`{name}` must be a {allowed} tensor over the full sequence, got {shape}")
 
 
 def _on_host(position_ids: torch.Tensor, attention_mask) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -460,16 +476,38 @@ def _on_host(position_ids: torch.Tensor, attention_mask) -> tuple[torch.Tensor, 
     return both[:rows], both[rows:].bool()
 
 
+_UNSUPPORTED_MASKS = {  # a part of transformers' mask function (masking_utils) -> what it is
+    "chunked_overlay": "chunked attention (attention_chunk_size)",
+    "blockwise_overlay": "block-wise attention",
+    "or_masks": "an OR-ed mask overlay (tokens that see more than the causal pattern)",
+}
+
+
+def _mask_parts(fn, depth: int = 0) -> list[str]:
+    """The qualified names of a mask function and of the functions its closures hold (and_masks / or_masks
+    combine others), to a small depth."""
+    if fn is None or depth > 6:
+        return []
+    names = [getattr(fn, "__qualname__", type(fn).__name__)]
+    for cell in getattr(fn, "__closure__", None) or ():
+        held = cell.cell_contents
+        for f in held if isinstance(held, (tuple, list)) else (held,):
+            if callable(f):
+                names += _mask_parts(f, depth + 1)
+    return names
+
+
 def _packed_boundaries(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """Global document boundaries where position ids restart at 0 after a real token (None: one document
-    per row). A restart right after padding is where a padded row's text begins (transformers numbers a
-    left-padded row from 0 at its first real token), not a new document."""
+    """Global document boundaries where position ids restart at 0 on a real token after a real token, with or
+    without padding between them (None: one document per row). A restart with no real token before it in the
+    row is where a left-padded row's text begins (transformers numbers it from 0 at its first real token), not
+    a new document."""
     if position_ids.shape[1] < 2:
         return None
     restart = position_ids[:, 1:] == 0
     if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] == position_ids.shape[1]:
         real = attention_mask.bool()
-        restart = restart & real[:, :-1] & real[:, 1:]
+        restart = restart & (real.cumsum(1)[:, :-1] > 0) & real[:, 1:]
     if not bool(restart.any()):
         return None
     if restart.shape[0] > 1 and not bool((restart == restart[:1]).all()):
