@@ -165,7 +165,8 @@ def clip_loss(
     Raises:
         TypeError, ValueError: features that are not tensors, or a bad ``local_loss``, ``group``: on this
             rank, before any communication. Any other bad input on any rank (shapes, dtypes, ``logit_scale``),
-            feature dims / dtypes that differ across ranks, or some ranks' losses needing a backward (grad
+            feature dims / dtypes, ``logit_scale`` or ``local_loss`` that differ across ranks (each rank's
+            share of W * G needs one form on every rank), or some ranks' losses needing a backward (grad
             mode on and an input requiring grad) while others' do not (the backward communicates): the same
             error on every rank, after one small exchange.
     """
@@ -178,7 +179,7 @@ def clip_loss(
     group, world, rank = comm.group, comm.size, comm.rank
     sizes, (logit_scale,) = _agree_on_inputs(
         op, comm, image_features, _check_inputs, op, image_features, text_features, logit_scale,
-        names=("logit_scale",),
+        names=("logit_scale",), extra={"local_loss": torch.tensor(float(local_loss))},
     )
     all_images, _ = dfunc.all_gather_variable(image_features, sizes=sizes, group=group)
     all_texts, _ = dfunc.all_gather_variable(text_features, sizes=sizes, group=group)

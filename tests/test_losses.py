@@ -324,6 +324,23 @@ def test_losses_on_subgroup():
     _check_world([results[r] for r in SUBGROUP], SUBGROUP_SIZES, DIM, 7, len(SUBGROUP), tol=1e-10)
 
 
+def _local_loss_mismatch_rank(rank, world):
+    x, y = torch.randn(3, DIM), torch.randn(3, DIM)
+    try:
+        clip_loss(x, y, torch.tensor(1.0), local_loss=rank == 1)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_clip_local_loss_differing_across_ranks():
+    """``local_loss`` on some ranks only (each rank's share of W * G needs one form everywhere) raises the same
+    ValueError on every rank, naming it, instead of returning losses that do not add up."""
+    res = run_world(_local_loss_mismatch_rank, 2, timeout=30)
+    assert res[0] is not None and res[0] == res[1], res
+    assert "local_loss" in res[0] and "disagree" in res[0], res[0]
+
+
 def _dim_mismatch_rank(rank, world):
     dim = 4 if rank == 0 else 5
     x, y = torch.randn(3, dim), torch.randn(3, dim)
