@@ -14,7 +14,7 @@ from distcomm_attention.strategies import dispatch as strategies
 from distcomm_attention.strategies.sparse_ring import ring_planner, run_ring
 from distcomm_attention.strategies.prepare import prepare, ring_comm
 from distcomm_attention.planning.visibility import Visibility
-from distcomm_attention.sharding import Sharding, merge_sharding
+from distcomm_attention.sharding import Sharding, fallback_group, merge_sharding
 
 __all__ = ["ring_flash_attn", "context_parallel_attn", "which_kernels", "which_strategy"]
 
@@ -38,11 +38,6 @@ def _check_arguments(q, k, v, *, causal, layout, group, ring_size, sharding, bac
         layouts.check_layout(layout)
     dispatch.check_backend(backend)
     return layout, group, ring_size, _validation.check_window(window_size), _validation.check_softcap(softcap)
-
-
-def _fallback_group(sharding, group):
-    """The group an input error is decided over when the arguments could not be read."""
-    return group if group is not None or not isinstance(sharding, Sharding) else sharding.group
 
 
 def ring_flash_attn(
@@ -141,7 +136,7 @@ def ring_flash_attn(
     options, error = _validation.verdict(_check_arguments, q, k, v, causal=causal, layout=layout, group=group,
                                          ring_size=ring_size, sharding=sharding, backend=backend,
                                          window_size=window_size, softcap=softcap)
-    layout, group, ring_size, window, softcap = options or (layout, _fallback_group(sharding, group), None,
+    layout, group, ring_size, window, softcap = options or (layout, fallback_group(sharding, group), None,
                                                             (-1, -1), 0.0)
     if torch.compiler.is_compiling():  # an input error travels into the operator, raised by every rank there
         from distcomm_attention._compiled import compiled_ring_flash_attn
@@ -268,7 +263,7 @@ def context_parallel_attn(
                                          ring_size=None, sharding=sharding, backend=backend,
                                          window_size=window_size, softcap=softcap, strategy=strategy,
                                          hardware=hardware)
-    layout, group, _, window, softcap = options or (layout, _fallback_group(sharding, group), None, (-1, -1), 0.0)
+    layout, group, _, window, softcap = options or (layout, fallback_group(sharding, group), None, (-1, -1), 0.0)
     compiling = torch.compiler.is_compiling()
     if compiling and error is not None:  # into the operator, raised by every rank there
         from distcomm_attention._compiled import compiled_context_parallel_attn

@@ -270,6 +270,12 @@ def _same(a, b) -> bool:
     return a is b or (type(a) is type(b) and bool(a == b))
 
 
+def fallback_group(sharding, group):
+    """The group an input error is decided over when the arguments could not be read (``merge_sharding``
+    raised): ``group`` if given, else a ``Sharding``'s own."""
+    return group if group is not None or not isinstance(sharding, Sharding) else sharding.group
+
+
 def merge_sharding(sharding: Sharding | None, layout: str | None, group, ring_size) -> tuple[str | None, Any, Any]:
     """(layout, group, ring_size) from ``sharding`` and the separate arguments, which may only repeat it."""
     if sharding is None:

@@ -13,8 +13,8 @@ from distcomm.ring import RingComm
 from distcomm_attention import _validation
 from distcomm_attention.linear import plan as planning
 from distcomm_attention.planning import layouts
-from distcomm_attention.sharding import (Sharding, _mesh_coords, concrete_layout, is_2d_mesh, merge_sharding, mesh_grid,
-                                         resolve_layout)
+from distcomm_attention.sharding import (_mesh_coords, concrete_layout, fallback_group, is_2d_mesh, merge_sharding,
+                                         mesh_grid, resolve_layout)
 
 __all__ = ["resolve_ring", "ring_verdict", "check_layout_call", "check_recurrence", "FLOATS"]
 
@@ -54,7 +54,7 @@ def ring_verdict(sharding, layout, group) -> tuple[RingComm, str | None, tuple |
     resolved, error = _validation.verdict(resolve_ring, sharding, layout, group)
     if error is None:
         return (*resolved, None)
-    fallback = group if group is not None or not isinstance(sharding, Sharding) else sharding.group
+    fallback = fallback_group(sharding, group)
     return RingComm(None if is_2d_mesh(fallback) else fallback), None, None, error
 
 
